@@ -1,0 +1,1 @@
+"""The `ngt` command line: one module per subcommand."""

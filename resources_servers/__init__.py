@@ -1,0 +1,1 @@
+"""Resources servers (environments): one folder per environment."""

@@ -1,0 +1,1 @@
+"""Model adapters: one folder per upstream model server kind."""
