@@ -1,0 +1,49 @@
+"""Async HTTP client that reaches gym servers by instance name instead of URL."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+
+class UnknownServerError(LookupError):
+    """A server name that the head server does not know."""
+
+
+class ServerClient:
+    """Resolves instance names to base URLs (given, or fetched once from the head server) and sends requests."""
+
+    def __init__(
+        self,
+        servers: dict[str, str] | None = None,
+        *,
+        head_url: str | None = None,
+        timeout: float | None = 600.0,
+    ) -> None:
+        self._servers = dict(servers or {})
+        self._head_url = head_url.rstrip("/") if head_url else None
+        self._http = httpx.AsyncClient(timeout=timeout)
+
+    async def base_url(self, name: str) -> str:
+        if name not in self._servers and self._head_url:
+            response = await self._http.get(f"{self._head_url}/servers")
+            response.raise_for_status()
+            self._servers.update(response.json())
+        try:
+            return self._servers[name]
+        except KeyError:
+            known = ", ".join(sorted(self._servers)) or "none"
+            raise UnknownServerError(f"no server named {name!r} (known: {known})") from None
+
+    async def post(self, name: str, path: str, json: Any = None, **kwargs: Any) -> httpx.Response:
+        """POST `json` to `path` on the server called `name`."""
+        url = f"{await self.base_url(name)}/{path.lstrip('/')}"
+        return await self._http.post(url, json=json, **kwargs)
+
+    async def get(self, name: str, path: str, **kwargs: Any) -> httpx.Response:
+        url = f"{await self.base_url(name)}/{path.lstrip('/')}"
+        return await self._http.get(url, **kwargs)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()

@@ -1,0 +1,50 @@
+"""Runs one gym server in this process (the child side of `ngt run`), from a JSON spec in the environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import uvicorn
+
+from nemo_gym_tok.config import ConfigError, ServerInstance
+from nemo_gym_tok.servers.client import ServerClient
+from nemo_gym_tok.servers.registry import ENTRYPOINT_KEY, resolve_entrypoint, validate_instance
+
+SPEC_ENV = "NGT_SERVER_SPEC"
+
+
+def spec_for(instance: ServerInstance, *, port: int, servers: dict[str, str], head_url: str | None) -> str:
+    """The JSON a child needs to run `instance`: its fields (with the chosen port) and every server's URL."""
+    fields = {**instance.fields, "port": port}
+    if ENTRYPOINT_KEY in fields:
+        fields[ENTRYPOINT_KEY] = resolve_entrypoint(instance)
+    spec: dict[str, Any] = {
+        "name": instance.name,
+        "kind": instance.kind,
+        "implementation": instance.implementation,
+        "fields": fields,
+        "servers": servers,
+        "head_url": head_url,
+    }
+    return json.dumps(spec)
+
+
+def main() -> int:
+    spec = json.loads(os.environ[SPEC_ENV])
+    instance = ServerInstance(spec["name"], spec["kind"], spec["implementation"], spec["fields"], {})
+    try:
+        server_class, config = validate_instance(instance)
+    except ConfigError as exc:
+        print(f"ngt: {exc}", file=sys.stderr)
+        return 2
+    client = ServerClient(spec["servers"], head_url=spec.get("head_url"))
+    server = server_class(instance.name, config, client)
+    uvicorn.run(server.build_app(), host=config.host, port=config.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
