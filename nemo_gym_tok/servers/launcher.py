@@ -5,7 +5,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
+from nemo_gym_tok._net import free_port
 
 from nemo_gym_tok.config import GymConfig, ServerInstance
 from nemo_gym_tok.servers.registry import validate_instance
@@ -66,7 +67,7 @@ class Gym:
             for name, inst in self.config.instances.items()
         }
         head_host, head_port = head_address(self.config)
-        head_port = head_port or _free_port(head_host)
+        head_port = head_port or free_port(head_host)
         self.head_url = f"http://{_client_host(head_host)}:{head_port}"
         head = ServerInstance(HEAD_NAME, "head", "head", {"host": head_host, "servers": self.urls}, {})
         try:
@@ -129,13 +130,7 @@ class Gym:
 
 def _port_or_free(instance: ServerInstance) -> int:
     port = int(instance.fields.get("port") or 0)
-    return port or _free_port(str(instance.fields.get("host", "127.0.0.1")))
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    return port or free_port(str(instance.fields.get("host", "127.0.0.1")))
 
 
 def _client_host(bind_host: str) -> str:

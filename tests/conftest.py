@@ -1,0 +1,35 @@
+"""Shared fixtures: the embedded tiny model and ONE real vLLM server per test session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from nemo_gym_tok.tiny_model import build_tiny_model
+from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ARGS, VLLMServer, VLLMStartupError
+
+SERVED_MODEL_NAME = "tiny-qwen3"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    return build_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """The real vLLM OpenAI server (CPU build) on the tiny model, shared by every test that needs it."""
+    server = VLLMServer(
+        tiny_model_dir,
+        served_model_name=SERVED_MODEL_NAME,
+        extra_args=(*CPU_SERVING_ARGS, *TEST_BED_ARGS),
+        log_path=tmp_path_factory.mktemp("vllm") / "vllm.log",
+    )
+    try:
+        server.start()
+    except VLLMStartupError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    yield server
+    server.stop()
