@@ -9,7 +9,7 @@ import httpx
 from nemo_gym_tok.vllm.server import VLLMServer
 
 CONVERSATIONS = 20
-MIN_DRIFTING = 15
+MIN_DRIFTING = 15  # measured: 19 of 20 at 96 generated tokens (17 at 48, 12 at 24)
 
 
 async def _turn_one_then_retokenize(http: httpx.AsyncClient, model: str, seed: int) -> bool:
@@ -18,7 +18,7 @@ async def _turn_one_then_retokenize(http: httpx.AsyncClient, model: str, seed: i
     turn = await http.post(
         "/v1/chat/completions",
         json={
-            "model": model, "messages": [first_user], "max_tokens": 24, "seed": seed,
+            "model": model, "messages": [first_user], "max_tokens": 96, "seed": seed,
             "temperature": 1.0, "return_token_ids": True,
         },
     )

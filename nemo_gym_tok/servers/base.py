@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from nemo_gym_tok.servers.client import ServerClient
+from nemo_gym_tok.servers.errors import ApiError, api_error_handler, error_response, validation_message
 
 
 class BaseServerConfig(BaseModel):
@@ -39,10 +40,11 @@ class BaseServer:
         @asynccontextmanager
         async def lifespan(_: FastAPI) -> AsyncIterator[None]:
             yield
-            await self.servers.aclose()
+            await self.aclose()
 
         app = FastAPI(title=f"{self.name} ({type(self).__name__})", lifespan=lifespan)
         app.add_exception_handler(RequestValidationError, _validation_error_as_400)
+        app.add_exception_handler(ApiError, api_error_handler)
 
         @app.get("/health")
         async def health() -> dict[str, str]:
@@ -53,6 +55,10 @@ class BaseServer:
 
     def setup_routes(self, app: FastAPI) -> None:
         """Add this server's endpoints to `app`."""
+
+    async def aclose(self) -> None:
+        """Release what the server holds (HTTP clients); subclasses extend this."""
+        await self.servers.aclose()
 
 
 class ModelServer(BaseServer):
@@ -75,10 +81,5 @@ class Agent(BaseServer):
 
 async def _validation_error_as_400(request: Request, exc: RequestValidationError) -> JSONResponse:
     # A client's malformed body is a 400 naming the field, in OpenAI's error shape, not FastAPI's 422 list.
-    first: dict[str, Any] = exc.errors()[0] if exc.errors() else {}
-    location = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
-    message = f"{location}: {first.get('msg', 'invalid request')}" if location else first.get("msg", "invalid request")
-    return JSONResponse(
-        status_code=400,
-        content={"error": {"message": message, "type": "invalid_request_error", "param": location or None, "code": None}},
-    )
+    message, param = validation_message(list(exc.errors()))
+    return error_response(400, message, param)

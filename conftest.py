@@ -1,6 +1,8 @@
-"""Shared fixtures: the embedded tiny model and ONE real vLLM server per test session."""
+"""Fixtures shared by every test folder: the embedded tiny model and ONE real vLLM server per test session."""
 
 from __future__ import annotations
+
+import os
 
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +22,16 @@ def tiny_model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """The real vLLM OpenAI server (CPU build) on the tiny model, shared by every test that needs it."""
+    """The real vLLM OpenAI server (CPU build) on the tiny model, shared by every test that needs it.
+
+    For local iteration only, NGT_TEST_VLLM_URL points the suite at a vLLM already serving the tiny model
+    as `tiny-qwen3` (started the same way); CI never sets it, so CI always starts its own server.
+    """
+    reuse = os.environ.get("NGT_TEST_VLLM_URL")
+    if reuse:
+        host, port = reuse.removeprefix("http://").rstrip("/").split(":")
+        yield VLLMServer(tiny_model_dir, served_model_name=SERVED_MODEL_NAME, host=host, port=int(port))
+        return
     server = VLLMServer(
         tiny_model_dir,
         served_model_name=SERVED_MODEL_NAME,

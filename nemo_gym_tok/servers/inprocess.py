@@ -1,0 +1,32 @@
+"""Runs an ASGI app on a free loopback port in a background thread: for tests and embedding, not production."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import uvicorn
+
+from nemo_gym_tok._net import free_port
+
+
+@contextmanager
+def serve_in_thread(app: Any, host: str = "127.0.0.1", startup_timeout: float = 30.0) -> Iterator[str]:
+    """Serve `app` until the block exits; yields its base URL."""
+    port = free_port(host)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"in-process server on {host}:{port} did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

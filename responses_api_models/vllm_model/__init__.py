@@ -1,0 +1,1 @@
+"""The vLLM model adapter: OpenAI-compatible endpoints that keep every token id exact."""

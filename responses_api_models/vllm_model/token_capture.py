@@ -1,0 +1,97 @@
+"""Puts the exact token bundle on each returned message and checks that the prompt starts with the required prefix."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from nemo_gym_tok.servers.errors import ApiError
+from nemo_gym_tok.token_sources import (
+    PartialBundle,
+    PrefixMismatchError,
+    TokenSource,
+    TokenSourceError,
+    check_prefix,
+    logprobs_bundle,
+    resolve_bundle,
+)
+from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
+
+# Fields of a chat request that change the rendered prompt: the /tokenize fallback gets exactly these.
+PROMPT_AFFECTING_FIELDS = (
+    "model", "messages", "tools", "chat_template", "chat_template_kwargs", "add_generation_prompt",
+    "continue_final_message", "add_special_tokens", "documents", "mm_processor_kwargs", "media_io_kwargs",
+    "required_prefix_token_ids",
+)
+
+Tokenize = Callable[[dict[str, Any]], Awaitable[list[int]]]
+
+
+def capture_request_fields(body: dict[str, Any], *, use_return_token_ids: bool) -> dict[str, Any]:
+    """The fields that make vLLM report this call's ids and log probs (caller's own top_logprobs kept)."""
+    fields: dict[str, Any] = {"logprobs": True, "top_logprobs": body.get("top_logprobs") or 0,
+                              "return_tokens_as_token_ids": True}
+    if use_return_token_ids:
+        fields["return_token_ids"] = True
+    return fields
+
+
+def tokenize_request(body: dict[str, Any]) -> dict[str, Any]:
+    """The /tokenize body that renders the same prompt as the generation request `body`."""
+    return {key: body[key] for key in PROMPT_AFFECTING_FIELDS if key in body}
+
+
+async def attach_bundles(
+    result: dict[str, Any],
+    *,
+    generation_body: dict[str, Any],
+    required_prefix: list[int] | None,
+    return_bundle: bool,
+    tokenize: Tokenize,
+    upstream_url: str,
+) -> None:
+    """Resolve each choice's bundle from vLLM's sources, check the prefix, and (if asked) put it on the message."""
+    tokenized: list[int] | None = None
+    for choice in result.get("choices", []):
+        message = choice.setdefault("message", {})
+        # Precedence order: the hook's bundle, vLLM's return_token_ids, /tokenize (only when nothing else has
+        # prompt ids), then logprobs for generation ids and log probs.
+        present = [source for source in (_message_source(message), _returned_source(result, choice)) if source]
+        if all(source.prompt_token_ids is None for source in present):
+            if tokenized is None:
+                tokenized = await tokenize(tokenize_request(generation_body))
+            present.append(PartialBundle(TokenSource.TOKENIZE, prompt_token_ids=tokenized))
+        try:
+            from_logprobs = logprobs_bundle(choice.get("logprobs"))
+            bundle = resolve_bundle([*present, from_logprobs] if from_logprobs else present)
+        except TokenSourceError as exc:
+            raise ApiError(502, f"vLLM at {upstream_url} reported inconsistent token ids: {exc}") from None
+        if required_prefix is not None:
+            try:
+                check_prefix(bundle.prompt_token_ids, required_prefix)
+            except PrefixMismatchError as exc:
+                raise ApiError(
+                    502,
+                    f"the vLLM server at {upstream_url} is not splicing the required prefix into the prompt ({exc}). "
+                    "Its template re-tokenized the history, so these ids would drift from what the model produced. "
+                    "Serve with `ngt vllm-serve` (or set NEMO_GYM_TOK_PREFIX_SPLICE=1 with the plugin installed).",
+                    error_type="prefix_not_spliced",
+                ) from None
+        if return_bundle:
+            message.update(bundle.as_fields())
+            message["token_source"] = bundle.source.value
+            if isinstance(result.get("prefix_splice"), dict):
+                message["prefix_splice"] = result["prefix_splice"]
+
+
+def _message_source(message: dict[str, Any]) -> PartialBundle | None:
+    if not all(message.get(field) is not None for field in BUNDLE_FIELDS):
+        return None
+    return PartialBundle(TokenSource.MESSAGE, *(list(message[field]) for field in BUNDLE_FIELDS))
+
+
+def _returned_source(result: dict[str, Any], choice: dict[str, Any]) -> PartialBundle | None:
+    prompt, generation = result.get("prompt_token_ids"), choice.get("token_ids")
+    if prompt is None or generation is None:
+        return None
+    return PartialBundle(TokenSource.RETURN_TOKEN_IDS, prompt_token_ids=list(prompt), generation_token_ids=list(generation))
