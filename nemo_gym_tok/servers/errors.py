@@ -32,10 +32,19 @@ async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
 
 
 def validation_message(errors: list[dict[str, Any]], skip: tuple[str, ...] = ("body",)) -> tuple[str, str | None]:
-    """One line from a pydantic error list: `dotted.field: what is wrong`, and the dotted field."""
+    """One line from a pydantic error list: `dotted.field: what is wrong`, and the dotted field.
+
+    For a union field (e.g. `input: str | list[...]`) pydantic reports one error per branch; a plain type mismatch
+    is the least useful of them, so an error from the branch the value really matched is preferred.
+    """
     if not errors:
         return "invalid request", None
-    first = errors[0]
-    location = ".".join(str(part) for part in first.get("loc", ()) if part not in skip)
-    message = first.get("msg", "invalid value").removeprefix("Value error, ")
+    first = min(errors, key=lambda error: str(error.get("type", "")).endswith("_type"))
+    location = ".".join(str(part) for part in first.get("loc", ()) if part not in skip and not _is_union_tag(part))
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return (f"{location}: {message}" if location else message), (location or None)
+
+
+def _is_union_tag(part: Any) -> bool:
+    # pydantic names union branches in `loc` by their type: "str", "list[ResponseItem]", "function-after[...]".
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "list", "dict") or "[" in part)

@@ -1,0 +1,34 @@
+"""A recording stand-in for vLLM, for unit tests of routing and error paths the real server cannot be made to take."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+
+@dataclass
+class FakeUpstream:
+    name: str
+    status: int = 200
+    requests: list[dict[str, Any]] = field(default_factory=list)
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> JSONResponse:
+            body = await request.json()
+            self.requests.append(body)
+            if self.status != 200:
+                return JSONResponse({"error": {"message": f"{self.name} is broken"}}, status_code=self.status)
+            message = {"role": "assistant", "content": f"from {self.name}"}
+            return JSONResponse({
+                "id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            })
+
+        return app
