@@ -10,6 +10,7 @@ import sys
 _SUBCOMMAND_MODULES = (
     "nemo_gym_tok.cli.run",
     "nemo_gym_tok.cli.tiny_model",
+    "nemo_gym_tok.cli.vllm_serve",
 )
 
 

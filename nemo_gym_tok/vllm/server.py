@@ -40,7 +40,7 @@ class VLLMServer:
         env: dict[str, str] | None = None,
         log_path: Path | None = None,
         startup_timeout: float = 600.0,
-        command: Sequence[str] | None = None,
+        hook: bool = True,
     ) -> None:
         self.model = str(model)
         self.served_model_name = served_model_name or self.model
@@ -50,8 +50,8 @@ class VLLMServer:
         self.env = {**CPU_SERVING_ENV, **(env or {})}
         self.log_path = log_path or Path(tempfile.mkdtemp(prefix="ngt-vllm-")) / "vllm.log"
         self.startup_timeout = startup_timeout
-        # The default command is stock vLLM; `ngt vllm-serve` is swapped in where the hook is wanted.
-        self.command = tuple(command or (sys.executable, "-m", "vllm.entrypoints.openai.api_server"))
+        self.hook = hook
+        """True: started through `ngt vllm-serve` (prefix-splice hook on); False: stock vLLM."""
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -59,10 +59,11 @@ class VLLMServer:
         return f"http://{self.host}:{self.port}"
 
     def argv(self) -> list[str]:
-        return [
-            *self.command, "--model", self.model, "--served-model-name", self.served_model_name,
-            "--host", self.host, "--port", str(self.port), *self.extra_args,
-        ]
+        args = ["--served-model-name", self.served_model_name, "--host", self.host, "--port", str(self.port),
+                *self.extra_args]
+        if self.hook:
+            return [sys.executable, "-m", "nemo_gym_tok", "vllm-serve", self.model, *args]
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, *args]
 
     def start(self) -> VLLMServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
