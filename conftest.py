@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from nemo_gym_tok.tiny_model import build_tiny_model
-from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ARGS, VLLMServer, VLLMStartupError
+from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer, VLLMStartupError
 
 SERVED_MODEL_NAME = "tiny-qwen3"
 
@@ -22,7 +22,8 @@ def tiny_model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """The real vLLM OpenAI server (CPU build) on the tiny model, shared by every test that needs it.
+    """The real vLLM OpenAI server (CPU build) on the tiny model with the prefix-splice hook (`ngt vllm-serve`),
+    shared by every test that needs it. Requests without a bundle or prefix get stock vLLM behaviour.
 
     For local iteration only, NGT_TEST_VLLM_URL points the suite at a vLLM already serving the tiny model
     as `tiny-qwen3` (started the same way); CI never sets it, so CI always starts its own server.
@@ -36,6 +37,7 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         tiny_model_dir,
         served_model_name=SERVED_MODEL_NAME,
         extra_args=(*CPU_SERVING_ARGS, *TEST_BED_ARGS),
+        env=TEST_BED_ENV,
         log_path=tmp_path_factory.mktemp("vllm") / "vllm.log",
     )
     try:

@@ -52,6 +52,7 @@ class PrefixSource:
 
     prefix: list[int]
     message_index: int
+    """-1 for an explicit prefix sent before any assistant turn: nothing to splice, only to check."""
     explicit: bool
     """True for a top-level `required_prefix_token_ids`, False when derived from a message's bundle."""
 
@@ -110,19 +111,28 @@ def splice_prefix(
     )
 
 
+def check_starts_with(template_full: Sequence[int], prefix: Sequence[int], decode: Decode | None = None) -> None:
+    """For a prefix with no assistant turn to splice: the template's prompt must already start with it."""
+    for position, expected in enumerate(prefix):
+        if position >= len(template_full) or template_full[position] != expected:
+            found = template_full[position] if position < len(template_full) else "end of prompt"
+            raise StalePrefixError(
+                f"{PREFIX_KEY} names no assistant turn to splice (none in messages) and the rendered prompt does not "
+                f"start with it: position {position} is {found}, the prefix says {expected}"
+                f"{_context('prompt begins', template_full[: position + 1], decode)}"
+            )
+
+
 def find_prefix_source(messages: Sequence[Any], required_prefix: Any = None) -> PrefixSource | None:
     """Where the request's prefix comes from: explicit `required_prefix_token_ids`, else the LAST bundled message.
 
-    An explicit prefix belongs to the last assistant message. Raises InvalidTokenIdsError for malformed input.
+    An explicit prefix belongs to the last assistant message (index -1 if there is none yet). Raises
+    InvalidTokenIdsError for malformed input.
     """
     assistant_indices = [i for i, m in enumerate(messages) if _get(m, "role") == "assistant"]
     if required_prefix is not None:
         prefix = check_token_ids(required_prefix, PREFIX_KEY)
-        if not assistant_indices:
-            raise InvalidTokenIdsError(
-                f"{PREFIX_KEY} needs the assistant message it ends with in `messages`; none was sent"
-            )
-        return PrefixSource(prefix, assistant_indices[-1], explicit=True)
+        return PrefixSource(prefix, assistant_indices[-1] if assistant_indices else -1, explicit=True)
     for index in reversed(range(len(messages))):
         present = [key for key in BUNDLE_KEYS if _get(messages[index], key) is not None]
         if not present:

@@ -10,6 +10,7 @@ from nemo_gym_tok.splice import (
     BoundaryNotFoundError,
     InvalidTokenIdsError,
     StalePrefixError,
+    check_starts_with,
     check_token_ids,
     find_prefix_source,
     splice_prefix,
@@ -186,12 +187,21 @@ def test_explicit_prefix_wins_and_belongs_to_the_last_assistant_message() -> Non
     source = find_prefix_source(messages, [4, 5])
     assert source is not None and (source.prefix, source.message_index, source.explicit) == ([4, 5], 1, True)
     assert find_prefix_source([{"role": "user", "content": "a"}]) is None
+    first_turn = find_prefix_source([{"role": "user", "content": "a"}], [7])
+    assert first_turn is not None and first_turn.message_index == -1
+
+
+def test_first_turn_prefix_is_only_checked() -> None:
+    check_starts_with([1, 2, 3], [1, 2])
+    with pytest.raises(StalePrefixError, match="position 1 is 3, the prefix says 2"):
+        check_starts_with([1, 3], [1, 2])
+    with pytest.raises(StalePrefixError, match="position 2 is end of prompt"):
+        check_starts_with([1, 2], [1, 2, 3])
 
 
 @pytest.mark.parametrize(
     "messages, prefix, message",
     [
-        ([{"role": "user", "content": "a"}], [1], "needs the assistant message it ends with"),
         ([{"role": "assistant", "prompt_token_ids": [1]}], None, r"messages\[0\]: token bundle is all or none; generation_token_ids, generation_log_probs missing"),
         ([{"role": "user", **BUNDLE}], None, "belongs on an assistant message"),
         ([{"role": "assistant", **{**BUNDLE, "prompt_token_ids": [1, "2"]}}], None, r"messages\[0\].prompt_token_ids\[1\] must be an int"),

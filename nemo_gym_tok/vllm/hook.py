@@ -23,6 +23,7 @@ from nemo_gym_tok.splice import (
     PrefixSource,
     SpliceError,
     SpliceResult,
+    check_starts_with,
     check_token_ids,
     find_prefix_source,
     splice_prefix,
@@ -132,6 +133,9 @@ def _preprocess_chat_with_splice(original: Any) -> Any:
         except SpliceError as exc:
             metrics.rejected()
             raise VLLMValidationError(str(exc), parameter=PREFIX_KEY) from None
+        if result is None:  # a first-turn prefix: checked, nothing spliced
+            _remember(request, {"applied": False, "template_differed": False, "replaced_tokens": 0})
+            return conversation, engine_inputs
         engine_inputs[0]["prompt_token_ids"] = result.prompt_token_ids
         engine_inputs[0].pop("prompt", None)  # the template's text no longer describes these ids
         _remember(request, result.telemetry())
@@ -144,11 +148,14 @@ def _preprocess_chat_with_splice(original: Any) -> Any:
 async def _splice(
     renderer: Any, original: Any, request: Any, messages: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any],
     source: PrefixSource, engine_inputs: list[Any], tokenizer: Any,
-) -> SpliceResult:
+) -> SpliceResult | None:
     vocab_size = renderer.model_config.get_vocab_size()
     check_token_ids(source.prefix, PREFIX_KEY if source.explicit else "token bundle", vocab_size)
     if len(engine_inputs) != 1 or "prompt_token_ids" not in engine_inputs[0]:
         raise SpliceError("the prefix splice supports text-only chats rendered to one token prompt")
+    if source.message_index < 0:
+        check_starts_with(engine_inputs[0]["prompt_token_ids"], source.prefix, tokenizer.decode)
+        return None
     # The template's ids for the history up to and including the prefix's assistant message: no generation prompt.
     history_request = request.model_copy(update={"add_generation_prompt": False, "continue_final_message": False})
     history_kwargs = {**kwargs, "parser": None, "skip_mm_cache": True}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import signal
 import subprocess
 import sys
@@ -17,9 +18,16 @@ from nemo_gym_tok._net import free_port
 
 # Flags measured to work on 2-core CPU machines (docs/getting-started.md); GPU users pass their own.
 CPU_SERVING_ARGS = ("--dtype", "bfloat16", "--enforce-eager")
-# What the test bed and demo need: real tool calls from a random model, and room for long histories.
-TEST_BED_ARGS = ("--max-model-len", "4096", "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--seed", "0")
+# What the test bed and demo need: room for long histories, and real tool calls from a random model (the hermes
+# parser; no free whitespace in constrained JSON, or a random model fills max_tokens with blanks).
+TEST_BED_ARGS = (
+    "--max-model-len", "4096", "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--seed", "0",
+    "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}',
+)
 CPU_SERVING_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+# Required/named tool calls as plain JSON-schema output (which honours disable_any_whitespace) instead of the
+# hermes structural tag (which lets a random model pad arguments with whitespace until max_tokens).
+TEST_BED_ENV = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}
 
 
 class VLLMStartupError(RuntimeError):
@@ -66,6 +74,9 @@ class VLLMServer:
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, *args]
 
     def start(self) -> VLLMServer:
+        if _port_in_use(self.host, self.port):
+            # Otherwise the health check would find the other server and report success.
+            raise VLLMStartupError(f"{self.host}:{self.port} is already in use; stop what listens there or pick a port")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
@@ -123,3 +134,8 @@ class VLLMServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex((host, port)) == 0

@@ -31,17 +31,38 @@ class RecordingProxy:
         return [answer for p, _, answer in self.exchanges if p == path]
 
 
-def recording_proxy_app(target: str, proxy: RecordingProxy) -> FastAPI:
+TOKEN_FIELDS = ("required_prefix_token_ids", "prompt_token_ids", "generation_token_ids", "generation_log_probs")
+
+
+def without_token_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """What a stock vLLM acts on: it ignores the bundle fields and the required prefix."""
+    body = {k: v for k, v in body.items() if k not in TOKEN_FIELDS}
+    if isinstance(body.get("messages"), list):
+        body["messages"] = [{k: v for k, v in m.items() if k not in TOKEN_FIELDS} for m in body["messages"]]
+    return body
+
+
+def recording_proxy_app(
+    target: str, proxy: RecordingProxy, *, as_stock_vllm: bool = False, drop_message_bundles: bool = False
+) -> FastAPI:
+    """as_stock_vllm: strip token fields from requests; drop_message_bundles: strip the hook's bundle from answers."""
     app = FastAPI()
     client = httpx.AsyncClient(base_url=target, timeout=300)
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(path: str, request: Request) -> Response:
         raw = await request.body()
+        if as_stock_vllm and raw:
+            raw = json.dumps(without_token_fields(json.loads(raw))).encode()
         upstream = await client.request(request.method, f"/{path}", content=raw, headers={"content-type": "application/json"})
+        answer = upstream.json()
+        if drop_message_bundles:
+            for choice in answer.get("choices", []) if isinstance(answer, dict) else []:
+                for key in TOKEN_FIELDS:
+                    choice.get("message", {}).pop(key, None)
         if request.method == "POST":
-            proxy.exchanges.append((f"/{path}", json.loads(raw), upstream.json()))
-        return Response(upstream.content, status_code=upstream.status_code, media_type="application/json")
+            proxy.exchanges.append((f"/{path}", json.loads(raw), answer))
+        return Response(json.dumps(answer), status_code=upstream.status_code, media_type="application/json")
 
     return app
 
@@ -52,6 +73,20 @@ def recording_proxy(vllm_server: VLLMServer) -> Iterator[RecordingProxy]:
     with serve_in_thread(recording_proxy_app(vllm_server.base_url, proxy)) as url:
         proxy.url = url
         yield proxy
+
+
+@pytest.fixture
+def stock_vllm(vllm_server: VLLMServer) -> Iterator[RecordingProxy]:
+    """The shared server seen as a stock vLLM (no hook): token fields never reach its renderer."""
+    proxy = RecordingProxy(url="")
+    with serve_in_thread(recording_proxy_app(vllm_server.base_url, proxy, as_stock_vllm=True)) as url:
+        proxy.url = url
+        yield proxy
+
+
+@pytest.fixture
+def stock_training_adapter(stock_vllm: RecordingProxy, vllm_server: VLLMServer) -> Iterator[str]:
+    yield from adapter(stock_vllm.url, vllm_server.served_model_name, return_token_id_information=True)
 
 
 def adapter(base_url: str | list[str], model: str, **fields: Any) -> Iterator[str]:
@@ -67,7 +102,17 @@ def training_adapter(recording_proxy: RecordingProxy, vllm_server: VLLMServer) -
 
 
 @pytest.fixture
-def tokenize_fallback_adapter(recording_proxy: RecordingProxy, vllm_server: VLLMServer) -> Iterator[str]:
+def bundle_free_vllm(vllm_server: VLLMServer) -> Iterator[RecordingProxy]:
+    """The shared hooked server with its message bundles removed, so the adapter must use its other sources."""
+    proxy = RecordingProxy(url="")
+    with serve_in_thread(recording_proxy_app(vllm_server.base_url, proxy, drop_message_bundles=True)) as url:
+        proxy.url = url
+        yield proxy
+
+
+@pytest.fixture
+def tokenize_fallback_adapter(bundle_free_vllm: RecordingProxy, vllm_server: VLLMServer) -> Iterator[str]:
+    """return_token_ids off and no message bundle: prompt ids come from /tokenize (which the hook splices too)."""
     yield from adapter(
-        recording_proxy.url, vllm_server.served_model_name, return_token_id_information=True, use_return_token_ids=False
+        bundle_free_vllm.url, vllm_server.served_model_name, return_token_id_information=True, use_return_token_ids=False
     )

@@ -48,11 +48,7 @@ def test_bundles_on_messages_reach_vllm_unchanged(
     first = client.chat.completions.create(model="m", messages=[USER], max_tokens=4, seed=2).choices[0].message
     assistant = first.model_dump(exclude_none=True)
     history = [USER, assistant, {"role": "user", "content": "More."}]
-    # Stock vLLM re-tokenizes, so the adapter may refuse the answer (502); what matters here is what vLLM got.
-    try:
-        client.chat.completions.create(model="m", messages=history, max_tokens=4, seed=2)
-    except Exception:
-        pass
+    client.chat.completions.create(model="m", messages=history, max_tokens=4, seed=2)
     sent_assistant = recording_proxy.bodies("/v1/chat/completions")[-1]["messages"][1]
     for key in ("prompt_token_ids", "generation_token_ids", "generation_log_probs"):
         assert sent_assistant[key] == assistant[key], key
@@ -67,7 +63,7 @@ def test_returned_bundle_is_what_vllm_reported(training_adapter: str, recording_
     assert message.prompt_token_ids == reported["prompt_token_ids"]
     assert message.generation_token_ids == choice["token_ids"]
     assert message.generation_log_probs == [entry["logprob"] for entry in choice["logprobs"]["content"]]
-    assert message.token_source == "return_token_ids"
+    assert message.token_source == "message"  # the hook's bundle, checked against return_token_ids and logprobs
 
 
 def test_responses_api_carries_extra_body_and_returns_bundle_on_last_item(
@@ -89,7 +85,7 @@ def test_responses_api_carries_extra_body_and_returns_bundle_on_last_item(
 
 
 def test_tokenize_fallback_renders_the_same_prompt(
-    training_adapter: str, tokenize_fallback_adapter: str, recording_proxy: RecordingProxy
+    training_adapter: str, tokenize_fallback_adapter: str, bundle_free_vllm: RecordingProxy
 ) -> None:
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
     kwargs = dict(
@@ -100,16 +96,16 @@ def test_tokenize_fallback_renders_the_same_prompt(
     fallback = sdk(tokenize_fallback_adapter).chat.completions.create(**kwargs).choices[0].message
     assert fallback.token_source == "tokenize"
     assert fallback.prompt_token_ids == returned.prompt_token_ids
-    generation = recording_proxy.bodies("/v1/chat/completions")[-1]
-    tokenize = recording_proxy.bodies("/tokenize")[-1]
+    generation = bundle_free_vllm.bodies("/v1/chat/completions")[-1]
+    tokenize = bundle_free_vllm.bodies("/tokenize")[-1]
     assert "return_token_ids" not in generation
     for key in ("model", "messages", "tools", "chat_template_kwargs"):
         assert tokenize[key] == generation[key], key
 
 
-def test_stock_vllm_is_detected_as_not_splicing(training_adapter: str) -> None:
-    client = sdk(training_adapter)
-    http = httpx.Client(base_url=training_adapter, timeout=120)
+def test_stock_vllm_is_detected_as_not_splicing(stock_training_adapter: str) -> None:
+    client = sdk(stock_training_adapter)
+    http = httpx.Client(base_url=stock_training_adapter, timeout=120)
     refused = 0
     for seed in range(6):
         first = client.chat.completions.create(model="m", messages=[USER], max_tokens=12, seed=seed).choices[0].message
