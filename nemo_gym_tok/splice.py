@@ -123,7 +123,9 @@ def check_starts_with(template_full: Sequence[int], prefix: Sequence[int], decod
             )
 
 
-def find_prefix_source(messages: Sequence[Any], required_prefix: Any = None) -> PrefixSource | None:
+def find_prefix_source(
+    messages: Sequence[Any], required_prefix: Any = None, vocab_size: int | None = None
+) -> PrefixSource | None:
     """Where the request's prefix comes from: explicit `required_prefix_token_ids`, else the LAST bundled message.
 
     An explicit prefix belongs to the last assistant message (index -1 if there is none yet). Raises
@@ -131,7 +133,7 @@ def find_prefix_source(messages: Sequence[Any], required_prefix: Any = None) -> 
     """
     assistant_indices = [i for i, m in enumerate(messages) if _get(m, "role") == "assistant"]
     if required_prefix is not None:
-        prefix = check_token_ids(required_prefix, PREFIX_KEY)
+        prefix = check_token_ids(required_prefix, PREFIX_KEY, vocab_size)
         return PrefixSource(prefix, assistant_indices[-1] if assistant_indices else -1, explicit=True)
     for index in reversed(range(len(messages))):
         present = [key for key in BUNDLE_KEYS if _get(messages[index], key) is not None]
@@ -143,8 +145,10 @@ def find_prefix_source(messages: Sequence[Any], required_prefix: Any = None) -> 
             raise InvalidTokenIdsError(f"{where}: token bundle is all or none; {missing} missing")
         if _get(messages[index], "role") != "assistant":
             raise InvalidTokenIdsError(f"{where}: a token bundle belongs on an assistant message")
-        prompt = check_token_ids(_get(messages[index], "prompt_token_ids"), f"{where}.prompt_token_ids")
-        generation = check_token_ids(_get(messages[index], "generation_token_ids"), f"{where}.generation_token_ids")
+        prompt = check_token_ids(_get(messages[index], "prompt_token_ids"), f"{where}.prompt_token_ids", vocab_size)
+        generation = check_token_ids(
+            _get(messages[index], "generation_token_ids"), f"{where}.generation_token_ids", vocab_size
+        )
         return PrefixSource(prompt + generation, index, explicit=False)
     return None
 

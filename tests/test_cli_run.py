@@ -127,3 +127,12 @@ def test_malformed_yaml_via_cli(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.startswith(f"ngt: {bad}: malformed YAML: line 2")
     assert result.stderr.count("\n") == 1
+
+
+def test_vllm_serve_help_and_plugin_registration() -> None:
+    from nemo_gym_tok.cli.vllm_serve import plugin_is_registered, vllm_command
+
+    result = subprocess.run([*NGT, "vllm-serve", "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "NEMO_GYM_TOK_PREFIX_SPLICE=1" in result.stdout
+    assert plugin_is_registered()  # the vllm.general_plugins entry point vLLM loads in each process
+    assert vllm_command("m", ["--port", "9"])[1:] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "m", "--port", "9"]

@@ -12,6 +12,7 @@ TokenIds = list[TokenId]
 LogProb = Annotated[float, Field(allow_inf_nan=True)]
 
 BUNDLE_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+TELEMETRY_FIELDS = ("prefix_splice", "token_source")
 
 
 class PrefixSplice(BaseModel):
@@ -33,6 +34,8 @@ class TokenBundleMixin(BaseModel):
     generation_token_ids: TokenIds | None = None
     generation_log_probs: list[LogProb] | None = None
     prefix_splice: PrefixSplice | None = None
+    token_source: str | None = None
+    """Which source the adapter took the prompt ids from: message, return_token_ids or tokenize."""
 
     @model_validator(mode="after")
     def _bundle_is_all_or_none(self) -> TokenBundleMixin:
@@ -62,4 +65,4 @@ class TokenBundleMixin(BaseModel):
 
 def bundle_of(data: dict[str, Any]) -> dict[str, Any]:
     """The bundle and telemetry fields present in a plain dict (message or item)."""
-    return {name: data[name] for name in (*BUNDLE_FIELDS, "prefix_splice") if data.get(name) is not None}
+    return {name: data[name] for name in (*BUNDLE_FIELDS, *TELEMETRY_FIELDS) if data.get(name) is not None}

@@ -24,7 +24,6 @@ from nemo_gym_tok.splice import (
     SpliceError,
     SpliceResult,
     check_starts_with,
-    check_token_ids,
     find_prefix_source,
     splice_prefix,
 )
@@ -120,7 +119,8 @@ def _preprocess_chat_with_splice(original: Any) -> Any:
 
     async def preprocess_chat(self: Any, request: Any, messages: list[Any], *args: Any, **kwargs: Any) -> Any:
         try:
-            source = find_prefix_source(messages, getattr(request, PREFIX_KEY, None))
+            vocab_size = self.model_config.get_vocab_size()
+            source = find_prefix_source(messages, getattr(request, PREFIX_KEY, None), vocab_size)
         except SpliceError as exc:
             metrics.rejected()
             raise VLLMValidationError(str(exc), parameter=PREFIX_KEY) from None
@@ -149,8 +149,6 @@ async def _splice(
     renderer: Any, original: Any, request: Any, messages: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any],
     source: PrefixSource, engine_inputs: list[Any], tokenizer: Any,
 ) -> SpliceResult | None:
-    vocab_size = renderer.model_config.get_vocab_size()
-    check_token_ids(source.prefix, PREFIX_KEY if source.explicit else "token bundle", vocab_size)
     if len(engine_inputs) != 1 or "prompt_token_ids" not in engine_inputs[0]:
         raise SpliceError("the prefix splice supports text-only chats rendered to one token prompt")
     if source.message_index < 0:
