@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import ClassVar
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from nemo_gym_tok.servers.client import ServerClient
+from nemo_gym_tok.servers.bodies import json_object
+from nemo_gym_tok.servers.client import SESSION_HEADER, ServerClient
 from nemo_gym_tok.servers.errors import ApiError, api_error_handler, error_response, validation_message
 
 
@@ -68,9 +70,68 @@ class ModelServer(BaseServer):
 
 
 class ResourcesServer(BaseServer):
-    """An environment: `/seed_session`, `/verify`, and one `POST /<tool>` endpoint per tool."""
+    """An environment: `/seed_session`, `/step`, `/verify`, and one `POST /<tool>` endpoint per tool.
+
+    Every call names its episode with the `x-session-id` header (the agent sends one per rollout). Subclasses
+    override the coroutines below and return JSON-able dicts; raise ApiError(400, ...) for a caller's mistake.
+    A tool receives the model's arguments (already parsed from JSON) and returns what the model should read.
+    """
 
     kind = "resources_servers"
+
+    def setup_routes(self, app: FastAPI) -> None:
+        @app.post("/seed_session")
+        async def seed_session(request: Request) -> Any:
+            return await self.seed_session(_session_of(request), await json_object(request))
+
+        @app.post("/step")
+        async def step(request: Request) -> Any:
+            return await self.step(_session_of(request), await json_object(request))
+
+        @app.post("/verify")
+        async def verify(request: Request) -> Any:
+            result = await self.verify(_session_of(request), await json_object(request))
+            if not isinstance(result, dict) or not isinstance(result.get("reward"), (int, float)):
+                raise ApiError(500, f"{type(self).__name__}.verify must return a dict with a numeric reward")
+            return result
+
+        for tool_name, tool in self.tools().items():
+            app.add_api_route(f"/{tool_name}", _tool_endpoint(tool), methods=["POST"], name=tool_name)
+
+    async def seed_session(self, session_id: str, row: dict[str, Any]) -> dict[str, Any]:
+        """Start the episode `session_id` for one input row; the default keeps no state."""
+        return {}
+
+    async def step(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """After a model turn without tool calls: `{"done": false, "user_message": "..."}` continues the episode
+        with a user turn, `{"done": true}` ends it. `body` has `output`: the episode's items so far."""
+        return {"done": True}
+
+    async def verify(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The reward of the finished episode: `{"reward": float, ...extra fields for the rollout record}`.
+        `body` is the input row plus `response` (the episode's Responses object)."""
+        raise NotImplementedError
+
+    def tools(self) -> dict[str, ToolHandler]:
+        """Tool name -> coroutine(session_id, arguments) returning the tool's output (str or JSON-able)."""
+        return {}
+
+
+ToolHandler = Callable[[str, dict[str, Any]], Awaitable[Any]]
+
+
+def _tool_endpoint(tool: ToolHandler) -> Callable[[Request], Awaitable[Any]]:
+    async def endpoint(request: Request) -> Any:
+        return {"output": await tool(_session_of(request), await json_object(request))}
+
+    return endpoint
+
+
+def _session_of(request: Request) -> str:
+    session = request.headers.get(SESSION_HEADER)
+    if not session:
+        raise ApiError(400, f"missing the {SESSION_HEADER} header that names the episode")
+    return session
 
 
 class Agent(BaseServer):

@@ -7,6 +7,10 @@ from typing import Any
 import httpx
 
 
+SESSION_HEADER = "x-session-id"
+"""Names the conversation / episode on every call: the adapter keeps it on one vLLM URL, environments key state by it."""
+
+
 class UnknownServerError(LookupError):
     """A server name that the head server does not know."""
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any, ClassVar, TypeVar
@@ -13,6 +12,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from nemo_gym_tok.conversion import chat_message_to_items, responses_to_chat_request
 from nemo_gym_tok.servers.base import BaseServerConfig, ModelServer
+from nemo_gym_tok.servers.bodies import json_object
 from nemo_gym_tok.servers.errors import ApiError, validation_message
 from nemo_gym_tok.types import ChatCompletionRequest, Response, ResponsesRequest, ResponseUsage
 from responses_api_models.vllm_model.sessions import SESSION_COOKIE, SessionRouter, session_of
@@ -66,14 +66,14 @@ class VLLMModel(ModelServer):
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request) -> JSONResponse:
-            chat = _parse(ChatCompletionRequest, await _json_object(request))
+            chat = _parse(ChatCompletionRequest, await json_object(request))
             session, is_new = session_of(request)
             result = await self.complete(chat, self.router.url_for(session))
             return _with_session_cookie(JSONResponse(result), session, is_new)
 
         @app.post("/v1/responses")
         async def responses(request: Request) -> JSONResponse:
-            responses_request = _parse(ResponsesRequest, await _json_object(request))
+            responses_request = _parse(ResponsesRequest, await json_object(request))
             if responses_request.stream:
                 raise ApiError(400, "stream: true is not supported by this adapter; send stream: false", param="stream")
             try:
@@ -124,16 +124,6 @@ class VLLMModel(ModelServer):
         if response.status_code >= 400:
             raise ApiError(502, f"vLLM /tokenize fallback failed with HTTP {response.status_code}: {error_message(response)}")
         return list(response.json()["tokens"])
-
-
-async def _json_object(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body())
-    except ValueError as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
-    return body
 
 
 def _parse(model: type[Model], body: dict[str, Any]) -> Model:

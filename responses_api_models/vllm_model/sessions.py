@@ -8,7 +8,8 @@ from collections import OrderedDict
 
 from fastapi import Request
 
-SESSION_HEADER = "x-session-id"
+from nemo_gym_tok.servers.client import SESSION_HEADER
+
 SESSION_COOKIE = "ngt_session"
 MAX_REMEMBERED_SESSIONS = 100_000
 
