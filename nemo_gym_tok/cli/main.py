@@ -11,6 +11,7 @@ _SUBCOMMAND_MODULES = (
     "nemo_gym_tok.cli.run",
     "nemo_gym_tok.cli.tiny_model",
     "nemo_gym_tok.cli.vllm_serve",
+    "nemo_gym_tok.cli.check",
 )
 
 

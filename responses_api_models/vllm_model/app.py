@@ -13,11 +13,11 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 from nemo_gym_tok.conversion import chat_message_to_items, responses_to_chat_request
 from nemo_gym_tok.servers.base import BaseServerConfig, ModelServer
 from nemo_gym_tok.servers.bodies import json_object
-from nemo_gym_tok.servers.errors import ApiError, validation_message
+from nemo_gym_tok.servers.errors import ApiError, error_message, validation_message
 from nemo_gym_tok.types import ChatCompletionRequest, Response, ResponsesRequest, ResponseUsage
 from responses_api_models.vllm_model.sessions import SESSION_COOKIE, SessionRouter, session_of
 from responses_api_models.vllm_model.token_capture import attach_bundles, capture_request_fields
-from responses_api_models.vllm_model.upstream import VLLMUpstream, error_message, is_context_overflow
+from responses_api_models.vllm_model.upstream import VLLMUpstream, is_context_overflow
 
 Model = TypeVar("Model", bound=BaseModel)
 

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 from tenacity import AsyncRetrying, RetryError, retry_if_exception, stop_after_attempt, wait_exponential
 
-from nemo_gym_tok.servers.errors import ApiError
+from nemo_gym_tok.servers.errors import ApiError, error_message
 
 _CONTEXT_OVERFLOW = re.compile(r"maximum context length|longer than the maximum model length", re.IGNORECASE)
 
@@ -28,17 +28,6 @@ def root_url(base_url: str) -> str:
 
 def is_context_overflow(response: httpx.Response) -> bool:
     return response.status_code == 400 and bool(_CONTEXT_OVERFLOW.search(response.text))
-
-
-def error_message(response: httpx.Response) -> str:
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text[:2000]
-    error = body.get("error", body) if isinstance(body, dict) else body
-    if isinstance(error, dict):
-        return str(error.get("message") or error.get("detail") or error)
-    return str(error)
 
 
 class VLLMUpstream:

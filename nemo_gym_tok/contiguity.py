@@ -1,0 +1,148 @@
+"""Token contiguity of a rollout record: each model call's prompt starts with every id seen before it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nemo_gym_tok.token_sources import PrefixMismatchError, check_prefix
+
+Decode = Callable[[Sequence[int]], str]
+
+
+@dataclass(frozen=True)
+class BundledTurn:
+    """One model call of an episode, from the output item that carries its bundle."""
+
+    item_index: int
+    prompt_token_ids: list[int]
+    generation_token_ids: list[int]
+    generation_log_probs: list[float]
+    prefix_splice: dict[str, Any] | None
+
+    @property
+    def repaired(self) -> bool:
+        """The hook replaced template ids that differed from the model's."""
+        return bool(self.prefix_splice and self.prefix_splice.get("template_differed"))
+
+
+class NotContiguousError(ValueError):
+    """A model call's prompt does not start with the ids before it; says where, with decoded context."""
+
+    def __init__(self, turn: int, position: int, expected: int | None, found: int | None, context: str = "") -> None:
+        self.turn = turn
+        self.position = position
+        self.expected = expected
+        self.found = found
+        found_text = "end of prompt" if found is None else str(found)
+        super().__init__(
+            f"model call {turn} is not token-contiguous: its prompt differs from the ids before it at position "
+            f"{position} (expected {expected}, found {found_text}){context}"
+        )
+
+
+def bundled_turns(record: dict[str, Any]) -> list[BundledTurn]:
+    """The bundled items of `record["response"]["output"]`, in order."""
+    output = (record.get("response") or {}).get("output") or []
+    turns = []
+    for index, item in enumerate(output):
+        if item.get("prompt_token_ids") is None:
+            continue
+        turns.append(BundledTurn(
+            item_index=index,
+            prompt_token_ids=list(item["prompt_token_ids"]),
+            generation_token_ids=list(item["generation_token_ids"]),
+            generation_log_probs=list(item["generation_log_probs"]),
+            prefix_splice=item.get("prefix_splice"),
+        ))
+    return turns
+
+
+def check_contiguous(turns: Sequence[BundledTurn], decode: Decode | None = None) -> None:
+    """Raise NotContiguousError at the first model call whose prompt does not extend the ids before it."""
+    seen: list[int] = []
+    for number, turn in enumerate(turns):
+        try:
+            check_prefix(turn.prompt_token_ids, seen)
+        except PrefixMismatchError as exc:
+            context = _context(seen, turn.prompt_token_ids, exc.position, decode)
+            raise NotContiguousError(number, exc.position, exc.expected, exc.found, context) from None
+        seen = turn.prompt_token_ids + turn.generation_token_ids
+
+
+def _context(seen: list[int], prompt: list[int], position: int, decode: Decode | None) -> str:
+    if decode is None:
+        return ""
+    start = max(0, position - 8)
+    return (
+        f"; before: {decode(seen[start:position + 8])!r}, "
+        f"this prompt: {decode(prompt[start:position + 8])!r}"
+    )
+
+
+@dataclass
+class ContiguityReport:
+    """Contiguity over a rollouts file (what `ngt check` prints)."""
+
+    rollouts: int = 0
+    multi_turn: int = 0
+    turns: int = 0
+    contiguous: int = 0
+    repaired_turns: int = 0
+    without_bundles: int = 0
+    unreadable_lines: int = 0
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.rollouts > 0 and self.contiguous == self.rollouts and self.unreadable_lines == 0
+
+    def format(self) -> str:
+        lines = [
+            f"rollouts: {self.rollouts} ({self.multi_turn} with several model calls)",
+            f"model calls (bundled turns): {self.turns}",
+            f"token-contiguous rollouts: {self.contiguous}/{self.rollouts}",
+            f"turns repaired by the prefix splice: {self.repaired_turns}",
+        ]
+        if self.without_bundles:
+            lines.append(f"rollouts without token bundles: {self.without_bundles}")
+        if self.unreadable_lines:
+            lines.append(f"unreadable lines: {self.unreadable_lines}")
+        lines += [f"  {failure}" for failure in self.failures]
+        return "\n".join(lines)
+
+
+def check_file(path: str | Path, decode: Decode | None = None, max_failures: int = 5) -> ContiguityReport:
+    """Walk every rollout record (one JSON object per line) of `path`."""
+    report = ContiguityReport()
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                report.unreadable_lines += 1
+                continue
+            report.rollouts += 1
+            label = f"line {number}" + (f" (rollout {record['rollout_id']})" if "rollout_id" in record else "")
+            turns = bundled_turns(record)
+            report.turns += len(turns)
+            report.multi_turn += len(turns) > 1
+            report.repaired_turns += sum(turn.repaired for turn in turns)
+            problem = None
+            if not turns:
+                report.without_bundles += 1
+                problem = "no token bundles"
+            else:
+                try:
+                    check_contiguous(turns, decode)
+                    report.contiguous += 1
+                except NotContiguousError as exc:
+                    problem = str(exc)
+            if problem and len(report.failures) < max_failures:
+                report.failures.append(f"{label}: {problem}")
+    return report

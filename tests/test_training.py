@@ -1,0 +1,78 @@
+"""Rollout record -> training sequence, and the contiguity check behind it."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from nemo_gym_tok.contiguity import NotContiguousError, bundled_turns, check_contiguous
+from nemo_gym_tok.training import NoTokenBundlesError, rollout_to_training_sequence
+
+END = 9
+
+
+def item(prompt, generation, **extra) -> dict:
+    return {"type": "message", "role": "assistant", "prompt_token_ids": prompt, "generation_token_ids": generation,
+            "generation_log_probs": [-0.1 * (i + 1) for i in range(len(generation))], **extra}
+
+
+def record(*items, reward=1.0) -> dict:
+    return {"question": "q", "response": {"output": list(items)}, "reward": reward}
+
+
+def test_three_call_episode_masks_exactly_the_generated_ids() -> None:
+    episode = record(
+        {"type": "reasoning", "summary": []},
+        item([1, 2, 3], [10, 11, END]),                       # ended on the terminator
+        {"type": "function_call_output", "call_id": "c", "output": "x"},
+        item([1, 2, 3, 10, 11, END, 4, 5], [12, 13]),         # cut by max_tokens...
+        item([1, 2, 3, 10, 11, END, 4, 5, 12, 13, END, 6], [14]),  # ...the template closed it with END
+    )
+    sequence = rollout_to_training_sequence(episode)
+    assert sequence.token_ids == [1, 2, 3, 10, 11, END, 4, 5, 12, 13, END, 6, 14]
+    assert sequence.loss_mask == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 0, 0, 1]
+    assert sequence.turns == [(3, 6), (8, 10), (12, 13)]
+    assert sequence.log_probs[3:6] == pytest.approx([-0.1, -0.2, -0.3])
+    assert sequence.log_probs[10] == 0.0  # the template's terminator after a cut turn is not generated
+    assert sequence.reward == 1.0 and len(sequence) == 13
+
+
+def test_non_contiguous_record_names_turn_position_and_context() -> None:
+    episode = record(item([1, 2], [3, 4]), item([1, 2, 3, 7, 5], [6]))
+    with pytest.raises(NotContiguousError, match=r"model call 1 .* at position 3 \(expected 4, found 7\); before: '1 2 3 4'") as info:
+        rollout_to_training_sequence(episode, decode=lambda ids: " ".join(map(str, ids)))
+    assert (info.value.turn, info.value.position) == (1, 3)
+
+
+def test_shorter_prompt_is_not_contiguous() -> None:
+    with pytest.raises(NotContiguousError, match="found end of prompt"):
+        check_contiguous(bundled_turns(record(item([1, 2], [3]), item([1, 2], [4]))))
+
+
+def test_record_without_bundles() -> None:
+    with pytest.raises(NoTokenBundlesError, match="return_token_id_information: true"):
+        rollout_to_training_sequence(record({"type": "message", "role": "assistant", "content": "hi"}))
+
+
+def test_repaired_turns_come_from_splice_telemetry() -> None:
+    turns = bundled_turns(record(
+        item([1], [2]), item([1, 2, 3], [4], prefix_splice={"applied": True, "template_differed": True, "replaced_tokens": 2}),
+    ))
+    assert [t.repaired for t in turns] == [False, True]
+
+
+@given(st.lists(st.tuples(st.lists(st.integers(0, 50), max_size=5), st.lists(st.integers(0, 50), min_size=1, max_size=5)),
+                min_size=1, max_size=6))
+def test_generated_contiguous_episodes_round_trip(turns) -> None:
+    """Build contiguous prompts from (supplied, generated) pieces; the sequence gives the pieces back."""
+    items, ids = [], []
+    for supplied, generated in turns:
+        ids += supplied
+        items.append(item(list(ids), generated))
+        ids += generated
+    sequence = rollout_to_training_sequence(record(*items))
+    assert sequence.token_ids == ids
+    assert sum(sequence.loss_mask) == sum(len(g) for _, g in turns)
+    assert [sequence.token_ids[a:b] for a, b in sequence.turns] == [g for _, g in turns]
+    assert all(m == 1 for a, b in sequence.turns for m in sequence.loss_mask[a:b])
