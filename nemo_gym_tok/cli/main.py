@@ -9,9 +9,11 @@ import sys
 # Each module defines `register(subparsers)` which adds its parser and sets `func=run(args) -> int`.
 _SUBCOMMAND_MODULES = (
     "nemo_gym_tok.cli.run",
+    "nemo_gym_tok.cli.collect",
     "nemo_gym_tok.cli.tiny_model",
     "nemo_gym_tok.cli.vllm_serve",
     "nemo_gym_tok.cli.check",
+    "nemo_gym_tok.cli.demo",
 )
 
 

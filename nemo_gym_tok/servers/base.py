@@ -91,11 +91,14 @@ class ResourcesServer(BaseServer):
         @app.post("/verify")
         async def verify(request: Request) -> Any:
             result = await self.verify(_session_of(request), await json_object(request))
-            if not isinstance(result, dict) or not isinstance(result.get("reward"), (int, float)):
+            reward = result.get("reward") if isinstance(result, dict) else None
+            if isinstance(reward, bool) or not isinstance(reward, (int, float)):
                 raise ApiError(500, f"{type(self).__name__}.verify must return a dict with a numeric reward")
             return result
 
         for tool_name, tool in self.tools().items():
+            if tool_name in RESERVED_PATHS:
+                raise ValueError(f"{type(self).__name__}: a tool cannot be named {tool_name!r} (an endpoint of its own)")
             app.add_api_route(f"/{tool_name}", _tool_endpoint(tool), methods=["POST"], name=tool_name)
 
     async def seed_session(self, session_id: str, row: dict[str, Any]) -> dict[str, Any]:
@@ -117,6 +120,7 @@ class ResourcesServer(BaseServer):
         return {}
 
 
+RESERVED_PATHS = frozenset({"seed_session", "step", "verify", "health", "docs", "openapi.json", "redoc"})
 ToolHandler = Callable[[str, dict[str, Any]], Awaitable[Any]]
 
 

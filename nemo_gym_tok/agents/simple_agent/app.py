@@ -61,6 +61,7 @@ class SimpleAgent(Agent):
         await self._call(env, "/seed_session", row, session)
         first_input = _as_items(params["input"])
         request_base = {k: v for k, v in params.items() if k != "input"} | self.config.request_overrides
+        offered = {tool.get("name") or tool.get("function", {}).get("name") for tool in request_base.get("tools") or []}
         output: list[dict[str, Any]] = []
         responses: list[dict[str, Any]] = []
         for step in range(self.config.max_steps):
@@ -74,7 +75,7 @@ class SimpleAgent(Agent):
             calls = [item for item in items if item.get("type") == "function_call"]
             if calls:
                 for call in calls:
-                    output.append(await self._run_tool(env, call, session))
+                    output.append(await self._run_tool(env, call, session, offered))
                 continue
             if response.get("status") == "incomplete" and not items:
                 break
@@ -92,8 +93,10 @@ class SimpleAgent(Agent):
         stripped = set(BUNDLE_FIELDS) | set(TELEMETRY_FIELDS)
         return [{k: v for k, v in item.items() if k not in stripped} for item in output]
 
-    async def _run_tool(self, env: str, call: dict[str, Any], session: str) -> dict[str, Any]:
+    async def _run_tool(self, env: str, call: dict[str, Any], session: str, offered: set[str]) -> dict[str, Any]:
         """The tool's answer as a function_call_output item; the model's own mistakes become text it can read."""
+        if call.get("name") not in offered:  # only tools the row offers reach the environment's endpoints
+            return _tool_output(call, f"error: there is no tool named {call.get('name')!r}")
         try:
             arguments = json.loads(call.get("arguments") or "{}")
         except ValueError as exc:
@@ -101,9 +104,7 @@ class SimpleAgent(Agent):
         if not isinstance(arguments, dict):
             return _tool_output(call, "error: the arguments must be a JSON object")
         answer = await self._post(env, f"/{call['name']}", arguments, session)
-        if answer.status_code == 404:
-            return _tool_output(call, f"error: there is no tool named {call['name']!r}")
-        if answer.status_code in (400, 422):
+        if answer.status_code in (400, 404, 422):
             return _tool_output(call, f"error: {error_message(answer)}")
         payload = _checked_json(env, answer)
         result = payload.get("output", payload) if isinstance(payload, dict) else payload

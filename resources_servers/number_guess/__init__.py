@@ -1,0 +1,1 @@
+"""number_guess: a multi-turn guessing game played through user turns, without tools."""

@@ -1,0 +1,121 @@
+"""number_guess: the model guesses a secret number from 1 to 100 and the environment answers as the user."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from pydantic import Field
+
+from nemo_gym_tok.servers.base import BaseServerConfig, ResourcesServer
+from nemo_gym_tok.servers.client import ServerClient
+from nemo_gym_tok.servers.errors import ApiError
+
+LOWEST, HIGHEST = 1, 100
+NO_NUMBER = f"I could not find a number in your answer; guess a number from {LOWEST} to {HIGHEST}."
+INTEGER = re.compile(r"-?[0-9]+")
+FAR_AWAY = 10**18
+"""Guesses beyond this are recorded as ±FAR_AWAY: int() refuses thousands of digits, and the answer is the same."""
+
+
+class NumberGuessConfig(BaseServerConfig):
+    max_rounds: int = Field(4, ge=1)
+    """Most guesses per episode: the model answers the row's opening message and up to max_rounds - 1 replies."""
+
+
+@dataclass
+class Game:
+    secret: int
+    guesses: list[int | None] = field(default_factory=list)
+    """One entry per model answer judged by /step; None when the answer held no number."""
+    solved: bool = False
+    over: bool = False
+
+
+class NumberGuess(ResourcesServer):
+    config_class: ClassVar[type[BaseServerConfig]] = NumberGuessConfig
+    config: NumberGuessConfig
+
+    def __init__(self, name: str, config: BaseServerConfig, servers: ServerClient | None = None) -> None:
+        super().__init__(name, config, servers)
+        self.games: dict[str, Game] = {}
+
+    async def seed_session(self, session_id: str, row: dict[str, Any]) -> dict[str, Any]:
+        secret = row.get("secret")
+        # bool is an int in Python, but `true` is not a secret number.
+        if type(secret) is not int or not LOWEST <= secret <= HIGHEST:
+            raise ApiError(400, f"the row needs secret: an integer from {LOWEST} to {HIGHEST}", param="secret")
+        # Seeding a session id again restarts its game, so a retried seed is harmless.
+        self.games[session_id] = Game(secret)
+        return {}
+
+    async def step(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        game = self._game(session_id)
+        if game.over:
+            raise ApiError(400, f"the game of session {session_id!r} is over; call /verify")
+        output = body.get("output")
+        if not isinstance(output, list):
+            raise ApiError(400, "step needs output: the list of the episode's items so far", param="output")
+        guess = _first_integer(_last_assistant_text(output))
+        game.guesses.append(guess)
+        game.solved = guess == game.secret
+        if guess is None:
+            reply = NO_NUMBER
+        else:
+            reply = "Correct!" if game.solved else "Higher." if guess < game.secret else "Lower."
+        # Every answer gets a reply, whatever it says, so even a model that never names a number plays max_rounds.
+        game.over = game.solved or len(game.guesses) >= self.config.max_rounds
+        if game.over:
+            return {"done": True, "feedback": reply}  # no user turn follows; the reply is kept for the record
+        return {"done": False, "user_message": reply}
+
+    async def verify(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        # The guesses /step judged are the truth: they are what the user turns answered.
+        game = self._game(session_id)
+        _check_verify_body(body)
+        del self.games[session_id]  # the episode is over: memory stays bounded by the episodes in flight
+        # The row's fields (secret included) are in the rollout record already; only what the game adds goes here.
+        return {"reward": 1.0 if game.solved else 0.0, "guesses": game.guesses, "rounds": len(game.guesses)}
+
+    def _game(self, session_id: str) -> Game:
+        try:
+            return self.games[session_id]
+        except KeyError:
+            raise ApiError(400, f"unknown session {session_id!r}; call /seed_session first") from None
+
+
+def _check_verify_body(body: dict[str, Any]) -> None:
+    # The state decides the reward, but a body without the episode is no verify call (e.g. a model that named a
+    # tool "verify" reaches this route too): refuse it rather than end the episode.
+    response = body.get("response")
+    if not isinstance(response, dict) or not isinstance(response.get("output"), list):
+        raise ApiError(400, "verify needs response.output: the list of the episode's items", param="response.output")
+
+
+def _last_assistant_text(items: list[Any]) -> str:
+    """Text of the assistant message answering the last user turn; empty when that turn has none (reasoning only)."""
+    for item in reversed(items):
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            continue
+        if item.get("role") == "user":
+            return ""  # stop here: an older answer was judged in its own round already
+        if item.get("role") == "assistant":
+            content = item.get("content")
+            if isinstance(content, list):  # parts: {"type": "output_text", "text": ...}
+                return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+            return content if isinstance(content, str) else ""
+    return ""
+
+
+def _first_integer(text: str) -> int | None:
+    match = INTEGER.search(text)
+    if match is None:
+        return None
+    digits = match.group()
+    if len(digits.lstrip("-")) > 18:
+        return -FAR_AWAY if digits.startswith("-") else FAR_AWAY
+    return int(digits)
+
+
+SERVER = NumberGuess
