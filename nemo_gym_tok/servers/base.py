@@ -90,7 +90,11 @@ class ResourcesServer(BaseServer):
 
         @app.post("/verify")
         async def verify(request: Request) -> Any:
-            result = await self.verify(_session_of(request), await json_object(request))
+            session, body = _session_of(request), await json_object(request)
+            response = body.get("response")
+            if not isinstance(response, dict) or not isinstance(response.get("output"), list):
+                raise ApiError(400, "verify needs response.output: the list of the episode's items", param="response.output")
+            result = await self.verify(session, body)
             reward = result.get("reward") if isinstance(result, dict) else None
             if isinstance(reward, bool) or not isinstance(reward, (int, float)):
                 raise ApiError(500, f"{type(self).__name__}.verify must return a dict with a numeric reward")

@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 
 from nemo_gym_tok.servers.base import BaseServerConfig, ResourcesServer, ToolHandler
 from nemo_gym_tok.servers.client import ServerClient
+from nemo_gym_tok.servers.episodes import EpisodeStore
 from nemo_gym_tok.servers.errors import ApiError
 
 CAPITALS: dict[str, str] = {
@@ -56,21 +57,21 @@ class CapitalLookup(ResourcesServer):
 
     def __init__(self, name: str, config: BaseServerConfig, servers: ServerClient | None = None) -> None:
         super().__init__(name, config, servers)
-        self.episodes: dict[str, Episode] = {}
+        self.episodes: EpisodeStore[Episode] = EpisodeStore()
 
     async def seed_session(self, session_id: str, row: dict[str, Any]) -> dict[str, Any]:
         expected = row.get("expected_answer")
         if not isinstance(expected, str) or not expected.strip():
             raise ApiError(400, "the row needs expected_answer: the capital to name", param="expected_answer")
         # Seeding a session id again restarts its episode, so a retried seed is harmless.
-        self.episodes[session_id] = Episode(expected.strip())
+        self.episodes.start(session_id, Episode(expected.strip()))
         return {}
 
     def tools(self) -> dict[str, ToolHandler]:
         return {"lookup_capital": self.lookup_capital}
 
     async def lookup_capital(self, session_id: str, arguments: dict[str, Any]) -> str:
-        episode = self._episode(session_id)
+        episode = self.episodes.get(session_id)
         episode.tool_calls += 1  # wrong calls count too: the record says how often the model reached for the tool
         extra = sorted(set(arguments) - {"country"})
         if extra:
@@ -82,20 +83,14 @@ class CapitalLookup(ResourcesServer):
         return f"The capital of {country} is {CAPITALS[country]}."
 
     async def verify(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        episode = self._episode(session_id)
-        answer = _final_answer(_output_items(body))
-        del self.episodes[session_id]  # freed only after the body parsed, so a malformed body can be sent again
+        answer = _final_answer(_output_items(body))  # parsed first, so a malformed body can be sent again
+        episode = self.episodes.end(session_id)
         # Whole words only: "Rome" must not be credited inside "Romero".
         named = re.search(rf"(?<!\w){re.escape(episode.expected_answer)}(?!\w)", answer, re.IGNORECASE) is not None
         used_tool = episode.tool_calls > 0 or not self.config.require_tool_call
         answered = bool(answer.strip())
         return {"reward": 1.0 if named and used_tool else 0.0, "answered": answered, "tool_calls": episode.tool_calls}
 
-    def _episode(self, session_id: str) -> Episode:
-        try:
-            return self.episodes[session_id]
-        except KeyError:
-            raise ApiError(400, f"unknown session {session_id!r}; call /seed_session first") from None
 
 
 def _output_items(body: dict[str, Any]) -> list[Any]:

@@ -9,6 +9,7 @@ from pydantic import Field, ValidationError
 
 from nemo_gym_tok.servers.base import BaseServerConfig, ResourcesServer, ToolHandler
 from nemo_gym_tok.servers.client import ServerClient
+from nemo_gym_tok.servers.episodes import EpisodeStore
 from nemo_gym_tok.servers.errors import ApiError, validation_message
 from resources_servers.grid_navigation.world import DIRECTIONS, Grid, Walker
 
@@ -42,7 +43,7 @@ class GridNavigation(ResourcesServer):
 
     def __init__(self, name: str, config: BaseServerConfig, servers: ServerClient | None = None) -> None:
         super().__init__(name, config, servers)
-        self.walkers: dict[str, Walker] = {}
+        self.walkers: EpisodeStore[Walker] = EpisodeStore()
 
     async def seed_session(self, session_id: str, row: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -51,7 +52,7 @@ class GridNavigation(ResourcesServer):
             message, param = validation_message(list(exc.errors()), skip=())
             raise ApiError(400, f"the row's grid is invalid: {message}", param=f"grid.{param}" if param else "grid")
         # Seeding a session id again restarts its episode, so a retried seed is harmless.
-        self.walkers[session_id] = Walker(grid, grid.start, dict(grid.items))
+        self.walkers.start(session_id, Walker(grid, grid.start, dict(grid.items)))
         return {}
 
     def tools(self) -> dict[str, ToolHandler]:
@@ -59,7 +60,7 @@ class GridNavigation(ResourcesServer):
 
     def _tool(self, name: str) -> ToolHandler:
         async def handler(session_id: str, arguments: dict[str, Any]) -> str:
-            walker = self._walker(session_id)  # an unknown session is the caller's mistake: HTTP 400
+            walker = self.walkers.get(session_id)  # an unknown session is the caller's mistake: HTTP 400
             # Wrong arguments are the model's mistake: it reads what was wrong and may try again.
             return _argument_problem(TOOLS[name], arguments) or getattr(walker, name)(**arguments)
 
@@ -67,9 +68,7 @@ class GridNavigation(ResourcesServer):
 
     async def verify(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
         # The walker's state is the truth; the transcript in `body` adds nothing the tools did not see.
-        walker = self._walker(session_id)
-        _check_verify_body(body)
-        del self.walkers[session_id]  # the episode is over: memory stays bounded by the episodes in flight
+        walker = self.walkers.end(session_id)
         at_goal = walker.distance_to_goal() == 0
         span = 2 * (walker.grid.size - 1)  # the longest Manhattan distance on the grid
         partial = max(0.0, 1.0 - walker.distance_to_goal() / span) * self.config.partial_credit
@@ -77,19 +76,6 @@ class GridNavigation(ResourcesServer):
         return {"reward": 1.0 if succeeded else partial, "final_position": list(walker.position),
                 "reached_goal": at_goal, "moves": walker.moves, "holding": walker.held}
 
-    def _walker(self, session_id: str) -> Walker:
-        try:
-            return self.walkers[session_id]
-        except KeyError:
-            raise ApiError(400, f"unknown session {session_id!r}; call /seed_session first") from None
-
-
-def _check_verify_body(body: dict[str, Any]) -> None:
-    # The state decides the reward, but a body without the episode is no verify call (e.g. a model that named a
-    # tool "verify" reaches this route too): refuse it rather than end the episode.
-    response = body.get("response")
-    if not isinstance(response, dict) or not isinstance(response.get("output"), list):
-        raise ApiError(400, "verify needs response.output: the list of the episode's items", param="response.output")
 
 
 def _argument_problem(tool: dict[str, Any], arguments: dict[str, Any]) -> str | None:

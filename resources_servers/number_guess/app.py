@@ -10,6 +10,7 @@ from pydantic import Field
 
 from nemo_gym_tok.servers.base import BaseServerConfig, ResourcesServer
 from nemo_gym_tok.servers.client import ServerClient
+from nemo_gym_tok.servers.episodes import EpisodeStore
 from nemo_gym_tok.servers.errors import ApiError
 
 LOWEST, HIGHEST = 1, 100
@@ -39,7 +40,7 @@ class NumberGuess(ResourcesServer):
 
     def __init__(self, name: str, config: BaseServerConfig, servers: ServerClient | None = None) -> None:
         super().__init__(name, config, servers)
-        self.games: dict[str, Game] = {}
+        self.games: EpisodeStore[Game] = EpisodeStore()
 
     async def seed_session(self, session_id: str, row: dict[str, Any]) -> dict[str, Any]:
         secret = row.get("secret")
@@ -47,11 +48,11 @@ class NumberGuess(ResourcesServer):
         if type(secret) is not int or not LOWEST <= secret <= HIGHEST:
             raise ApiError(400, f"the row needs secret: an integer from {LOWEST} to {HIGHEST}", param="secret")
         # Seeding a session id again restarts its game, so a retried seed is harmless.
-        self.games[session_id] = Game(secret)
+        self.games.start(session_id, Game(secret))
         return {}
 
     async def step(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        game = self._game(session_id)
+        game = self.games.get(session_id)
         if game.over:
             raise ApiError(400, f"the game of session {session_id!r} is over; call /verify")
         output = body.get("output")
@@ -72,25 +73,10 @@ class NumberGuess(ResourcesServer):
 
     async def verify(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
         # The guesses /step judged are the truth: they are what the user turns answered.
-        game = self._game(session_id)
-        _check_verify_body(body)
-        del self.games[session_id]  # the episode is over: memory stays bounded by the episodes in flight
+        game = self.games.end(session_id)
         # The row's fields (secret included) are in the rollout record already; only what the game adds goes here.
         return {"reward": 1.0 if game.solved else 0.0, "guesses": game.guesses, "rounds": len(game.guesses)}
 
-    def _game(self, session_id: str) -> Game:
-        try:
-            return self.games[session_id]
-        except KeyError:
-            raise ApiError(400, f"unknown session {session_id!r}; call /seed_session first") from None
-
-
-def _check_verify_body(body: dict[str, Any]) -> None:
-    # The state decides the reward, but a body without the episode is no verify call (e.g. a model that named a
-    # tool "verify" reaches this route too): refuse it rather than end the episode.
-    response = body.get("response")
-    if not isinstance(response, dict) or not isinstance(response.get("output"), list):
-        raise ApiError(400, "verify needs response.output: the list of the episode's items", param="response.output")
 
 
 def _last_assistant_text(items: list[Any]) -> str:

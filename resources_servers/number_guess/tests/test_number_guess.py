@@ -136,7 +136,7 @@ def test_caller_mistakes_are_400() -> None:
     assert missing.status_code == 400
     assert missing.json()["error"]["message"] == "missing the x-session-id header that names the episode"
     for path in ("/step", "/verify"):
-        unknown = http.post(path, json={"output": []}, headers={"x-session-id": "nobody"})
+        unknown = http.post(path, json={"output": [], "response": {"output": []}}, headers={"x-session-id": "nobody"})
         assert unknown.status_code == 400
         assert unknown.json()["error"]["message"] == "unknown session 'nobody'; call /seed_session first"
     game = Episode(http, row_with(37))
@@ -161,7 +161,7 @@ def test_verify_frees_the_session() -> None:
     http = TestClient(server.build_app())
     game = Episode(http, row_with(37))
     assert game.verify() == {"reward": 0.0, "guesses": [], "rounds": 0}  # verified before any step
-    assert server.games == {}
+    assert len(server.games) == 0
     assert http.post("/step", json={"output": game.items}, headers=game.headers).status_code == 400
 
 
