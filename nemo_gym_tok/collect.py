@@ -18,13 +18,13 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from nemo_gym_tok.http_errors import error_message
 from nemo_gym_tok.servers.client import SESSION_HEADER
 
 DEFAULT_HEAD_URL = "http://127.0.0.1:11500"  # launcher.DEFAULT_HEAD_PORT; not imported to keep `ngt collect` light
 HEAD_URL_ENV = "NGT_HEAD_URL"
 FAILURES_SUFFIX = ".failures.jsonl"
 _SHOWN_FAILURES = 3  # failures echoed to stderr while running; the rest are only in the failures file
-_REASON_BODY_CHARS = 500
 
 RolloutKey = tuple[int, int]
 """(row index among the input's non-empty lines, repeat index), both 0-based."""
@@ -81,7 +81,7 @@ def resolve_agent_url(head_url: str, agent: str, *, timeout: float = 10.0) -> st
         ) from None
     if response.status_code != 200:
         raise HeadError(f"head server at {head_url} answered GET /servers with HTTP {response.status_code}: "
-                        f"{_error_text(response)}")
+                        f"{error_message(response)}")
     try:
         servers = response.json()
     except ValueError:
@@ -272,27 +272,6 @@ def _lock_output(output_path: Path) -> int:
     return fd
 
 
-def _error_text(response: httpx.Response) -> str:
-    """The error message an HTTP answer carries: OpenAI-style `error.message`, FastAPI `detail`, or the raw body."""
-    try:
-        body = response.json()
-    except ValueError:
-        body = None
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])
-        if isinstance(error, str):
-            return error
-        if "detail" in body:
-            detail = body["detail"]
-            return detail if isinstance(detail, str) else json.dumps(detail)
-    text = response.text.strip()
-    if len(text) > _REASON_BODY_CHARS:
-        text = text[:_REASON_BODY_CHARS] + "..."
-    return text or "(empty body)"
-
-
 class _RolloutFailed(Exception):
     """One rollout failed; the message is the reason recorded in the failures file."""
 
@@ -311,12 +290,12 @@ async def _run_one(
         raise _RolloutFailed(f"transport error on POST {run_url}: {type(exc).__name__}: {exc}") from None
     if response.status_code != 200:
         raise _RolloutFailed(
-            f"agent answered HTTP {response.status_code} on POST {run_url}: {_error_text(response)} (session {session})"
+            f"agent answered HTTP {response.status_code} on POST {run_url}: {error_message(response)} (session {session})"
         )
     try:
         record = response.json()
     except ValueError:
-        raise _RolloutFailed(f"agent answered HTTP 200 with a body that is not JSON: {_error_text(response)}") from None
+        raise _RolloutFailed(f"agent answered HTTP 200 with a body that is not JSON: {error_message(response)}") from None
     if not isinstance(record, dict):
         raise _RolloutFailed(f"agent answered HTTP 200 with JSON {type(record).__name__}, not a rollout record object")
     if "response" not in record:

@@ -81,6 +81,8 @@ def chat_message_to_items(message: dict[str, Any]) -> list[ResponseItem]:
             name=function.get("name", ""), arguments=function.get("arguments", ""), status="completed",
         ))
     bundle = bundle_of(message)
+    if message.get("context_overflow"):  # the adapter's marker that the history no longer fits: ends the episode
+        bundle["context_overflow"] = message["context_overflow"]
     if bundle:
         last = items[-1]
         items[-1] = ResponseItem.model_validate({**last.model_dump(exclude_none=True), **bundle})

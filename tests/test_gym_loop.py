@@ -126,6 +126,18 @@ def test_harness_fields_survive_harness_agent_adapter_vllm(gym, vllm_server: VLL
     assert bad.status_code == 400  # the adapter's 400 passes through the agent
 
 
+def test_context_overflow_ends_the_episode(gym) -> None:
+    row = rows("number_guess")[0]
+    huge = {"role": "user", "content": "guess " * 6000}
+    row = {**row, "responses_create_params": {**row["responses_create_params"], "input": [huge]}}
+    answer = httpx.post(f"{gym['number_guess_agent']}/run", json=row, timeout=120)
+    assert answer.status_code == 200, answer.text
+    record = answer.json()
+    assert record["response"]["model_calls"] == 1
+    assert "maximum context length" in record["response"]["output"][-1]["context_overflow"]
+    assert record["reward"] == 0.0
+
+
 def test_run_requires_responses_create_params(gym) -> None:
     answer = httpx.post(f"{gym['capital_lookup_agent']}/run", json={"question": "x"}, timeout=60)
     assert answer.status_code == 400

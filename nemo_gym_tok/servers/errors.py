@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
@@ -49,15 +48,3 @@ def validation_message(errors: list[dict[str, Any]], skip: tuple[str, ...] = ("b
 def _is_union_tag(part: Any) -> bool:
     # pydantic names union branches in `loc` by their type: "str", "list[ResponseItem]", "function-after[...]".
     return isinstance(part, str) and (part in ("str", "int", "float", "bool", "list", "dict") or "[" in part)
-
-
-def error_message(response: httpx.Response) -> str:
-    """The message of another server's error answer (OpenAI `error.message`, FastAPI `detail`, or raw text)."""
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text[:2000]
-    error = body.get("error", body) if isinstance(body, dict) else body
-    if isinstance(error, dict):
-        return str(error.get("message") or error.get("detail") or error)
-    return str(error)

@@ -13,10 +13,11 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 from nemo_gym_tok.conversion import chat_message_to_items, responses_to_chat_request
 from nemo_gym_tok.servers.base import BaseServerConfig, ModelServer
 from nemo_gym_tok.servers.bodies import json_object
-from nemo_gym_tok.servers.errors import ApiError, error_message, validation_message
+from nemo_gym_tok.http_errors import error_message
+from nemo_gym_tok.servers.errors import ApiError, validation_message
 from nemo_gym_tok.types import ChatCompletionRequest, Response, ResponsesRequest, ResponseUsage
 from responses_api_models.vllm_model.sessions import SESSION_COOKIE, SessionRouter, session_of
-from responses_api_models.vllm_model.token_capture import attach_bundles, capture_request_fields
+from responses_api_models.vllm_model.token_capture import attach_bundles, capture_request_fields, drop_unrequested
 from responses_api_models.vllm_model.upstream import VLLMUpstream, is_context_overflow
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -96,8 +97,8 @@ class VLLMModel(ModelServer):
         if needs_ids and (chat.n or 1) > 1:
             raise ApiError(400, "n > 1 is not supported with token ids (one bundle per call); send n: 1", param="n")
 
-        body = chat.model_dump(exclude_unset=True)
-        body.update(self.config.sampling_overrides)
+        caller_body = chat.model_dump(exclude_unset=True)
+        body = {**caller_body, **self.config.sampling_overrides}
         body["model"] = self.config.model
         if needs_ids:
             body.update(capture_request_fields(body, use_return_token_ids=self.config.use_return_token_ids))
@@ -113,6 +114,7 @@ class VLLMModel(ModelServer):
                 result, generation_body=body, required_prefix=required_prefix, return_bundle=capture,
                 tokenize=lambda tokenize_body: self._tokenize(url, tokenize_body), upstream_url=url,
             )
+            drop_unrequested(result, caller_body, bundle_returned=capture)
         return result
 
     async def aclose(self) -> None:

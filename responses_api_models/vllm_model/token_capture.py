@@ -95,3 +95,17 @@ def _returned_source(result: dict[str, Any], choice: dict[str, Any]) -> PartialB
     if prompt is None or generation is None:
         return None
     return PartialBundle(TokenSource.RETURN_TOKEN_IDS, prompt_token_ids=list(prompt), generation_token_ids=list(generation))
+
+
+def drop_unrequested(result: dict[str, Any], caller_body: dict[str, Any], *, bundle_returned: bool) -> None:
+    """Remove what the adapter asked vLLM for only for its own checks, so the caller gets what it asked for."""
+    if not caller_body.get("return_token_ids"):
+        result.pop("prompt_token_ids", None)
+    for choice in result.get("choices", []):
+        if not caller_body.get("return_token_ids"):
+            choice.pop("token_ids", None)
+        if not caller_body.get("logprobs"):
+            choice.pop("logprobs", None)
+        if not bundle_returned:
+            for field in BUNDLE_FIELDS:
+                choice.get("message", {}).pop(field, None)

@@ -8,7 +8,8 @@ from typing import Any
 import httpx
 from tenacity import AsyncRetrying, RetryError, retry_if_exception, stop_after_attempt, wait_exponential
 
-from nemo_gym_tok.servers.errors import ApiError, error_message
+from nemo_gym_tok.http_errors import error_message
+from nemo_gym_tok.servers.errors import ApiError
 
 _CONTEXT_OVERFLOW = re.compile(r"maximum context length|longer than the maximum model length", re.IGNORECASE)
 

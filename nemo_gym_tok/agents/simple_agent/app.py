@@ -13,7 +13,8 @@ from fastapi.responses import JSONResponse
 from nemo_gym_tok.servers.base import Agent, BaseServerConfig
 from nemo_gym_tok.servers.bodies import json_object
 from nemo_gym_tok.servers.client import SESSION_HEADER
-from nemo_gym_tok.servers.errors import ApiError, error_message
+from nemo_gym_tok.http_errors import error_message
+from nemo_gym_tok.servers.errors import ApiError
 from nemo_gym_tok.types.responses import Response, ResponseUsage
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS, TELEMETRY_FIELDS
 
@@ -77,8 +78,8 @@ class SimpleAgent(Agent):
                 for call in calls:
                     output.append(await self._run_tool(env, call, session, offered))
                 continue
-            if response.get("status") == "incomplete" and not items:
-                break
+            if any(item.get("context_overflow") for item in items):
+                break  # the history no longer fits the model: the episode ends here
             step_result = await self._call(env, "/step", {"output": output}, session)
             if step_result.get("done", True):
                 break

@@ -146,3 +146,19 @@ def test_adapter_answers_with_session_cookie(training_adapter: str, path: str) -
     answer = httpx.post(f"{training_adapter}{path}", json=body, timeout=60)
     assert answer.status_code == 200
     assert answer.cookies.get("ngt_session")
+
+
+def test_inference_adapter_returns_only_what_the_caller_asked_for(vllm_server: VLLMServer) -> None:
+    from responses_api_models.vllm_model.tests.conftest import adapter
+
+    prefix = prompt_prefix(vllm_server, [USER], 5)
+    for url in adapter(vllm_server.base_url, vllm_server.served_model_name):  # return_token_id_information: false
+        plain = sdk(url).chat.completions.create(
+            model="m", messages=[USER], max_tokens=3, extra_body={"required_prefix_token_ids": prefix}
+        ).model_dump()
+        asked = sdk(url).chat.completions.create(
+            model="m", messages=[USER], max_tokens=3, logprobs=True, extra_body={"return_token_ids": True}
+        ).model_dump()
+    assert "prompt_token_ids" not in plain and plain["choices"][0]["logprobs"] is None
+    assert "prompt_token_ids" not in plain["choices"][0]["message"]  # the prefix was checked, nothing leaked
+    assert asked["prompt_token_ids"][:5] == prefix and asked["choices"][0]["logprobs"]["content"]

@@ -1,0 +1,30 @@
+"""Reads the message out of another server's error answer (no server imports: the collector uses it too)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+_MAX_BODY_CHARS = 2000
+
+
+def error_message(response: httpx.Response) -> str:
+    """OpenAI-style `error.message`, FastAPI's `detail`, or the start of the raw body."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        if "detail" in body:
+            detail = body["detail"]
+            return detail if isinstance(detail, str) else json.dumps(detail)
+    text = response.text.strip()
+    if len(text) > _MAX_BODY_CHARS:
+        text = text[:_MAX_BODY_CHARS] + "..."
+    return text or "(empty body)"
