@@ -67,21 +67,22 @@ def recording_proxy_app(
     return app
 
 
-@pytest.fixture
-def recording_proxy(vllm_server: VLLMServer) -> Iterator[RecordingProxy]:
+def serve_proxy(vllm_server: VLLMServer, **options: bool) -> Iterator[RecordingProxy]:
     proxy = RecordingProxy(url="")
-    with serve_in_thread(recording_proxy_app(vllm_server.base_url, proxy)) as url:
+    with serve_in_thread(recording_proxy_app(vllm_server.base_url, proxy, **options)) as url:
         proxy.url = url
         yield proxy
+
+
+@pytest.fixture
+def recording_proxy(vllm_server: VLLMServer) -> Iterator[RecordingProxy]:
+    yield from serve_proxy(vllm_server)
 
 
 @pytest.fixture
 def stock_vllm(vllm_server: VLLMServer) -> Iterator[RecordingProxy]:
     """The shared server seen as a stock vLLM (no hook): token fields never reach its renderer."""
-    proxy = RecordingProxy(url="")
-    with serve_in_thread(recording_proxy_app(vllm_server.base_url, proxy, as_stock_vllm=True)) as url:
-        proxy.url = url
-        yield proxy
+    yield from serve_proxy(vllm_server, as_stock_vllm=True)
 
 
 @pytest.fixture
@@ -104,10 +105,7 @@ def training_adapter(recording_proxy: RecordingProxy, vllm_server: VLLMServer) -
 @pytest.fixture
 def bundle_free_vllm(vllm_server: VLLMServer) -> Iterator[RecordingProxy]:
     """The shared hooked server with its message bundles removed, so the adapter must use its other sources."""
-    proxy = RecordingProxy(url="")
-    with serve_in_thread(recording_proxy_app(vllm_server.base_url, proxy, drop_message_bundles=True)) as url:
-        proxy.url = url
-        yield proxy
+    yield from serve_proxy(vllm_server, drop_message_bundles=True)
 
 
 @pytest.fixture
