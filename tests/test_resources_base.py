@@ -79,3 +79,17 @@ def test_a_reward_that_is_not_a_number_is_the_environments_bug() -> None:
     http.post("/seed_session", json={}, headers=S)
     answer = http.post("/verify", json=EPISODE, headers=S)
     assert answer.status_code == 500 and "numeric reward" in answer.json()["error"]["message"]
+
+
+def test_episode_store_evicts_the_oldest_unverified_episodes() -> None:
+    from nemo_gym_tok.servers.errors import ApiError
+
+    store: EpisodeStore[int] = EpisodeStore(max_episodes=2)
+    store.start("a", 1)
+    store.start("b", 2)
+    store.start("a", 3)  # restarted: now the newest
+    store.start("c", 4)
+    assert len(store) == 2 and "b" not in store and store.get("a") == 3
+    with pytest.raises(ApiError, match="unknown session 'b'"):
+        store.end("b")
+    assert store.end("c") == 4 and len(store) == 1

@@ -111,7 +111,8 @@ class ResourcesServer(BaseServer):
 
     async def step(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
         """After a model turn without tool calls: `{"done": false, "user_message": "..."}` continues the episode
-        with a user turn, `{"done": true}` ends it. `body` has `output`: the episode's items so far."""
+        with a user turn, `{"done": true}` ends it (a `user_message` with it is recorded as the last word, and no
+        model call follows). `body` has `output`: the episode's items so far."""
         return {"done": True}
 
     async def verify(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -68,7 +68,7 @@ class NumberGuess(ResourcesServer):
         # Every answer gets a reply, whatever it says, so even a model that never names a number plays max_rounds.
         game.over = game.solved or len(game.guesses) >= self.config.max_rounds
         if game.over:
-            return {"done": True, "feedback": reply}  # no user turn follows; the reply is kept for the record
+            return {"done": True, "user_message": reply}  # the last word: recorded, no model turn follows
         return {"done": False, "user_message": reply}
 
     async def verify(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -81,9 +81,10 @@ class SimpleAgent(Agent):
             if any(item.get("context_overflow") for item in items):
                 break  # the history no longer fits the model: the episode ends here
             step_result = await self._call(env, "/step", {"output": output}, session)
+            if step_result.get("user_message") is not None:
+                output.append({"type": "message", "role": "user", "content": str(step_result["user_message"])})
             if step_result.get("done", True):
-                break
-            output.append({"type": "message", "role": "user", "content": str(step_result.get("user_message", ""))})
+                break  # a user_message that comes with done is the environment's last word, recorded as is
         episode = _episode_response(responses, output)
         verdict = await self._call(env, "/verify", {**row, "response": episode}, session)
         return {**row, "response": episode, **verdict}

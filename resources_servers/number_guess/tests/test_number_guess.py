@@ -61,7 +61,7 @@ def test_winning_episode_gets_full_reward() -> None:
     game = Episode(client(), row_with(37))
     assert game.answer("50") == {"done": False, "user_message": "Lower."}
     assert game.answer("25") == {"done": False, "user_message": "Higher."}
-    assert game.answer("My guess is 37.") == {"done": True, "feedback": "Correct!"}
+    assert game.answer("My guess is 37.") == {"done": True, "user_message": "Correct!"}
     assert game.verify() == {"reward": 1.0, "guesses": [50, 25, 37], "rounds": 3}
 
 
@@ -82,7 +82,7 @@ def test_losing_episode_ends_after_max_rounds() -> None:
     game = Episode(client(), row_with(37))
     for _ in range(3):
         assert game.answer("50") == {"done": False, "user_message": "Lower."}
-    assert game.answer("50") == {"done": True, "feedback": "Lower."}
+    assert game.answer("50") == {"done": True, "user_message": "Lower."}
     assert game.verify() == {"reward": 0.0, "guesses": [50, 50, 50, 50], "rounds": 4}
 
 
@@ -90,7 +90,7 @@ def test_answers_without_a_number_still_play_every_round() -> None:
     game = Episode(client(max_rounds=3), row_with(37))
     assert game.answer("the cat sat") == {"done": False, "user_message": NO_NUMBER}
     assert game.answer(None) == {"done": False, "user_message": NO_NUMBER}  # reasoning only: its digits don't count
-    assert game.answer("") == {"done": True, "feedback": NO_NUMBER}
+    assert game.answer("") == {"done": True, "user_message": NO_NUMBER}
     assert game.verify() == {"reward": 0.0, "guesses": [None, None, None], "rounds": 3}
 
 
@@ -106,7 +106,7 @@ def test_answers_without_a_number_still_play_every_round() -> None:
 )
 def test_the_first_integer_of_the_answer_is_the_guess(text: str, guess: int, reply: str) -> None:
     game = Episode(client(max_rounds=1), row_with(37))
-    assert game.answer(text) == {"done": True, "feedback": reply}
+    assert game.answer(text) == {"done": True, "user_message": reply}
     assert game.verify()["guesses"] == [guess]
 
 
@@ -122,7 +122,7 @@ def test_string_content_is_read_too() -> None:
     http = client()
     game = Episode(http, row_with(37))
     game.items.append({"type": "message", "role": "assistant", "content": "37"})
-    assert http.post("/step", json={"output": game.items}, headers=game.headers).json()["feedback"] == "Correct!"
+    assert http.post("/step", json={"output": game.items}, headers=game.headers).json()["user_message"] == "Correct!"
 
 
 def test_max_rounds_must_be_positive() -> None:
