@@ -10,6 +10,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from nemo_gym_tok.token_sources import PrefixMismatchError, check_prefix, first_difference
+
 Decode = Callable[[Sequence[int]], str]
 
 BUNDLE_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
@@ -101,26 +103,26 @@ def splice_prefix(
             "turns, so the boundary cannot be found"
         )
     template_part = list(template_full[:boundary])
-    common = _common_prefix_length(template_part, kept)
-    differed = common != len(template_part) or common != len(kept)
+    difference = first_difference(template_part, kept)
     return SpliceResult(
         prompt_token_ids=kept + list(template_full[boundary:]),
-        template_differed=differed,
-        replaced_tokens=len(template_part) - common if differed else 0,
+        template_differed=difference is not None,
+        replaced_tokens=0 if difference is None else len(template_part) - difference,
         boundary=boundary,
     )
 
 
 def check_starts_with(template_full: Sequence[int], prefix: Sequence[int], decode: Decode | None = None) -> None:
     """For a prefix with no assistant turn to splice: the template's prompt must already start with it."""
-    for position, expected in enumerate(prefix):
-        if position >= len(template_full) or template_full[position] != expected:
-            found = template_full[position] if position < len(template_full) else "end of prompt"
-            raise StalePrefixError(
-                f"{PREFIX_KEY} names no assistant turn to splice (none in messages) and the rendered prompt does not "
-                f"start with it: position {position} is {found}, the prefix says {expected}"
-                f"{_context('prompt begins', template_full[: position + 1], decode)}"
-            )
+    try:
+        check_prefix(template_full, prefix)
+    except PrefixMismatchError as exc:
+        found = "end of prompt" if exc.found is None else exc.found
+        raise StalePrefixError(
+            f"{PREFIX_KEY} names no assistant turn to splice (none in messages) and the rendered prompt does not "
+            f"start with it: position {exc.position} is {found}, the prefix says {exc.expected}"
+            f"{_context('prompt begins', template_full[: exc.position + 1], decode)}"
+        ) from None
 
 
 def find_prefix_source(
@@ -183,15 +185,6 @@ def _nth_index(ids: Sequence[int], token: int, n: int) -> int | None:
             if seen == n:
                 return index
     return None
-
-
-def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    length = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        length += 1
-    return length
 
 
 def _context(label: str, ids: Sequence[int], decode: Decode | None, width: int = 12) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from nemo_gym_tok._net import free_port
+from nemo_gym_tok._net import free_port, port_in_use
 
 # Flags measured to work on 2-core CPU machines (docs/getting-started.md); GPU users pass their own.
 CPU_SERVING_ARGS = ("--dtype", "bfloat16", "--enforce-eager")
@@ -74,7 +73,7 @@ class VLLMServer:
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, *args]
 
     def start(self) -> VLLMServer:
-        if _port_in_use(self.host, self.port):
+        if port_in_use(self.host, self.port):
             # Otherwise the health check would find the other server and report success.
             raise VLLMStartupError(f"{self.host}:{self.port} is already in use; stop what listens there or pick a port")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -135,7 +134,3 @@ class VLLMServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-
-def _port_in_use(host: str, port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex((host, port)) == 0
