@@ -31,6 +31,8 @@ _EXPORTS = {
     "ChatCompletionRequest": "nemo_gym_tok.types",
     "ResponsesRequest": "nemo_gym_tok.types",
     "splice_prefix": "nemo_gym_tok.splice",
+    "detect_profile": "nemo_gym_tok.splice",
+    "HFChatRenderer": "nemo_gym_tok.splice",
     "resolve_bundle": "nemo_gym_tok.token_sources",
     # the embedded model and vLLM
     "build_tiny_model": "nemo_gym_tok.tiny_model",

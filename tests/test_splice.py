@@ -1,170 +1,212 @@
-"""The prefix splice, tested directly: properties over generated conversations and a named case per situation."""
+"""The prefix splice, tested directly on the tiny model's real tokenizer and template: a named case per situation."""
 
 from __future__ import annotations
 
-import pytest
-from hypothesis import assume, given
-from hypothesis import strategies as st
+import json
+import random
 
+import pytest
+
+from nemo_gym_tok.chat_templates.episodes import TOOL, EpisodeSettings, check_splice, play_episode
 from nemo_gym_tok.splice import (
-    BoundaryNotFoundError,
+    HFChatRenderer,
     InvalidTokenIdsError,
     StalePrefixError,
+    StructureMismatchError,
     check_starts_with,
     check_token_ids,
+    detect_profile,
     find_prefix_source,
     splice_prefix,
 )
-
-END = 0  # the template's turn terminator (<|im_end|>)
-NL = 1  # text the template puts after a terminator
-OTHER_STOP = 2  # another stop token (<|endoftext|>)
-content = st.lists(st.integers(min_value=3, max_value=60), max_size=8)
+from nemo_gym_tok.tiny_model.tokenizer import ENDOFTEXT_ID, IM_END_ID, build_tokenizer
 
 
-def flat(turns: list[list[int]]) -> list[int]:
-    return [token for turn in turns for token in turn]
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
 
 
-@st.composite
-def conversations(draw):
-    """Model ids and template ids for: prior turns, the assistant turn the prefix ends with, then what follows."""
-    after = draw(st.sampled_from([[NL], [], [NL, NL]]))
-    prior_model = [draw(content) + [END] + after for _ in range(draw(st.integers(0, 4)))]
-    # The template re-renders each prior turn either identically or differently (retokenization drift).
-    prior_template = [turn if draw(st.booleans()) else draw(content) + [END] + after for turn in prior_model]
-    header, generation = draw(content.filter(bool)), draw(content)  # an assistant turn has a header
-    ended = draw(st.booleans())
-    assistant_template = header + generation if draw(st.booleans()) else draw(content)
-    following = [draw(content) + [END] + after for _ in range(draw(st.integers(0, 3)))]
-    generation_prompt = draw(content)
-    prefix = flat(prior_model) + header + generation + ([END] if ended else [])
-    history = flat(prior_template) + assistant_template + [END] + after
-    full = history + flat(following) + generation_prompt
-    return prefix, history, full, ended
+@pytest.fixture(scope="module")
+def renderer(tokenizer) -> HFChatRenderer:
+    return HFChatRenderer(tokenizer, extra_end_token_ids=[ENDOFTEXT_ID])
 
 
-@given(conversations())
-def test_spliced_prompt_starts_with_the_prefix_and_ends_with_the_template_tail(case) -> None:
-    prefix, history, full, ended = case
-    result = splice_prefix(terminator_id=END, model_prefix=prefix, template_history=history, template_full=full)
-    kept = prefix[:-1] if ended else prefix
-    assert result.prompt_token_ids[: len(prefix)] == prefix  # turn N+1 starts with turn N's prompt + generation
-    assert result.prompt_token_ids[len(kept):] == full[result.boundary:]
-    assert full[result.boundary] == END
-    assert result.template_differed == (full[: result.boundary] != kept)
-    assert 0 <= result.replaced_tokens <= result.boundary
-    if not result.template_differed:
-        assert result.replaced_tokens == 0
+@pytest.fixture(scope="module")
+def profile(renderer):
+    return detect_profile(renderer)
 
 
-@given(conversations(), st.integers(min_value=1, max_value=3))
-def test_extra_terminators_make_the_prefix_stale(case, extra: int) -> None:
-    prefix, history, full, _ = case
-    with pytest.raises(StalePrefixError, match="stale prefix"):
-        splice_prefix(terminator_id=END, model_prefix=[END] * extra + prefix, template_history=history, template_full=full)
+def prompt_ids(renderer: HFChatRenderer, messages: list[dict]) -> list[int]:
+    return renderer.encode(renderer.render(messages, add_generation_prompt=True))
 
 
-@given(conversations())
-def test_missing_turns_make_the_prefix_stale(case) -> None:
-    prefix, history, full, _ = case
-    turns = history.count(END)
-    assume(turns >= 2)
-    cut = [i for i, token in enumerate(prefix) if token == END][0]  # drop the first turn's terminator and beyond
-    shortened = prefix[:cut]
-    assume(shortened.count(END) < turns - 1)
-    with pytest.raises(StalePrefixError):
-        splice_prefix(terminator_id=END, model_prefix=shortened, template_history=history, template_full=full)
+def drifting(renderer: HFChatRenderer, text: str) -> list[int]:
+    """Ids for `text` one character at a time: what the template's re-tokenization will not reproduce."""
+    return [token for character in text for token in renderer.encode(character)]
 
 
-def test_identical_rendering_is_applied_without_difference() -> None:
-    prefix = [5, 6, END, NL, 7, 8, 9, END]
-    history = [5, 6, END, NL, 7, 8, 9, END, NL]
-    full = history + [10, 11, END, NL, 12]
-    result = splice_prefix(terminator_id=END, model_prefix=prefix, template_history=history, template_full=full)
-    assert result.prompt_token_ids == full
-    assert result.telemetry() == {"applied": True, "template_differed": False, "replaced_tokens": 0}
+def bundled(prompt: list[int], generation: list[int], **message) -> dict:
+    return {"role": "assistant", **message, "prompt_token_ids": prompt, "generation_token_ids": generation,
+            "generation_log_probs": [0.0] * len(generation)}
 
 
-def test_retokenized_history_is_replaced_by_the_model_ids() -> None:
-    prefix = [5, END, NL, 7, 30, 31, 32, END]  # the model generated 30 31 32
-    history = [5, END, NL, 7, 40, 41, END, NL]  # the template re-tokenized its text as 40 41
-    full = history + [10, END, NL, 12]
-    result = splice_prefix(terminator_id=END, model_prefix=prefix, template_history=history, template_full=full)
-    assert result.prompt_token_ids == [5, END, NL, 7, 30, 31, 32, END, NL, 10, END, NL, 12]
-    assert result.template_differed and result.replaced_tokens == 2
+@pytest.fixture
+def two_turns(renderer):
+    """system, user, assistant (drifting ids, ended on <|im_end|>), user."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is Paris?"}]
+    prompt = prompt_ids(renderer, messages)
+    generation = drifting(renderer, "In France.") + [IM_END_ID]
+    messages += [bundled(prompt, generation, content="In France."), {"role": "user", "content": "And Rome?"}]
+    return messages
 
 
-def test_turn_cut_by_max_tokens_gets_the_template_terminator() -> None:
-    prefix = [5, END, NL, 7, 30, 31]  # no terminator: max_tokens
-    history = [5, END, NL, 7, 30, 31, END, NL]
-    full = history + [10, END, NL, 12]
-    result = splice_prefix(terminator_id=END, model_prefix=prefix, template_history=history, template_full=full)
-    assert result.prompt_token_ids == [5, END, NL, 7, 30, 31, END, NL, 10, END, NL, 12]
-    assert not result.template_differed
+def run(renderer, profile, messages, prefix=None, **options):
+    source = find_prefix_source(messages, prefix)
+    text = renderer.render(messages, add_generation_prompt=True)
+    return source, splice_prefix(renderer, profile, messages, source, template_prompt=(text, renderer.encode(text)), **options)
 
 
-def test_another_stop_token_is_kept() -> None:
-    prefix = [5, END, NL, 7, 30, OTHER_STOP]  # stopped on <|endoftext|>, which is not the turn terminator
-    history = [5, END, NL, 7, 30, END, NL]
-    full = history + [10]
-    result = splice_prefix(terminator_id=END, model_prefix=prefix, template_history=history, template_full=full)
-    assert result.prompt_token_ids == [5, END, NL, 7, 30, OTHER_STOP, END, NL, 10]
-    assert result.template_differed and result.replaced_tokens == 0  # the template had fewer ids, none wrong
+def test_profile_of_the_tiny_template(profile) -> None:
+    assert profile.closers == {"<|im_end|>"}
+    assert profile.assistant_header == "assistant\n"
+    assert profile.replaced_end_tokens == frozenset()
 
 
-def test_template_that_drops_earlier_reasoning() -> None:
-    # The model's turn had <think>r</think> (ids 50 51 52); rendered after a newer user turn the template drops it.
-    prefix = [5, END, NL, 7, 50, 51, 52, 30, END]
-    history = [5, END, NL, 7, 50, 51, 52, 30, END, NL]  # the assistant turn is last here: reasoning kept
-    full = [5, END, NL, 7, 30, END, NL, 10, END, NL, 12]  # ...but dropped in the full prompt
-    result = splice_prefix(terminator_id=END, model_prefix=prefix, template_history=history, template_full=full)
-    assert result.prompt_token_ids == [5, END, NL, 7, 50, 51, 52, 30, END, NL, 10, END, NL, 12]
-    assert result.replaced_tokens == 1
+def test_drifted_history_is_replaced_by_the_model_ids(renderer, profile, two_turns) -> None:
+    source, result = run(renderer, profile, two_turns)
+    assert result.prompt_token_ids[: len(source.prefix)] == source.prefix
+    check_splice(renderer, profile, two_turns, source, result.prompt_token_ids, result.kept_prefix_length)
+    telemetry = result.telemetry()
+    assert telemetry["applied"] and telemetry["template_differed"] and telemetry["replaced_tokens"] > 0
+    assert telemetry["repaired_turns"] == [{"message_index": 2, "replaced_tokens": telemetry["replaced_tokens"]}]
 
 
-def test_several_assistant_turns_prefix_from_the_middle_one() -> None:
-    turn = lambda *ids: [*ids, END, NL]  # noqa: E731
-    prefix = turn(5) + turn(7, 20) + turn(8) + [7, 21, 22, END]
-    history = turn(5) + turn(7, 20) + turn(8) + turn(7, 23)
-    full = history + turn(9) + turn(7, 24) + turn(10) + [7]
-    result = splice_prefix(terminator_id=END, model_prefix=prefix, template_history=history, template_full=full)
-    assert result.prompt_token_ids == prefix + [NL] + turn(9) + turn(7, 24) + turn(10) + [7]
+def test_explicit_prefix_gives_the_same_prompt_as_the_bundle(renderer, profile, two_turns) -> None:
+    source, from_bundle = run(renderer, profile, two_turns)
+    plain = [{k: v for k, v in m.items() if not k.endswith(("_ids", "_probs"))} for m in two_turns]
+    _, explicit = run(renderer, profile, plain, prefix=source.prefix)
+    assert explicit.prompt_token_ids == from_bundle.prompt_token_ids
 
 
-def test_tool_call_turn_followed_by_tool_results() -> None:
-    TOOL_CALL, TOOL_CALL_END, RESPONSE, RESPONSE_END = 55, 56, 57, 58
-    prefix = [5, END, NL, 7, TOOL_CALL, 30, 31, TOOL_CALL_END, END]
-    history = [5, END, NL, 7, TOOL_CALL, 30, 32, 33, TOOL_CALL_END, END, NL]  # arguments re-serialized
-    full = history + [8, RESPONSE, 40, RESPONSE_END, END, NL, 7]
-    result = splice_prefix(terminator_id=END, model_prefix=prefix, template_history=history, template_full=full)
-    assert result.prompt_token_ids == prefix + [NL, 8, RESPONSE, 40, RESPONSE_END, END, NL, 7]
-    assert result.replaced_tokens == 3
+def test_turn_cut_by_max_tokens_gets_the_template_closing(renderer, profile, two_turns) -> None:
+    two_turns[2]["generation_token_ids"] = two_turns[2]["generation_token_ids"][:-1]
+    source, result = run(renderer, profile, two_turns)
+    assert result.kept_prefix_length == len(source.prefix)
+    assert result.prompt_token_ids[len(source.prefix)] == IM_END_ID
 
 
-def test_text_after_the_terminator_comes_from_the_template() -> None:
-    prefix = [5, END]
-    history = [5, END, NL, NL]
-    full = history + [9]
-    result = splice_prefix(terminator_id=END, model_prefix=prefix, template_history=history, template_full=full)
-    assert result.prompt_token_ids == [5, END, NL, NL, 9]
+def test_another_stop_token_is_kept(renderer, profile, two_turns) -> None:
+    two_turns[2]["generation_token_ids"][-1] = ENDOFTEXT_ID
+    source, result = run(renderer, profile, two_turns)
+    assert result.prompt_token_ids[: len(source.prefix) + 1] == source.prefix + [IM_END_ID]
 
 
-def test_tokens_after_the_final_terminator_are_stale() -> None:
-    with pytest.raises(StalePrefixError, match="holds 1 turn terminators and does not end on one"):
-        splice_prefix(terminator_id=END, model_prefix=[5, END, NL], template_history=[5, END, NL], template_full=[5, END, NL, 9])
+def test_terminator_spelled_as_text_in_model_output_is_spliced(renderer, profile) -> None:
+    # Code written through a tool call: its text spells <|im_end|>, which the template would re-tokenize to the id.
+    messages = [{"role": "user", "content": "Write the stop marker."}]
+    prompt = prompt_ids(renderer, messages)
+    text = 'print("<|im_end|>")'
+    call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": json.dumps({"word": text})}}
+    generation = drifting(renderer, text) + [IM_END_ID]
+    messages += [bundled(prompt, generation, content=text, tool_calls=[call]),
+                 {"role": "tool", "tool_call_id": "c1", "content": "done"}]
+    source, result = run(renderer, profile, messages)
+    assert IM_END_ID not in generation[:-1]
+    assert result.prompt_token_ids[: len(source.prefix)] == source.prefix
 
 
-def test_boundary_not_found_says_why_with_decoded_context() -> None:
-    decode = lambda ids: " ".join(f"<{i}>" for i in ids)  # noqa: E731
-    with pytest.raises(BoundaryNotFoundError, match=r"renders only 1 turn terminators, fewer than the 2 .*prompt ends with '<5> <0> <9>'"):
-        splice_prefix(terminator_id=END, model_prefix=[5, END, 6, END], template_history=[5, END, 6, END],
-                      template_full=[5, END, 9], decode=decode)
+def test_template_that_drops_earlier_reasoning(renderer, profile) -> None:
+    messages = [{"role": "user", "content": "Think first."}]
+    prompt = prompt_ids(renderer, messages)
+    generation = drifting(renderer, "<think>\nhm\n</think>\n\nYes.") + [IM_END_ID]
+    messages += [bundled(prompt, generation, content="Yes.", reasoning_content="hm"), {"role": "user", "content": "Sure?"}]
+    source, result = run(renderer, profile, messages)
+    assert "hm" not in renderer.render(messages, add_generation_prompt=True)  # the template dropped it...
+    assert result.prompt_token_ids[: len(source.prefix)] == source.prefix  # ...the model's ids keep it
 
 
-def test_history_without_terminator() -> None:
-    with pytest.raises(BoundaryNotFoundError, match="no turn terminator"):
-        splice_prefix(terminator_id=END, model_prefix=[5], template_history=[5, 6], template_full=[5, 6, 7])
+def test_edited_system_prompt_is_refused_naming_messages_0(renderer, profile, two_turns) -> None:
+    two_turns[0]["content"] = "Be verbose."
+    with pytest.raises(StructureMismatchError, match=r"renders for messages\[0\] \(template: ' verbose\.") as caught:
+        run(renderer, profile, two_turns)
+    assert caught.value.message_index == 0
+
+
+def test_edited_user_turn_is_refused_naming_it(renderer, profile, two_turns) -> None:
+    two_turns[1]["content"] = "Where is Lyon?"
+    with pytest.raises(StructureMismatchError, match=r"messages\[1\]"):
+        run(renderer, profile, two_turns)
+
+
+def test_tools_added_mid_episode_are_refused(tokenizer, profile, two_turns) -> None:
+    with_tools = HFChatRenderer(tokenizer, tools=[TOOL], extra_end_token_ids=[ENDOFTEXT_ID])
+    with pytest.raises(StructureMismatchError, match=r"messages\[0\]"):
+        run(with_tools, profile, two_turns)
+
+
+def test_prefix_from_another_conversation_is_refused(renderer, profile, two_turns) -> None:
+    other = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is Oslo?"}]
+    foreign = prompt_ids(renderer, other) + drifting(renderer, "In Norway.") + [IM_END_ID]
+    with pytest.raises(StructureMismatchError, match=r"messages\[1\]"):
+        run(renderer, profile, two_turns, prefix=foreign)
+
+
+def test_empty_prefix_with_an_assistant_turn_is_refused(renderer, profile, two_turns) -> None:
+    with pytest.raises(StalePrefixError, match="is empty, but messages\\[2\\] is an assistant turn"):
+        run(renderer, profile, two_turns, prefix=[])
+    two_turns[2].update(prompt_token_ids=[], generation_token_ids=[], generation_log_probs=[])
+    with pytest.raises(StalePrefixError, match="is empty"):
+        run(renderer, profile, two_turns)
+
+
+def test_prompt_only_prefix_is_refused(renderer, profile, two_turns) -> None:
+    with pytest.raises(StalePrefixError, match="the last assistant span is empty"):
+        run(renderer, profile, two_turns, prefix=two_turns[2]["prompt_token_ids"])
+
+
+def test_prefix_of_a_later_turn_is_stale(renderer, profile, two_turns) -> None:
+    _, result = run(renderer, profile, two_turns)
+    later = result.prompt_token_ids + drifting(renderer, "In Italy.") + [IM_END_ID]
+    with pytest.raises(StalePrefixError, match="stale prefix: .* holds the turn end '<\\|im_end\\|>'"):
+        run(renderer, profile, two_turns, prefix=later)
+
+
+def test_bundle_whose_prompt_length_does_not_fit_is_refused(renderer, profile, two_turns) -> None:
+    bundle = two_turns[2]
+    bundle["generation_token_ids"] = bundle["prompt_token_ids"][-2:] + bundle["generation_token_ids"]
+    bundle["prompt_token_ids"] = bundle["prompt_token_ids"][:-2]
+    bundle["generation_log_probs"] = [0.0] * len(bundle["generation_token_ids"])
+    with pytest.raises(StructureMismatchError, match="prompt_token_ids holds"):
+        run(renderer, profile, two_turns)
+
+
+def test_truncation_that_would_cut_the_prefix_is_refused(renderer, profile, two_turns) -> None:
+    source, result = run(renderer, profile, two_turns)
+    run(renderer, profile, two_turns, truncate_prompt_tokens=len(result.prompt_token_ids))  # keeps every id: fine
+    with pytest.raises(StalePrefixError, match="truncate_prompt_tokens=10 would cut the first"):
+        run(renderer, profile, two_turns, truncate_prompt_tokens=10)
+
+
+def test_continue_final_message_continues_a_cut_turn_and_refuses_an_ended_one(renderer, profile, two_turns) -> None:
+    messages = two_turns[:3]
+    messages[2]["generation_token_ids"] = messages[2]["generation_token_ids"][:-1]
+    source = find_prefix_source(messages)
+    result = splice_prefix(renderer, profile, messages, source, add_generation_prompt=False, continue_final_message=True)
+    assert result.prompt_token_ids == source.prefix
+    messages[2]["generation_token_ids"].append(IM_END_ID)
+    with pytest.raises(StalePrefixError, match="that turn is over"):
+        splice_prefix(renderer, profile, messages, find_prefix_source(messages), add_generation_prompt=False,
+               continue_final_message=True)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_episodes_are_exact(renderer, profile, tokenizer, seed: int) -> None:
+    """Drift-prone episodes with tools, reasoning and spelled-out special tokens: every splice passes the oracle."""
+    settings = EpisodeSettings(turns=5, tools=seed % 2 == 0, reasoning=seed % 3 == 0)
+    with_tools = HFChatRenderer(tokenizer, tools=[TOOL], extra_end_token_ids=[ENDOFTEXT_ID]) if settings.tools else renderer
+    episode = play_episode(with_tools, profile, random.Random(seed), settings)
+    assert len(episode.telemetry) == 5
 
 
 BUNDLE = {"prompt_token_ids": [1, 2], "generation_token_ids": [3], "generation_log_probs": [-0.5]}
@@ -180,6 +222,7 @@ def test_prefix_source_is_the_last_bundled_message() -> None:
     ]
     source = find_prefix_source(messages)
     assert source is not None and (source.prefix, source.message_index, source.explicit) == ([1, 2, 3], 3, False)
+    assert source.prompt_length == 2
 
 
 def test_explicit_prefix_wins_and_belongs_to_the_last_assistant_message() -> None:

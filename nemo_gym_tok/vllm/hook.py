@@ -1,9 +1,10 @@
 """The prefix-splice hook inside vLLM's API server: the one module that depends on vLLM internals.
 
-It wraps two methods:
+It wraps three methods:
 - `OnlineRenderer.preprocess_chat` (chat templating for `/v1/chat/completions` and `/tokenize`): when the request
   carries `required_prefix_token_ids` or a bundled assistant message, the engine gets the model's exact prefix
-  ids followed by the template's tail (see nemo_gym_tok.splice);
+  ids followed by the template's tail, once the structural check holds (see nemo_gym_tok.splice);
+- `OnlineRenderer.warmup` (server start-up): detects the chat template's turn structure and logs what it found;
 - `OpenAIServingChat.chat_completion_full_generator` (non-streaming chat responses): adds the top-level
   `prefix_splice` telemetry and, with `logprobs` requested, this call's bundle on each `choice.message`.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import logging
 import os
 import weakref
@@ -19,11 +21,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from nemo_gym_tok.splice import (
+    NEW_SEGMENT_KEY,
     PREFIX_KEY,
     PrefixSource,
     SpliceError,
     SpliceResult,
+    TemplateProfile,
+    UnsupportedTemplateError,
     check_starts_with,
+    detect_profile,
     find_prefix_source,
     splice_prefix,
 )
@@ -39,11 +45,18 @@ TESTED_VLLM_VERSIONS = ("0.32.",)
 # module, class, method: what the hook wraps. A vLLM upgrade that moves any of these fails `check_internals()`.
 PATCHED_METHODS = (
     ("vllm.renderers.online_renderer", "OnlineRenderer", "preprocess_chat"),
+    ("vllm.renderers.online_renderer", "OnlineRenderer", "warmup"),
     ("vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat", "chat_completion_full_generator"),
 )
 # Other internals the wrappers use.
+# preprocess_chat's parameters the splice reads (by name, as vLLM's callers pass them).
+PREPROCESS_CHAT_PARAMETERS = (
+    "request", "messages", "default_template", "default_template_content_format", "default_template_kwargs", "tool_dicts",
+)
 USED_SYMBOLS = (
     ("vllm.exceptions", "VLLMValidationError"),
+    ("vllm.renderers.params", "ChatParams"),
+    ("vllm.renderers.params", "merge_kwargs"),
     ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionResponse"),
 )
 _MARKER = "__nemo_gym_tok_original__"
@@ -63,6 +76,12 @@ def check_internals() -> list[str]:
         owner = _lookup(module_name, class_name)
         if owner is None or not callable(getattr(owner, method, None)):
             missing.append(f"{module_name}.{class_name}.{method}")
+    preprocess_chat = getattr(_lookup(*PATCHED_METHODS[0][:2]), "preprocess_chat", None)
+    if preprocess_chat is not None:
+        parameters = inspect.signature(getattr(preprocess_chat, _MARKER, preprocess_chat)).parameters
+        missing.extend(
+            f"{'.'.join(PATCHED_METHODS[0])}({name}=...)" for name in PREPROCESS_CHAT_PARAMETERS if name not in parameters
+        )
     for module_name, symbol in USED_SYMBOLS:
         if _lookup(module_name, symbol) is None:
             missing.append(f"{module_name}.{symbol}")
@@ -92,8 +111,9 @@ def install() -> None:
     if is_installed():
         return
     renderer_cls = _lookup(*PATCHED_METHODS[0][:2])
-    serving_cls = _lookup(*PATCHED_METHODS[1][:2])
+    serving_cls = _lookup(*PATCHED_METHODS[2][:2])
     _wrap(renderer_cls, "preprocess_chat", _preprocess_chat_with_splice)
+    _wrap(renderer_cls, "warmup", _warmup_with_profile)
     _wrap(serving_cls, "chat_completion_full_generator", _full_generator_with_bundle)
     logger.info("nemo_gym_tok prefix-splice hook installed (vLLM %s)", vllm.__version__)
 
@@ -112,6 +132,24 @@ def _lookup(module_name: str, name: str) -> Any:
         return None
 
 
+def _warmup_with_profile(original: Any) -> Any:
+    import vllm
+
+    def warmup(self: Any) -> None:
+        original(self)
+        try:
+            profile = _profile_for(self, _StartupRequest(), None, None, None)
+        except SpliceError as exc:
+            logger.warning(
+                "nemo_gym_tok prefix-splice hook active (vLLM %s), but it cannot splice for this chat template: %s",
+                vllm.__version__, exc,
+            )
+            return
+        logger.info("nemo_gym_tok prefix-splice hook active (vLLM %s): %s", vllm.__version__, profile.describe())
+
+    return warmup
+
+
 def _preprocess_chat_with_splice(original: Any) -> Any:
     from vllm.exceptions import VLLMValidationError
 
@@ -121,15 +159,19 @@ def _preprocess_chat_with_splice(original: Any) -> Any:
         try:
             vocab_size = self.model_config.get_vocab_size()
             source = find_prefix_source(messages, getattr(request, PREFIX_KEY, None), vocab_size)
+            new_segment = _new_segment_requested(request)
         except SpliceError as exc:
             metrics.rejected()
             raise VLLMValidationError(str(exc), parameter=PREFIX_KEY) from None
         conversation, engine_inputs = await original(self, request, messages, *args, **kwargs)
         if source is None:
             return conversation, engine_inputs
-        tokenizer = self.renderer.get_tokenizer()
+        if new_segment:
+            _remember(request, {"applied": False, "template_differed": False, "replaced_tokens": 0, "new_segment": True})
+            return conversation, engine_inputs
         try:
-            result = await _splice(self, original, request, messages, args, kwargs, source, engine_inputs, tokenizer)
+            bound = _signature(original).bind(self, request, messages, *args, **kwargs)
+            result = _splice(self, request, messages, bound.arguments, source, engine_inputs)
         except SpliceError as exc:
             metrics.rejected()
             raise VLLMValidationError(str(exc), parameter=PREFIX_KEY) from None
@@ -145,42 +187,155 @@ def _preprocess_chat_with_splice(original: Any) -> Any:
     return preprocess_chat
 
 
-async def _splice(
-    renderer: Any, original: Any, request: Any, messages: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-    source: PrefixSource, engine_inputs: list[Any], tokenizer: Any,
+@functools.lru_cache(maxsize=4)
+def _signature(function: Any) -> inspect.Signature:
+    return inspect.signature(function)
+
+
+def _new_segment_requested(request: Any) -> bool:
+    value = getattr(request, NEW_SEGMENT_KEY, None)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise SpliceError(f"{NEW_SEGMENT_KEY} must be true or false, got {value!r}")
+    return value
+
+
+def _splice(
+    online: Any, request: Any, messages: list[Any], arguments: dict[str, Any], source: PrefixSource,
+    engine_inputs: list[Any],
 ) -> SpliceResult | None:
     if len(engine_inputs) != 1 or "prompt_token_ids" not in engine_inputs[0]:
         raise SpliceError("the prefix splice supports text-only chats rendered to one token prompt")
+    template_ids = list(engine_inputs[0]["prompt_token_ids"])
     if source.message_index < 0:
-        check_starts_with(engine_inputs[0]["prompt_token_ids"], source.prefix, tokenizer.decode)
+        check_starts_with(template_ids, source.prefix, online.renderer.get_tokenizer().decode)
         return None
-    # The template's ids for the history up to and including the prefix's assistant message: no generation prompt.
-    history_request = request.model_copy(update={"add_generation_prompt": False, "continue_final_message": False})
-    history_kwargs = {**kwargs, "parser": None, "skip_mm_cache": True}
-    history_args = args[:4]  # default template, its content format, default kwargs, tool dicts
-    _, (history_input,) = await original(
-        renderer, history_request, messages[: source.message_index + 1], *history_args, **history_kwargs
-    )
+    default_template = arguments.get("default_template")
+    content_format = arguments.get("default_template_content_format")
+    default_kwargs = arguments.get("default_template_kwargs")
+    tool_dicts = arguments.get("tool_dicts")
+    renderer = _RequestRenderer(online, request, default_template, content_format, default_kwargs, tool_dicts)
+    profile = _profile_for(online, request, default_template, content_format, default_kwargs)
+    template_text = engine_inputs[0].get("prompt")
+    truncate = getattr(request, "truncate_prompt_tokens", None)
+    truncate = truncate if isinstance(truncate, int) and truncate >= 0 else None
     return splice_prefix(
-        terminator_id=_terminator_id(tokenizer),
-        model_prefix=source.prefix,
-        template_history=history_input["prompt_token_ids"],
-        template_full=engine_inputs[0]["prompt_token_ids"],
-        decode=tokenizer.decode,
+        renderer, profile, [_plain_message(m) for m in messages], source,
+        add_generation_prompt=bool(getattr(request, "add_generation_prompt", True)),
+        continue_final_message=bool(getattr(request, "continue_final_message", False)),
+        truncate_prompt_tokens=truncate,
+        # Truncation cuts the template's ids at the front; compare the tail with them only where they are whole.
+        template_prompt=(template_text, template_ids) if isinstance(template_text, str) and truncate is None else None,
     )
 
 
-def _terminator_id(tokenizer: Any) -> int:
-    """The template's turn terminator: $NEMO_GYM_TOK_TURN_TERMINATOR (a token string), else the tokenizer's EOS."""
-    configured = os.environ.get(TERMINATOR_ENV)
-    if configured:
-        token_id = tokenizer.convert_tokens_to_ids(configured)
-        if not isinstance(token_id, int) or token_id == getattr(tokenizer, "unk_token_id", None):
-            raise SpliceError(f"{TERMINATOR_ENV}={configured!r} is not a token of this tokenizer")
-        return token_id
-    if tokenizer.eos_token_id is None:
-        raise SpliceError(f"the tokenizer has no EOS token; set {TERMINATOR_ENV} to the template's turn terminator")
-    return int(tokenizer.eos_token_id)
+class _StartupRequest:
+    """Stands in for a request at start-up: the server's default template and template arguments, no tools."""
+
+    add_generation_prompt = True
+    continue_final_message = False
+
+    def build_chat_params(self, default_template: Any, content_format: Any) -> Any:
+        from vllm.renderers.params import ChatParams
+
+        return ChatParams(chat_template=default_template, chat_template_content_format=content_format,
+                          chat_template_kwargs={})
+
+    def model_copy(self, update: dict[str, Any]) -> Any:
+        copy = _StartupRequest()
+        copy.__dict__.update(update)
+        return copy
+
+
+class _RequestRenderer:
+    """ChatRenderer over vLLM's own renderer, with one request's template, template arguments and tools."""
+
+    def __init__(
+        self, online: Any, request: Any, default_template: Any, content_format: Any, default_kwargs: Any, tools: Any
+    ) -> None:
+        self._online = online
+        self._request = request
+        self.template = default_template if default_template is not None else online.chat_template
+        self.content_format = content_format if content_format is not None else online.chat_template_content_format
+        self._kwargs = default_kwargs if default_kwargs is not None else online.default_chat_template_kwargs
+        self._tools = tools
+        self.tokenizer = online.renderer.get_tokenizer()
+        added = self.tokenizer.added_tokens_decoder.items()
+        self.added_tokens = {token.content: token_id for token_id, token in added}
+        self.special_tokens = {token.content: token_id for token_id, token in added if token.special}
+        self.end_token_ids = _end_token_ids(online.model_config, self.tokenizer)
+
+    def render(self, messages: Any, *, add_generation_prompt: bool, continue_final_message: bool = False) -> str:
+        return self._render(messages, self._tools, add_generation_prompt, continue_final_message)
+
+    def render_with_tools(self, messages: Any, tools: Any, *, add_generation_prompt: bool) -> str:
+        return self._render(messages, tools, add_generation_prompt, False)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Any) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def _render(self, messages: Any, tools: Any, add_generation_prompt: bool, continue_final_message: bool) -> str:
+        from vllm.renderers.params import merge_kwargs
+
+        request = self._request.model_copy(
+            update={"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
+        )
+        params = request.build_chat_params(self.template, self.content_format).with_defaults(
+            merge_kwargs(self._kwargs, {"tools": tools, "tokenize": False})
+        )
+        _, prompt = self._online.renderer.render_messages(list(messages), params)
+        text = prompt.get("prompt") if isinstance(prompt, dict) else None
+        if not isinstance(text, str):
+            raise UnsupportedTemplateError("this model's renderer does not produce prompt text, which the splice needs")
+        return text
+
+
+_profiles: dict[tuple[Any, ...], TemplateProfile] = {}
+
+
+def _profile_for(
+    online: Any, request: Any, default_template: Any, content_format: Any, default_kwargs: Any
+) -> TemplateProfile:
+    """The template profile for this request's template and template arguments, detected once per combination."""
+    renderer = _RequestRenderer(online, request, default_template, content_format, default_kwargs, None)
+    params = request.build_chat_params(renderer.template, renderer.content_format)
+    template_kwargs = {
+        key: value for key, value in (params.chat_template_kwargs or {}).items()
+        if key not in ("add_generation_prompt", "continue_final_message", "tools")
+    }
+    key = (id(online), params.chat_template, repr(sorted(template_kwargs.items(), key=lambda item: item[0])))
+    profile = _profiles.get(key)
+    if profile is None:
+        profile = detect_profile(renderer, terminator_override=os.environ.get(TERMINATOR_ENV) or None)
+        if len(_profiles) >= 256:  # one entry per template-argument combination; callers could vary them freely
+            _profiles.clear()
+        _profiles[key] = profile
+    return profile
+
+
+def _end_token_ids(model_config: Any, tokenizer: Any) -> frozenset[int]:
+    """The ids generation stops on: the generation config's eos ids and the tokenizer's eos."""
+    ends: set[int] = set()
+    try:
+        configured = (model_config.try_get_generation_config() or {}).get("eos_token_id")
+    except Exception:  # noqa: BLE001 - a model without a readable generation config still has the tokenizer's eos
+        configured = None
+    for value in configured if isinstance(configured, list) else [configured]:
+        if isinstance(value, int):
+            ends.add(value)
+    if tokenizer.eos_token_id is not None:
+        ends.add(int(tokenizer.eos_token_id))
+    return frozenset(ends)
+
+
+def _plain_message(message: Any) -> Any:
+    if isinstance(message, dict):
+        return message
+    return message.model_dump(exclude_none=True) if hasattr(message, "model_dump") else dict(message)
 
 
 def _remember(request: Any, telemetry: dict[str, Any]) -> None:

@@ -1,0 +1,48 @@
+"""The prefix splice: exact model ids for the history, the template's ids for what follows, or a 400 that says why.
+
+Pure functions with no vLLM import; the vLLM hook (nemo_gym_tok.vllm.hook) and the adapter's own splice call them.
+"""
+
+from nemo_gym_tok.splice._errors import (
+    BoundaryNotFoundError,
+    InvalidTokenIdsError,
+    SpliceError,
+    StalePrefixError,
+    StructureMismatchError,
+    UnsupportedTemplateError,
+)
+from nemo_gym_tok.splice._ids import (
+    BUNDLE_KEYS,
+    NEW_SEGMENT_KEY,
+    PREFIX_KEY,
+    PrefixSource,
+    check_starts_with,
+    check_token_ids,
+    find_prefix_source,
+)
+from nemo_gym_tok.splice._profile import TemplateProfile, detect_profile
+from nemo_gym_tok.splice._render import ChatRenderer, HFChatRenderer
+from nemo_gym_tok.splice._splice import RepairedTurn, SpliceResult, splice_prefix
+
+__all__ = [
+    "BUNDLE_KEYS",
+    "NEW_SEGMENT_KEY",
+    "PREFIX_KEY",
+    "BoundaryNotFoundError",
+    "ChatRenderer",
+    "HFChatRenderer",
+    "InvalidTokenIdsError",
+    "PrefixSource",
+    "RepairedTurn",
+    "SpliceError",
+    "SpliceResult",
+    "StalePrefixError",
+    "StructureMismatchError",
+    "TemplateProfile",
+    "UnsupportedTemplateError",
+    "check_starts_with",
+    "check_token_ids",
+    "detect_profile",
+    "find_prefix_source",
+    "splice_prefix",
+]

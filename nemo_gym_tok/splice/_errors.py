@@ -1,0 +1,31 @@
+"""Why a prefix cannot be spliced: one exception per kind of refusal, each a 400 with a message that says what to fix."""
+
+from __future__ import annotations
+
+
+class SpliceError(ValueError):
+    """The prefix cannot be spliced exactly; the message says why and what to fix."""
+
+
+class InvalidTokenIdsError(SpliceError):
+    """Ids that are not non-negative ints below the vocabulary size, or a malformed bundle."""
+
+
+class StalePrefixError(SpliceError):
+    """The prefix does not belong to these messages."""
+
+
+class StructureMismatchError(StalePrefixError):
+    """Outside the model's own spans, the prefix differs from what the template renders for the messages."""
+
+    def __init__(self, message: str, *, message_index: int | None) -> None:
+        super().__init__(message)
+        self.message_index = message_index
+
+
+class BoundaryNotFoundError(SpliceError):
+    """The template's rendering has no place where the assistant turn the prefix ends with is closed."""
+
+
+class UnsupportedTemplateError(SpliceError):
+    """The chat template renders turns in a way the splice cannot prove exact (no special-token turn ends, say)."""

@@ -1,0 +1,92 @@
+"""Where a request's required prefix comes from, and the validation of every token id a caller sends."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nemo_gym_tok.splice._errors import InvalidTokenIdsError, StalePrefixError
+from nemo_gym_tok.token_sources import PrefixMismatchError, check_prefix
+
+Decode = Callable[[Sequence[int]], str]
+
+BUNDLE_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+PREFIX_KEY = "required_prefix_token_ids"
+NEW_SEGMENT_KEY = "start_token_segment"
+"""Top-level request field: use the template's ids from this call on (the harness edited the history on purpose)."""
+
+
+@dataclass(frozen=True)
+class PrefixSource:
+    """The required prefix of a request and the index of the assistant message it ends with."""
+
+    prefix: list[int]
+    message_index: int
+    """-1 for an explicit prefix sent before any assistant turn: nothing to splice, only to check."""
+    explicit: bool
+    """True for a top-level `required_prefix_token_ids`, False when derived from a message's bundle."""
+    prompt_length: int | None = None
+    """For a bundle, how many of `prefix` are the prompt ids (the rest the generation); None for explicit."""
+
+
+def find_prefix_source(
+    messages: Sequence[Any], required_prefix: Any = None, vocab_size: int | None = None
+) -> PrefixSource | None:
+    """Where the request's prefix comes from: explicit `required_prefix_token_ids`, else the LAST bundled message.
+
+    An explicit prefix belongs to the last assistant message (index -1 if there is none yet). Raises
+    InvalidTokenIdsError for malformed input.
+    """
+    assistant_indices = [i for i, m in enumerate(messages) if _get(m, "role") == "assistant"]
+    if required_prefix is not None:
+        prefix = check_token_ids(required_prefix, PREFIX_KEY, vocab_size)
+        return PrefixSource(prefix, assistant_indices[-1] if assistant_indices else -1, explicit=True)
+    for index in reversed(range(len(messages))):
+        present = [key for key in BUNDLE_KEYS if _get(messages[index], key) is not None]
+        if not present:
+            continue
+        where = f"messages[{index}]"
+        if len(present) != len(BUNDLE_KEYS):
+            missing = ", ".join(k for k in BUNDLE_KEYS if k not in present)
+            raise InvalidTokenIdsError(f"{where}: token bundle is all or none; {missing} missing")
+        if _get(messages[index], "role") != "assistant":
+            raise InvalidTokenIdsError(f"{where}: a token bundle belongs on an assistant message")
+        prompt = check_token_ids(_get(messages[index], "prompt_token_ids"), f"{where}.prompt_token_ids", vocab_size)
+        generation = check_token_ids(
+            _get(messages[index], "generation_token_ids"), f"{where}.generation_token_ids", vocab_size
+        )
+        return PrefixSource(prompt + generation, index, explicit=False, prompt_length=len(prompt))
+    return None
+
+
+def check_starts_with(template_full: Sequence[int], prefix: Sequence[int], decode: Decode | None = None) -> None:
+    """For a prefix with no assistant turn to splice: the template's prompt must already start with it."""
+    try:
+        check_prefix(template_full, prefix)
+    except PrefixMismatchError as exc:
+        found = "end of prompt" if exc.found is None else exc.found
+        context = f" (prompt begins with {decode(list(template_full[max(0, exc.position - 11) : exc.position + 1]))!r})" if decode else ""
+        raise StalePrefixError(
+            f"{PREFIX_KEY} names no assistant turn to splice (none in messages) and the rendered prompt does not "
+            f"start with it: position {exc.position} is {found}, the prefix says {exc.expected}{context}"
+        ) from None
+
+
+def check_token_ids(ids: Any, field: str, vocab_size: int | None = None) -> list[int]:
+    """`ids` as a list of non-negative ints (bools, floats and strings rejected), below `vocab_size` if given."""
+    if not isinstance(ids, list):
+        raise InvalidTokenIdsError(f"{field} must be a list of token ids, got {type(ids).__name__}")
+    for position, value in enumerate(ids):
+        if type(value) is not int:
+            raise InvalidTokenIdsError(f"{field}[{position}] must be an int token id, got {value!r}")
+        if value < 0:
+            raise InvalidTokenIdsError(f"{field}[{position}] must be non-negative, got {value}")
+        if vocab_size is not None and value >= vocab_size:
+            raise InvalidTokenIdsError(f"{field}[{position}] = {value} is out of vocabulary (size {vocab_size})")
+    return list(ids)
+
+
+def _get(message: Any, key: str) -> Any:
+    return message.get(key) if isinstance(message, dict) else getattr(message, key, None)
+

@@ -1,0 +1,89 @@
+"""Assistant messages with their model-written text replaced by placeholders, so a template's rendering holds none of it.
+
+The splice never needs to know how the template renders the model's own text (that is the part it replaces), and
+that text may spell anything, a turn terminator included. Rendering placeholders instead keeps every special token in
+the template's output structural, and marks where each assistant turn's body lies.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+PLACEHOLDER = re.compile(r"ngt(?:body|think|fn|arg)(\d+)q")
+"""Placeholder text: letters and digits only, so templates that trim, split or escape content leave it whole."""
+
+
+def placeholder(kind: str, message_index: int) -> str:
+    return f"ngt{kind}{message_index}q"
+
+
+def neutralize(messages: Sequence[Any], up_to: int) -> list[dict[str, Any]]:
+    """Plain-dict copies of `messages`; assistant messages at index <= `up_to` get placeholder text.
+
+    Content always becomes a placeholder (so every neutral assistant turn renders one), reasoning becomes one where
+    the message has reasoning, and each tool call keeps its id but gets a placeholder name and placeholder argument
+    values (in the type the caller used: a JSON string stays a JSON string).
+    """
+    neutral = []
+    for index, message in enumerate(messages):
+        plain = _plain(message)
+        if index <= up_to and plain.get("role") == "assistant":
+            plain = _neutral_assistant(plain, index)
+        neutral.append(plain)
+    return neutral
+
+
+def placeholder_spans(text: str) -> dict[int, tuple[int, int]]:
+    """For each message index with a placeholder in `text`: (start of its first, end of its last)."""
+    spans: dict[int, tuple[int, int]] = {}
+    for match in PLACEHOLDER.finditer(text):
+        index = int(match.group(1))
+        start, end = spans.get(index, (match.start(), match.end()))
+        spans[index] = (min(start, match.start()), max(end, match.end()))
+    return spans
+
+
+def _neutral_assistant(message: dict[str, Any], index: int) -> dict[str, Any]:
+    neutral = {key: value for key, value in message.items() if key not in ("reasoning", "reasoning_content")}
+    neutral["content"] = placeholder("body", index)
+    if message.get("reasoning_content") or message.get("reasoning"):
+        neutral["reasoning_content"] = placeholder("think", index)
+    calls = message.get("tool_calls")
+    if calls:
+        neutral["tool_calls"] = [_neutral_call(call, index) for call in calls]
+    return neutral
+
+
+def _neutral_call(call: Any, index: int) -> dict[str, Any]:
+    call = _plain(call)
+    function = _plain(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            decoded = json.loads(arguments)
+        except ValueError:
+            decoded = None
+        neutral_arguments: Any = (
+            json.dumps(_neutral_arguments(decoded, index)) if isinstance(decoded, dict) else placeholder("arg", index)
+        )
+    elif isinstance(arguments, Mapping):
+        neutral_arguments = _neutral_arguments(arguments, index)
+    else:
+        neutral_arguments = {"ngt": placeholder("arg", index)}
+    return {**call, "function": {**function, "name": placeholder("fn", index), "arguments": neutral_arguments}}
+
+
+def _neutral_arguments(arguments: Mapping[str, Any], index: int) -> dict[str, Any]:
+    # Keys are kept (templates such as XML tool formats render one element per key); values are model text.
+    return {str(key): placeholder("arg", index) for key in arguments} or {"ngt": placeholder("arg", index)}
+
+
+def _plain(value: Any) -> dict[str, Any]:
+    if isinstance(value, Mapping):
+        return dict(value)
+    if hasattr(value, "model_dump"):
+        return value.model_dump(exclude_none=True)
+    return dict(value)

@@ -1,0 +1,154 @@
+"""What a chat template does at the end of an assistant turn, read from renderings of probe conversations.
+
+Detected once per served template: which special tokens close an assistant turn (a terminator such as <|im_end|>,
+<end_of_turn> or <|eot_id|>, or the next role token where the template has none, as GLM-4 does), which of the model's
+end tokens the template renders as another token (GPT-OSS ends with <|return|>, its history says <|end|>), and the
+text between the last special token of an assistant header and the body.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from nemo_gym_tok.splice._errors import UnsupportedTemplateError
+from nemo_gym_tok.splice._neutral import neutralize, placeholder_spans
+from nemo_gym_tok.splice._render import ChatRenderer
+
+_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look a word up.",
+        "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]},
+    },
+}
+_CALL = {"id": "call_0", "type": "function", "function": {"name": "lookup", "arguments": '{"word": "x"}'}}
+
+
+@dataclass(frozen=True)
+class TemplateProfile:
+    """How one chat template closes assistant turns; what the splice and the structural check rely on."""
+
+    closers: frozenset[str]
+    """Special tokens that close an assistant turn in the template's rendering (the first one after a body)."""
+    end_token_ids: frozenset[int]
+    """Ids the model stops on."""
+    replaced_end_tokens: frozenset[str]
+    """Model end tokens that the template renders as another closer once the turn is history."""
+    assistant_header: str
+    """Text between the last special token before an assistant body and the body (e.g. "assistant\\n")."""
+    special_tokens: Mapping[str, int]
+    """Special tokens by text: the anchors of the structure."""
+    overridden: bool = False
+
+    def closer_ids(self) -> frozenset[int]:
+        return frozenset(self.special_tokens[token] for token in self.closers)
+
+    def replaced_end_ids(self) -> frozenset[int]:
+        return frozenset(self.special_tokens[token] for token in self.replaced_end_tokens)
+
+    def describe(self) -> str:
+        how = "set by NEMO_GYM_TOK_TURN_TERMINATOR" if self.overridden else "detected"
+        replaced = f"; model end tokens rendered as a closer: {sorted(self.replaced_end_tokens)}" if self.replaced_end_tokens else ""
+        return (
+            f"assistant turns close with {sorted(self.closers)} ({how}); assistant header {self.assistant_header!r}"
+            f"{replaced}"
+        )
+
+
+def detect_profile(renderer: ChatRenderer, *, terminator_override: str | None = None) -> TemplateProfile:
+    """Read the template's turn structure from probe conversations rendered with neutral assistant turns.
+
+    Raises UnsupportedTemplateError when no special token closes an assistant turn (the splice could not tell where
+    the model's ids end) or the probes cannot be rendered at all.
+    """
+    special = special_tokens_of(renderer)
+    pattern = re.compile("|".join(re.escape(t) for t in sorted(special, key=len, reverse=True))) if special else None
+    closers: set[str] = set()
+    last_closers: set[str] = set()
+    headers: list[str] = []
+    rendered_any = False
+    for conversation, assistant_index, tools in _probes():
+        neutral = neutralize(conversation, assistant_index)
+        try:
+            text = _render(renderer, neutral, tools, add_generation_prompt=assistant_index < len(conversation) - 1)
+        except Exception:  # noqa: BLE001 - a template may refuse a probe shape (no tools, no system); try the others
+            continue
+        spans = placeholder_spans(text)
+        if assistant_index not in spans:
+            continue
+        rendered_any = True
+        first, last = spans[assistant_index]
+        closer = pattern.search(text, last) if pattern else None
+        is_last = assistant_index == len(conversation) - 1
+        if closer is not None:
+            (last_closers if is_last else closers).add(closer.group(0))
+        header_start = 0
+        if pattern:
+            for match in pattern.finditer(text, 0, first):
+                header_start = match.end()
+        headers.append(text[header_start:first])
+    if not rendered_any:
+        raise UnsupportedTemplateError("the chat template renders none of the probe conversations with an assistant turn")
+    if terminator_override:
+        if terminator_override not in special:
+            raise UnsupportedTemplateError(f"NEMO_GYM_TOK_TURN_TERMINATOR={terminator_override!r} is not a special token")
+        closers = {terminator_override}
+    if not closers:
+        raise UnsupportedTemplateError(
+            "the chat template closes assistant turns with no special token, so the model's own ids cannot be told "
+            "apart from the template's text; set NEMO_GYM_TOK_TURN_TERMINATOR if the model has a turn terminator"
+        )
+    end_tokens = {token for token, token_id in special.items() if token_id in renderer.end_token_ids}
+    replaced = {token for token in last_closers - closers if token in end_tokens}
+    return TemplateProfile(
+        closers=frozenset(closers),
+        end_token_ids=frozenset(renderer.end_token_ids),
+        replaced_end_tokens=frozenset(replaced),
+        assistant_header=_common_suffix(headers),
+        special_tokens=special,
+        overridden=bool(terminator_override),
+    )
+
+
+def special_tokens_of(renderer: ChatRenderer) -> dict[str, int]:
+    """The renderer's special tokens (role markers, terminators); every added token where none is marked."""
+    return dict(renderer.special_tokens) if renderer.special_tokens else dict(renderer.added_tokens)
+
+
+def _render(renderer: ChatRenderer, messages: list[dict[str, Any]], tools: Any, *, add_generation_prompt: bool) -> str:
+    render_with_tools = getattr(renderer, "render_with_tools", None)
+    if tools and render_with_tools is not None:
+        return render_with_tools(messages, tools, add_generation_prompt=add_generation_prompt)
+    return renderer.render(messages, add_generation_prompt=add_generation_prompt)
+
+
+def _probes() -> list[tuple[list[dict[str, Any]], int, list[dict[str, Any]] | None]]:
+    """(conversation, index of the assistant turn looked at, tools) to render, most common shapes first."""
+    user = {"role": "user", "content": "Hello there."}
+    again = {"role": "user", "content": "And once more?"}
+    system = {"role": "system", "content": "Be brief."}
+    reply = {"role": "assistant", "content": "Hi."}
+    call = {"role": "assistant", "content": "", "tool_calls": [_CALL]}
+    result = {"role": "tool", "tool_call_id": "call_0", "content": "a greeting"}
+    return [
+        ([user, reply, again], 1, None),
+        ([system, user, reply, again], 2, None),
+        ([user, reply, again, dict(reply), dict(again)], 3, None),
+        ([user, call, result], 1, [_TOOL]),
+        ([user, reply], 1, None),
+        ([system, user, reply], 2, None),
+    ]
+
+
+def _common_suffix(texts: list[str]) -> str:
+    if not texts:
+        return ""
+    suffix = texts[0]
+    for text in texts[1:]:
+        while suffix and not text.endswith(suffix):
+            suffix = suffix[1:]
+    return suffix

@@ -1,0 +1,280 @@
+"""The prefix splice: the model's exact ids for the history, then the template's ids for what follows, or a refusal.
+
+Given the messages of a request and the prefix of the assistant turn at `messages[a]` (the prompt + generation ids of
+the call that produced it), the spliced prompt is
+
+    prefix (its final end token dropped where the template supplies the turn's closing) + the template's ids after
+    the closing of messages[a]
+
+and it is returned only once the structural check holds: outside the model's own spans, the prefix is id for id what
+the template renders for `messages[:a]` (the messages it was produced from), and the template's rendering of all the
+messages has the same turn structure up to messages[a]. The template's rendering is done with neutral assistant turns
+(see _neutral), so nothing the model wrote can move a boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nemo_gym_tok.splice._errors import (
+    BoundaryNotFoundError,
+    StalePrefixError,
+    StructureMismatchError,
+    UnsupportedTemplateError,
+)
+from nemo_gym_tok.splice._ids import PREFIX_KEY, PrefixSource, _get
+from nemo_gym_tok.splice._neutral import neutralize, placeholder_spans
+from nemo_gym_tok.splice._profile import TemplateProfile
+from nemo_gym_tok.splice._render import ChatRenderer
+from nemo_gym_tok.splice._structure import Layout, Mismatch, locate_bodies, match_fixed_segments, special_skeleton
+from nemo_gym_tok.token_sources import first_difference
+
+
+@dataclass(frozen=True)
+class RepairedTurn:
+    """An assistant turn whose model ids the template's rendering got wrong."""
+
+    message_index: int
+    replaced_tokens: int
+    """Template ids from the first difference to the end of the turn's body: what the model's ids replaced."""
+
+
+@dataclass(frozen=True)
+class SpliceResult:
+    prompt_token_ids: list[int]
+    kept_prefix_length: int
+    """How many of the prefix's ids open the prompt (all, or all but an end token the template's closing replaces)."""
+    template_differed: bool
+    """The template's ids for the history were not the model's ids."""
+    replaced_tokens: int
+    """Template history ids from the first difference to the boundary: what the model's ids replaced."""
+    end_token_replaced: bool
+    """The model's final end token became the template's closing (GPT-OSS <|return|> -> <|end|>, say)."""
+    repaired_turns: tuple[RepairedTurn, ...] | None
+    """Per assistant turn, where the template's ids could be aligned turn by turn; None where they could not."""
+
+    def telemetry(self) -> dict[str, Any]:
+        telemetry: dict[str, Any] = {
+            "applied": True, "template_differed": self.template_differed, "replaced_tokens": self.replaced_tokens,
+        }
+        if self.repaired_turns is not None:
+            telemetry["repaired_turns"] = [
+                {"message_index": turn.message_index, "replaced_tokens": turn.replaced_tokens} for turn in self.repaired_turns
+            ]
+        if self.end_token_replaced:
+            telemetry["end_token_replaced"] = True
+        return telemetry
+
+
+def splice_prefix(
+    renderer: ChatRenderer,
+    profile: TemplateProfile,
+    messages: Sequence[Any],
+    source: PrefixSource,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    truncate_prompt_tokens: int | None = None,
+    template_prompt: tuple[str, list[int]] | None = None,
+) -> SpliceResult:
+    """Splice `source.prefix` (belonging to messages[source.message_index]) into the prompt for `messages`.
+
+    `template_prompt` is the server's own (text, ids) rendering of the request, when it has one: the tail must agree
+    with it, and the telemetry says what the splice repaired. Raises a SpliceError subclass when the result could not
+    be proven exact.
+    """
+    a = source.message_index
+    prefix = source.prefix
+    if a < 0:
+        raise ValueError("splice_prefix() needs a prefix that belongs to an assistant message; use check_starts_with")
+    if not prefix:
+        raise StalePrefixError(
+            f"{_what(source)} is empty, but messages[{a}] is an assistant turn: send the ids of the call that produced it "
+            "(prompt + generation), or no prefix at all"
+        )
+    closer_ids = profile.closer_ids()
+    neutral = neutralize(messages, a)
+    earlier = [j for j in range(a) if _get(messages[j], "role") == "assistant"]
+    find = _body_finder(profile)
+
+    prompt_text = _render(renderer, neutral[:a], add_generation_prompt=True, what="the messages before the prefix's turn")
+    prompt_layout = Layout(prompt_text, find(prompt_text, earlier, None))
+    bodies, mismatch = match_fixed_segments(prefix, prompt_layout, renderer.encode, closer_ids)
+    if mismatch is not None:
+        raise _mismatch_error(renderer, neutral, a, prompt_layout, mismatch, source)
+    generation_start, _ = bodies[-1]
+    if generation_start == len(prefix):
+        raise StalePrefixError(
+            f"{_what(source)} ends where the prompt for messages[{a}] ends: the last assistant span is empty. Send the "
+            "prompt ids followed by the ids the model generated"
+        )
+    ends = closer_ids | profile.end_token_ids
+    inner_end = next((i for i in range(generation_start, len(prefix) - 1) if prefix[i] in ends), None)
+    if inner_end is not None:
+        raise StalePrefixError(
+            f"stale prefix: {_what(source)} holds the turn end {renderer.decode([prefix[inner_end]])!r} at id "
+            f"{inner_end}, inside what would be the model's turn in messages[{a}] (generation stops there, so the "
+            "prefix spans more turns than these messages have). Send the prefix of the last assistant message, or "
+            "the messages it was produced with"
+        )
+    if source.prompt_length is not None and source.prompt_length != generation_start:
+        raise StructureMismatchError(
+            f"messages[{a}].prompt_token_ids holds {source.prompt_length} ids, but the template's prompt for the "
+            f"messages before it is {generation_start} ids long (its ids match up to there): the bundle does not "
+            "belong to these messages",
+            message_index=a,
+        )
+
+    full_text = _render(
+        renderer, neutral, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+        what="the messages",
+    )
+    full_layout = Layout(full_text, find(full_text, [*earlier, a], a if continue_final_message else None))
+    _check_same_turns(prompt_layout, full_layout, profile, a)
+    body = full_layout.bodies[-1]
+    tail_text = full_text[body.end :]
+    repeated = sorted(set(placeholder_spans(tail_text)))
+    if repeated:
+        raise UnsupportedTemplateError(
+            f"the chat template renders text of messages[{repeated[0]}] again after the turn of messages[{a}] closes; "
+            "the splice cannot prove such a prompt exact"
+        )
+    if template_prompt is not None and not template_prompt[0].endswith(tail_text):
+        raise UnsupportedTemplateError(
+            "the chat template renders the turns after the prefix differently depending on earlier assistant text; "
+            "the splice cannot prove such a prompt exact"
+        )
+    tail = renderer.encode(tail_text)
+    if template_prompt is not None and (len(tail) > len(template_prompt[1]) or template_prompt[1][len(template_prompt[1]) - len(tail):] != tail):
+        raise UnsupportedTemplateError(
+            "the tokenizer splits the text after the prefix's turn differently on its own than inside the whole prompt"
+        )
+    kept, end_replaced = _kept_prefix(prefix, tail, profile, continue_final_message, source)
+    spliced = prefix[:kept] + tail
+    if truncate_prompt_tokens is not None and 0 <= truncate_prompt_tokens < len(spliced):
+        raise StalePrefixError(
+            f"truncate_prompt_tokens={truncate_prompt_tokens} would cut the first {len(spliced) - truncate_prompt_tokens} "
+            f"ids of the spliced prompt ({len(spliced)} ids), which are the model's prefix; drop truncate_prompt_tokens "
+            "or start a new token segment"
+        )
+    differed, replaced, repaired = _repairs(prefix[:kept], tail, template_prompt, full_layout, renderer, closer_ids, bodies)
+    return SpliceResult(
+        prompt_token_ids=spliced, kept_prefix_length=kept, template_differed=differed, replaced_tokens=replaced,
+        end_token_replaced=end_replaced, repaired_turns=repaired,
+    )
+
+
+def _body_finder(profile: TemplateProfile) -> Any:
+    def find(text: str, indices: list[int], open_ended: int | None) -> Any:
+        try:
+            return locate_bodies(
+                text, indices, special_tokens=profile.special_tokens, closers=profile.closers,
+                assistant_header=profile.assistant_header, open_ended=open_ended,
+            )
+        except LookupError as exc:
+            raise BoundaryNotFoundError(f"{exc}; the splice cannot tell where the model's ids end") from None
+
+    return find
+
+
+def _render(renderer: ChatRenderer, messages: list[dict[str, Any]], *, what: str, **kwargs: Any) -> str:
+    try:
+        return renderer.render(messages, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - a template raising on a message shape is the caller's input problem
+        raise UnsupportedTemplateError(f"the chat template cannot render {what}: {exc}") from None
+
+
+def _check_same_turns(prompt: Layout, full: Layout, profile: TemplateProfile, a: int) -> None:
+    """The full rendering has the turn structure of the prompt the prefix was produced from, up to messages[a]."""
+    before = special_skeleton(prompt, profile.special_tokens)
+    now = special_skeleton(full, profile.special_tokens, until=full.bodies[-1].start)
+    extra = before[len(now) :]
+    if before[: len(now)] != now or any(token in profile.closers for token in extra):
+        raise UnsupportedTemplateError(
+            f"the chat template renders the turns before messages[{a}] with other special tokens once more messages "
+            f"follow ({' '.join(before)!r} then, {' '.join(now)!r} now); the splice cannot prove the prompt exact"
+        )
+
+
+def _kept_prefix(
+    prefix: list[int], tail: list[int], profile: TemplateProfile, continue_final_message: bool, source: PrefixSource
+) -> tuple[int, bool]:
+    """How many prefix ids open the prompt, and whether the model's end token was replaced by the template's closing."""
+    last = prefix[-1]
+    if continue_final_message:
+        if last in profile.end_token_ids:
+            raise StalePrefixError(
+                f"continue_final_message asks to continue messages[{source.message_index}], but {_what(source)} ends on "
+                f"the model's end token {last}: that turn is over. Drop continue_final_message"
+            )
+        return len(prefix), False
+    if tail and last == tail[0]:
+        return len(prefix) - 1, False
+    if last in profile.end_token_ids and (last in profile.closer_ids() or last in profile.replaced_end_ids()):
+        return len(prefix) - 1, True
+    return len(prefix), False
+
+
+def _repairs(
+    kept: list[int], tail: list[int], template_prompt: tuple[str, list[int]] | None, full: Layout,
+    renderer: ChatRenderer, closer_ids: frozenset[int], model_bodies: list[tuple[int, int]],
+) -> tuple[bool, int, tuple[RepairedTurn, ...] | None]:
+    if template_prompt is None:
+        return False, 0, None
+    history = template_prompt[1][: len(template_prompt[1]) - len(tail)]
+    difference = first_difference(history, kept)
+    if difference is None:
+        return False, 0, ()
+    replaced = len(history) - difference
+    history_layout = Layout(full.text[: full.bodies[-1].end], full.bodies)
+    template_bodies, mismatch = match_fixed_segments(history, history_layout, renderer.encode, closer_ids)
+    template_bodies = template_bodies[: len(full.bodies)]  # the walk ends with an empty span after the last body
+    if mismatch is not None or len(template_bodies) != len(model_bodies):
+        return True, replaced, None
+    repaired = []
+    for body, (t_start, t_end), (m_start, m_end) in zip(full.bodies, template_bodies, model_bodies):
+        template_ids, model_ids = history[t_start:t_end], kept[m_start:min(m_end, len(kept))]
+        turn_difference = first_difference(template_ids, model_ids)
+        if turn_difference is not None:
+            repaired.append(RepairedTurn(body.message_index, len(template_ids) - turn_difference))
+    return True, replaced, tuple(repaired)
+
+
+def _mismatch_error(
+    renderer: ChatRenderer, neutral: list[dict[str, Any]], a: int, layout: Layout, mismatch: Mismatch,
+    source: PrefixSource,
+) -> StructureMismatchError:
+    start, end = mismatch.segment
+    offset = start + len(renderer.decode(renderer.encode(layout.text[start:end])[: mismatch.segment_position]))
+    index = _message_at(renderer, neutral, a, layout.text, offset)
+    where = f"messages[{index}]" if index is not None else f"the prompt the template renders before messages[{a}]"
+    return StructureMismatchError(
+        f"{_what(source)} does not belong to these messages: at id {mismatch.position} it differs from what the chat "
+        f"template renders for {where} (template: {renderer.decode(mismatch.expected)!r}, prefix: "
+        f"{renderer.decode(mismatch.found)!r}). Send the messages the prefix was produced with; to replace edited "
+        "history on purpose, start a new token segment",
+        message_index=index,
+    )
+
+
+def _message_at(renderer: ChatRenderer, neutral: list[dict[str, Any]], a: int, text: str, offset: int) -> int | None:
+    """The first message whose rendering (with those before it) reaches past `offset` in `text`."""
+    for index in range(a):
+        try:
+            partial = renderer.render(neutral[: index + 1], add_generation_prompt=False)
+        except Exception:  # noqa: BLE001 - some templates refuse partial conversations; try a longer one
+            continue
+        common = 0
+        for left, right in zip(partial, text):
+            if left != right:
+                break
+            common += 1
+        if common > offset:
+            return index
+    return None
+
+
+def _what(source: PrefixSource) -> str:
+    return PREFIX_KEY if source.explicit else f"the token bundle of messages[{source.message_index}]"

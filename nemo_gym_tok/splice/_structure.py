@@ -1,0 +1,155 @@
+"""The structure of a neutral rendering (fixed template text vs. assistant bodies) and the structural check of a prefix.
+
+A neutral rendering (see _neutral) is cut into fixed segments and assistant bodies. A body runs from the end of the
+assistant header to the turn's closing special token; everything else (system, user and tool messages, tool schemas,
+role headers, closings) is fixed. The structural check walks the caller's ids: every fixed segment must be there id
+for id, and each body holds whatever the model generated (it ends at the first closing id, which a model cannot
+generate inside a turn because generation stops on it).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from nemo_gym_tok.splice._neutral import placeholder_spans
+
+Encode = Callable[[str], list[int]]
+
+
+@dataclass(frozen=True)
+class Body:
+    """One assistant turn's body in a neutral rendering: text offsets [start, end); `end` is where its closing starts."""
+
+    message_index: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A neutral rendering cut into fixed segments around assistant bodies."""
+
+    text: str
+    bodies: tuple[Body, ...]
+
+    def fixed_segments(self) -> list[tuple[int, int]]:
+        """Text offsets of the fixed segments: before the first body, between bodies, after the last."""
+        segments, start = [], 0
+        for body in self.bodies:
+            segments.append((start, body.start))
+            start = body.end
+        segments.append((start, len(self.text)))
+        return segments
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """The first place the caller's ids leave the template's fixed text."""
+
+    position: int
+    """Index in the caller's ids."""
+    segment: tuple[int, int]
+    """Text offsets in the neutral rendering of the fixed segment that differs."""
+    segment_position: int
+    """Index within that segment's ids where the difference starts."""
+    expected: list[int]
+    found: list[int]
+
+
+def locate_bodies(
+    text: str, message_indices: Sequence[int], *, special_tokens: Mapping[str, int], closers: frozenset[str],
+    assistant_header: str, open_ended: int | None = None,
+) -> tuple[Body, ...]:
+    """The bodies of the neutral assistant messages `message_indices` in `text`, in order.
+
+    A body starts after the assistant header (the last special token before the message's first placeholder, then
+    `assistant_header` if the text continues with it) and ends where the first closing token after the message's last
+    placeholder starts. `open_ended` names a message whose body may run to the end of the text (a final message
+    rendered with continue_final_message). Raises LookupError with the reason when a body cannot be located.
+    """
+    spans = placeholder_spans(text)
+    specials = _special_pattern(tuple(sorted(special_tokens, key=len, reverse=True)))
+    closing = _special_pattern(tuple(sorted(closers, key=len, reverse=True)))
+    bodies, previous_end = [], 0
+    for index in message_indices:
+        if index not in spans:
+            raise LookupError(f"the template renders nothing of messages[{index}] (an assistant turn)")
+        first, last = spans[index]
+        start = previous_end
+        for match in specials.finditer(text, previous_end, first):
+            start = match.end()
+        header_at = text.rfind(assistant_header, start, first) if assistant_header else -1
+        if header_at >= 0:
+            start = header_at + len(assistant_header)
+        close = closing.search(text, last)
+        if close is None:
+            if index != open_ended:
+                raise LookupError(f"no turn-closing token follows messages[{index}] (an assistant turn)")
+            end = len(text)
+        else:
+            end = close.start()
+        if start < previous_end or end < last:
+            raise LookupError(f"the turns around messages[{index}] overlap in the template's rendering")
+        bodies.append(Body(index, start, end))
+        previous_end = end
+    return tuple(bodies)
+
+
+def special_skeleton(layout: Layout, special_tokens: Mapping[str, int], until: int | None = None) -> list[str]:
+    """The special tokens of the fixed segments, in order (up to text offset `until`)."""
+    pattern = _special_pattern(tuple(sorted(special_tokens, key=len, reverse=True)))
+    skeleton = []
+    for start, end in layout.fixed_segments():
+        end = end if until is None else min(end, until)
+        if start < end:
+            skeleton.extend(match.group(0) for match in pattern.finditer(layout.text, start, end))
+    return skeleton
+
+
+def match_fixed_segments(
+    ids: Sequence[int], layout: Layout, encode: Encode, closer_ids: frozenset[int]
+) -> tuple[list[tuple[int, int]], Mismatch | None]:
+    """Walk `ids` along `layout`: fixed segments id for id, bodies up to the next closing id.
+
+    Returns the id spans [start, end) of the bodies found (the last one runs to the end of `ids`) and the first
+    mismatch, if any.
+    """
+    segments = layout.fixed_segments()
+    body_spans: list[tuple[int, int]] = []
+    position = 0
+    for number, (start, end) in enumerate(segments):
+        expected = encode(layout.text[start:end]) if end > start else []
+        if number > 0:
+            # The body before this segment ends at the first closing id: the segment starts with one.
+            closing = _first_closing(ids, position, closer_ids)
+            if expected and closing is None:
+                return body_spans, Mismatch(len(ids), (start, end), 0, expected[:8], [])
+            body_end = closing if expected else len(ids)
+            body_spans.append((position, body_end))
+            position = body_end
+        found = list(ids[position : position + len(expected)])
+        if found != expected:
+            differs = next((i for i, (a, b) in enumerate(zip(found, expected)) if a != b), min(len(found), len(expected)))
+            return body_spans, Mismatch(
+                position + differs, (start, end), differs, expected[differs : differs + 8], found[differs : differs + 8]
+            )
+        position += len(expected)
+    body_spans.append((position, len(ids)))
+    return body_spans, None
+
+
+def _first_closing(ids: Sequence[int], start: int, closer_ids: frozenset[int]) -> int | None:
+    for index in range(start, len(ids)):
+        if ids[index] in closer_ids:
+            return index
+    return None
+
+
+@lru_cache(maxsize=64)
+def _special_pattern(tokens: tuple[str, ...]) -> re.Pattern[str]:
+    if not tokens:
+        return re.compile(r"(?!x)x")  # matches nothing
+    return re.compile("|".join(re.escape(token) for token in tokens))
