@@ -23,6 +23,7 @@ _EXPORTS = {
     # rollouts and training data
     "collect": "nemo_gym_tok.collect",
     "rollout_to_training_sequence": "nemo_gym_tok.training",
+    "rollout_to_training_sequences": "nemo_gym_tok.training",
     "TrainingSequence": "nemo_gym_tok.training",
     "bundled_turns": "nemo_gym_tok.contiguity",
     "check_contiguous": "nemo_gym_tok.contiguity",

@@ -28,6 +28,16 @@ class BundledTurn:
         """The hook replaced template ids that differed from the model's."""
         return bool(self.prefix_splice and self.prefix_splice.get("template_differed"))
 
+    @property
+    def starts_segment(self) -> bool:
+        """The caller asked for the template's ids from this call on (`start_token_segment`): a new sequence."""
+        return bool(self.prefix_splice and self.prefix_splice.get("new_segment"))
+
+    @property
+    def end_token_replaced(self) -> bool:
+        """The previous call's final end token gave way to the template's closing (GPT-OSS <|return|> -> <|end|>)."""
+        return bool(self.prefix_splice and self.prefix_splice.get("end_token_replaced"))
+
 
 class NotContiguousError(ValueError):
     """A model call's prompt does not start with the ids before it; says where, with decoded context."""
@@ -61,12 +71,29 @@ def bundled_turns(record: dict[str, Any]) -> list[BundledTurn]:
     return turns
 
 
+def segments(turns: Sequence[BundledTurn]) -> list[list[BundledTurn]]:
+    """The turns cut where a call started a new token segment (each segment trains as its own sequence)."""
+    cut: list[list[BundledTurn]] = []
+    for turn in turns:
+        if not cut or turn.starts_segment:
+            cut.append([])
+        cut[-1].append(turn)
+    return cut
+
+
 def check_contiguous(turns: Sequence[BundledTurn], decode: Decode | None = None) -> None:
-    """Raise NotContiguousError at the first model call whose prompt does not extend the ids before it."""
+    """Raise NotContiguousError at the first model call whose prompt does not extend the ids before it.
+
+    A call that starts a new token segment starts afresh; a call whose splice replaced the previous call's final end
+    token with the template's closing must extend all ids before it but that one.
+    """
     seen: list[int] = []
     for number, turn in enumerate(turns):
+        if turn.starts_segment:
+            seen = []
+        expected = seen[:-1] if turn.end_token_replaced and seen else seen
         try:
-            check_prefix(turn.prompt_token_ids, seen)
+            check_prefix(turn.prompt_token_ids, expected)
         except PrefixMismatchError as exc:
             context = _context(seen, turn.prompt_token_ids, exc.position, decode)
             raise NotContiguousError(number, exc.position, exc.expected, exc.found, context) from None

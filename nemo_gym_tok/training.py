@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nemo_gym_tok.contiguity import Decode, bundled_turns, check_contiguous
+from nemo_gym_tok.contiguity import BundledTurn, Decode, bundled_turns, check_contiguous, segments
 
 
 @dataclass(frozen=True)
@@ -32,8 +32,27 @@ class NoTokenBundlesError(ValueError):
     """The record has no token bundles: collect with the adapter's `return_token_id_information: true`."""
 
 
+class SeveralSegmentsError(ValueError):
+    """The episode restarted its token sequence (`start_token_segment`): use rollout_to_training_sequences."""
+
+
 def rollout_to_training_sequence(record: dict[str, Any], decode: Decode | None = None) -> TrainingSequence:
-    """The whole episode as one sequence; raises NotContiguousError (first differing position, decoded context)."""
+    """The whole episode as one sequence; raises NotContiguousError (first differing position, decoded context).
+
+    An episode whose harness started a new token segment has one sequence per segment: this raises
+    SeveralSegmentsError for it; `rollout_to_training_sequences` returns them all.
+    """
+    sequences = rollout_to_training_sequences(record, decode)
+    if len(sequences) > 1:
+        raise SeveralSegmentsError(
+            f"the rollout has {len(sequences)} token segments (its harness sent start_token_segment); "
+            "use rollout_to_training_sequences, which returns one sequence per segment"
+        )
+    return sequences[0]
+
+
+def rollout_to_training_sequences(record: dict[str, Any], decode: Decode | None = None) -> list[TrainingSequence]:
+    """One sequence per token segment of the episode (one for an episode that never restarted its ids)."""
     turns = bundled_turns(record)
     if not turns:
         raise NoTokenBundlesError(
@@ -41,6 +60,13 @@ def rollout_to_training_sequence(record: dict[str, Any], decode: Decode | None =
             "return_token_id_information: true"
         )
     check_contiguous(turns, decode)
+    reward = record.get("reward")
+    return [_sequence(segment, float(reward) if reward is not None else None) for segment in segments(turns)]
+
+
+def _sequence(turns: list[BundledTurn], reward: float | None) -> TrainingSequence:
+    # A call whose splice replaced the previous final end token (GPT-OSS <|return|>) was conditioned on the
+    # template's closing at that position; the sequence keeps the sampled id there, with its log prob.
     token_ids: list[int] = []
     loss_mask: list[int] = []
     log_probs: list[float] = []
@@ -55,5 +81,4 @@ def rollout_to_training_sequence(record: dict[str, Any], decode: Decode | None =
         loss_mask += [1] * len(turn.generation_token_ids)
         log_probs += turn.generation_log_probs
         spans.append((start, len(token_ids)))
-    reward = record.get("reward")
-    return TrainingSequence(token_ids, loss_mask, log_probs, spans, float(reward) if reward is not None else None)
+    return TrainingSequence(token_ids, loss_mask, log_probs, spans, reward)

@@ -7,7 +7,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nemo_gym_tok.contiguity import NotContiguousError, bundled_turns, check_contiguous
-from nemo_gym_tok.training import NoTokenBundlesError, rollout_to_training_sequence
+from nemo_gym_tok.training import (
+    NoTokenBundlesError,
+    SeveralSegmentsError,
+    rollout_to_training_sequence,
+    rollout_to_training_sequences,
+)
 
 END = 9
 
@@ -76,3 +81,31 @@ def test_generated_contiguous_episodes_round_trip(turns) -> None:
     assert sum(sequence.loss_mask) == sum(len(g) for _, g in turns)
     assert [sequence.token_ids[a:b] for a, b in sequence.turns] == [g for _, g in turns]
     assert all(m == 1 for a, b in sequence.turns for m in sequence.loss_mask[a:b])
+
+
+def test_new_token_segment_starts_a_new_sequence() -> None:
+    restarted = {"applied": False, "template_differed": False, "replaced_tokens": 0, "new_segment": True}
+    episode = record(
+        item([1, 2], [3, END]),
+        item([7, 8], [4, END], prefix_splice=restarted),   # the harness compacted the history: new ids from here
+        item([7, 8, 4, END, 5], [6]),
+    )
+    first, second = rollout_to_training_sequences(episode)
+    assert first.token_ids == [1, 2, 3, END] and first.turns == [(2, 4)]
+    assert second.token_ids == [7, 8, 4, END, 5, 6] and second.loss_mask == [0, 0, 1, 1, 0, 1]
+    with pytest.raises(SeveralSegmentsError, match="2 token segments"):
+        rollout_to_training_sequence(episode)
+    without_flag = record(*[{k: v for k, v in i.items() if k != "prefix_splice"} for i in episode["response"]["output"]])
+    with pytest.raises(NotContiguousError):  # the same record without the segment mark is a broken rollout
+        rollout_to_training_sequences(without_flag)
+
+
+def test_replaced_end_token_is_contiguous_and_keeps_the_sampled_id() -> None:
+    RETURN, CLOSE = 20, 21  # GPT-OSS: the model ends on <|return|>, the history renders <|end|>
+    replaced = {"applied": True, "template_differed": True, "replaced_tokens": 1, "end_token_replaced": True}
+    episode = record(item([1, 2], [3, RETURN]), item([1, 2, 3, CLOSE, 5], [6], prefix_splice=replaced))
+    (sequence,) = rollout_to_training_sequences(episode)
+    assert sequence.token_ids == [1, 2, 3, RETURN, 5, 6]
+    assert sequence.loss_mask == [0, 0, 1, 1, 0, 1]
+    with pytest.raises(NotContiguousError):  # without the telemetry the swap is a contiguity break
+        rollout_to_training_sequences(record(item([1, 2], [3, RETURN]), item([1, 2, 3, CLOSE, 5], [6])))

@@ -101,7 +101,7 @@ def splice_prefix(
 
     prompt_text = _render(renderer, neutral[:a], add_generation_prompt=True, what="the messages before the prefix's turn")
     prompt_layout = Layout(prompt_text, find(prompt_text, earlier, None))
-    bodies, mismatch = match_fixed_segments(prefix, prompt_layout, renderer.encode, closer_ids)
+    bodies, mismatch = match_fixed_segments(prefix, prompt_layout, renderer.encode, closer_ids, profile.end_token_ids)
     if mismatch is not None:
         raise _mismatch_error(renderer, neutral, a, prompt_layout, mismatch, source)
     generation_start, _ = bodies[-1]
@@ -110,8 +110,7 @@ def splice_prefix(
             f"{_what(source)} ends where the prompt for messages[{a}] ends: the last assistant span is empty. Send the "
             "prompt ids followed by the ids the model generated"
         )
-    ends = closer_ids | profile.end_token_ids
-    inner_end = next((i for i in range(generation_start, len(prefix) - 1) if prefix[i] in ends), None)
+    inner_end = next((i for i in range(generation_start, len(prefix) - 1) if prefix[i] in profile.end_token_ids), None)
     if inner_end is not None:
         raise StalePrefixError(
             f"stale prefix: {_what(source)} holds the turn end {renderer.decode([prefix[inner_end]])!r} at id "

@@ -3,8 +3,8 @@
 A neutral rendering (see _neutral) is cut into fixed segments and assistant bodies. A body runs from the end of the
 assistant header to the turn's closing special token; everything else (system, user and tool messages, tool schemas,
 role headers, closings) is fixed. The structural check walks the caller's ids: every fixed segment must be there id
-for id, and each body holds whatever the model generated (it ends at the first closing id, which a model cannot
-generate inside a turn because generation stops on it).
+for id, and each body holds whatever the model generated (it ends at a closing id followed by the next fixed segment,
+and never past an end id, where generation stops).
 """
 
 from __future__ import annotations
@@ -110,12 +110,13 @@ def special_skeleton(layout: Layout, special_tokens: Mapping[str, int], until: i
 
 
 def match_fixed_segments(
-    ids: Sequence[int], layout: Layout, encode: Encode, closer_ids: frozenset[int]
+    ids: Sequence[int], layout: Layout, encode: Encode, closer_ids: frozenset[int], end_ids: frozenset[int] = frozenset()
 ) -> tuple[list[tuple[int, int]], Mismatch | None]:
-    """Walk `ids` along `layout`: fixed segments id for id, bodies up to the next closing id.
+    """Walk `ids` along `layout`: fixed segments id for id, each body up to the closing id where the next segment is.
 
-    Returns the id spans [start, end) of the bodies found (the last one runs to the end of `ids`) and the first
-    mismatch, if any.
+    A body ends at a closing id followed by the next fixed segment; it cannot run past an end id (`end_ids`), where
+    generation stops. Returns the id spans [start, end) of the bodies found (the last one runs to the end of `ids`)
+    and the first mismatch, if any.
     """
     segments = layout.fixed_segments()
     body_spans: list[tuple[int, int]] = []
@@ -123,11 +124,9 @@ def match_fixed_segments(
     for number, (start, end) in enumerate(segments):
         expected = encode(layout.text[start:end]) if end > start else []
         if number > 0:
-            # The body before this segment ends at the first closing id: the segment starts with one.
-            closing = _first_closing(ids, position, closer_ids)
-            if expected and closing is None:
+            body_end = _segment_start(ids, position, expected, closer_ids, end_ids) if expected else len(ids)
+            if body_end is None:
                 return body_spans, Mismatch(len(ids), (start, end), 0, expected[:8], [])
-            body_end = closing if expected else len(ids)
             body_spans.append((position, body_end))
             position = body_end
         found = list(ids[position : position + len(expected)])
@@ -141,11 +140,24 @@ def match_fixed_segments(
     return body_spans, None
 
 
-def _first_closing(ids: Sequence[int], start: int, closer_ids: frozenset[int]) -> int | None:
+def _segment_start(
+    ids: Sequence[int], start: int, expected: list[int], closer_ids: frozenset[int], end_ids: frozenset[int]
+) -> int | None:
+    """Where the body that starts at `start` ends: the first closing id the `expected` segment starts at.
+
+    Without a match, the first closing id (so the mismatch is reported there); None when there is no closing id.
+    """
+    first = None
+    length = len(expected)
     for index in range(start, len(ids)):
-        if ids[index] in closer_ids:
+        token = ids[index]
+        if token not in closer_ids:
+            continue
+        if first is None:
+            first = index
+        if list(ids[index : index + length]) == expected or token in end_ids:
             return index
-    return None
+    return first
 
 
 @lru_cache(maxsize=64)

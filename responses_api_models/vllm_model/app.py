@@ -33,6 +33,8 @@ class VLLMModelConfig(BaseServerConfig):
     """Put prompt_token_ids, generation_token_ids and generation_log_probs on every returned message."""
     use_return_token_ids: bool = True
     """Ask vLLM for `return_token_ids`; false uses the `/tokenize` fallback for prompt ids."""
+    exclude_tools_when_tool_choice_none: bool = False
+    """Mirror of the vLLM server's flag of that name: the /tokenize fallback then leaves tools out likewise."""
     sampling_overrides: dict[str, Any] = Field(default_factory=dict)
     """Fields set on every request sent to vLLM, over what the caller sent (e.g. temperature: 1.0)."""
     request_timeout_seconds: float = 600.0
@@ -113,6 +115,7 @@ class VLLMModel(ModelServer):
             await attach_bundles(
                 result, generation_body=body, required_prefix=required_prefix, return_bundle=capture,
                 tokenize=lambda tokenize_body: self._tokenize(url, tokenize_body), upstream_url=url,
+                exclude_tools_when_tool_choice_none=self.config.exclude_tools_when_tool_choice_none,
             )
             drop_unrequested(result, caller_body, bundle_returned=capture)
         return result

@@ -21,8 +21,10 @@ from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 PROMPT_AFFECTING_FIELDS = (
     "model", "messages", "tools", "chat_template", "chat_template_kwargs", "add_generation_prompt",
     "continue_final_message", "add_special_tokens", "documents", "mm_processor_kwargs", "media_io_kwargs",
-    "required_prefix_token_ids",
+    "required_prefix_token_ids", "start_token_segment",
 )
+# Chat fields /tokenize does not take; what vLLM's chat path makes of them is translated or refused.
+_UNRENDERABLE_ON_TOKENIZE = ("truncate_prompt_tokens",)
 
 Tokenize = Callable[[dict[str, Any]], Awaitable[list[int]]]
 
@@ -36,9 +38,33 @@ def capture_request_fields(body: dict[str, Any], *, use_return_token_ids: bool) 
     return fields
 
 
-def tokenize_request(body: dict[str, Any]) -> dict[str, Any]:
-    """The /tokenize body that renders the same prompt as the generation request `body`."""
-    return {key: body[key] for key in PROMPT_AFFECTING_FIELDS if key in body}
+def tokenize_request(body: dict[str, Any], *, exclude_tools_when_tool_choice_none: bool = False) -> dict[str, Any]:
+    """The /tokenize body that renders the same prompt as the generation request `body`.
+
+    vLLM's /tokenize has no `reasoning_effort` and no `tool_choice`: the effort goes into `chat_template_kwargs` as
+    vLLM's chat path puts it there (with `enable_thinking` unless the caller set it), and tools are left out under
+    `tool_choice: "none"` where the server does so (`--exclude-tools-when-tool-choice-none`). A field that changes
+    the prompt but cannot be expressed (`truncate_prompt_tokens`) is refused: the ids would not be the prompt's.
+    """
+    for field in _UNRENDERABLE_ON_TOKENIZE:
+        if body.get(field) is not None:
+            raise ApiError(
+                400,
+                f"{field} cannot be combined with token capture through the /tokenize fallback (vLLM's /tokenize "
+                "cannot apply it, so the ids would not be the prompt's); drop it or use vLLM's return_token_ids",
+                param=field,
+            )
+    request = {key: body[key] for key in PROMPT_AFFECTING_FIELDS if key in body}
+    effort = body.get("reasoning_effort")
+    if effort not in (None, "auto"):
+        template_kwargs = dict(body.get("chat_template_kwargs") or {})
+        if "enable_thinking" not in template_kwargs:
+            template_kwargs["enable_thinking"] = effort != "none"
+        template_kwargs["reasoning_effort"] = effort
+        request["chat_template_kwargs"] = template_kwargs
+    if exclude_tools_when_tool_choice_none and body.get("tool_choice") == "none":
+        request.pop("tools", None)
+    return request
 
 
 async def attach_bundles(
@@ -49,6 +75,7 @@ async def attach_bundles(
     return_bundle: bool,
     tokenize: Tokenize,
     upstream_url: str,
+    exclude_tools_when_tool_choice_none: bool = False,
 ) -> None:
     """Resolve each choice's bundle from vLLM's sources, check the prefix, and (if asked) put it on the message."""
     tokenized: list[int] | None = None
@@ -59,16 +86,21 @@ async def attach_bundles(
         present = [source for source in (_message_source(message), _returned_source(result, choice)) if source]
         if all(source.prompt_token_ids is None for source in present):
             if tokenized is None:
-                tokenized = await tokenize(tokenize_request(generation_body))
+                tokenized = await tokenize(tokenize_request(
+                    generation_body, exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none
+                ))
             present.append(PartialBundle(TokenSource.TOKENIZE, prompt_token_ids=tokenized))
         try:
             from_logprobs = logprobs_bundle(choice.get("logprobs"))
             bundle = resolve_bundle([*present, from_logprobs] if from_logprobs else present)
         except TokenSourceError as exc:
             raise ApiError(502, f"vLLM at {upstream_url} reported inconsistent token ids: {exc}") from None
-        if required_prefix is not None:
+        telemetry = result.get("prefix_splice") if isinstance(result.get("prefix_splice"), dict) else {}
+        if required_prefix is not None and not telemetry.get("new_segment"):
+            # The hook may give the model's final end token way to the template's closing (GPT-OSS <|return|>).
+            expected = required_prefix[:-1] if telemetry.get("end_token_replaced") else required_prefix
             try:
-                check_prefix(bundle.prompt_token_ids, required_prefix)
+                check_prefix(bundle.prompt_token_ids, expected)
             except PrefixMismatchError as exc:
                 raise ApiError(
                     502,

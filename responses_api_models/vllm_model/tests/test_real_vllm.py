@@ -6,6 +6,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from nemo_gym_tok.tiny_model.tokenizer import THINK_START_ID
 from nemo_gym_tok.vllm.server import VLLMServer
 from responses_api_models.vllm_model.tests.conftest import RecordingProxy
 
@@ -101,6 +102,28 @@ def test_tokenize_fallback_renders_the_same_prompt(
     assert "return_token_ids" not in generation
     for key in ("model", "messages", "tools", "chat_template_kwargs"):
         assert tokenize[key] == generation[key], key
+
+
+@pytest.mark.parametrize("effort", ["none", "high"])
+def test_tokenize_fallback_renders_reasoning_effort_as_generation_does(
+    training_adapter: str, tokenize_fallback_adapter: str, effort: str
+) -> None:
+    # vLLM turns reasoning_effort "none" into enable_thinking=false, which this template renders as an empty think
+    # block; /tokenize has no reasoning_effort, so the adapter must translate it or the ids differ.
+    kwargs = dict(model="m", messages=[USER], max_tokens=2, seed=1, extra_body={"reasoning_effort": effort})
+    returned = sdk(training_adapter).chat.completions.create(**kwargs).choices[0].message
+    fallback = sdk(tokenize_fallback_adapter).chat.completions.create(**kwargs).choices[0].message
+    assert fallback.token_source == "tokenize"
+    assert fallback.prompt_token_ids == returned.prompt_token_ids
+    assert (THINK_START_ID in returned.prompt_token_ids) == (effort == "none")
+
+
+def test_tokenize_fallback_refuses_what_it_cannot_render(tokenize_fallback_adapter: str) -> None:
+    answer = httpx.post(f"{tokenize_fallback_adapter}/v1/chat/completions", timeout=60, json={
+        "model": "m", "messages": [USER], "max_tokens": 2, "truncate_prompt_tokens": 5,
+    })
+    assert answer.status_code == 400, answer.text
+    assert "truncate_prompt_tokens cannot be combined with token capture through the /tokenize fallback" in answer.text
 
 
 def test_stock_vllm_is_detected_as_not_splicing(stock_training_adapter: str) -> None:
