@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nemo_gym_tok.chat_templates.catalog import TemplateEntry, load_catalog
 from nemo_gym_tok.chat_templates.families import Family, family_of
 from nemo_gym_tok.chat_templates.probe import PROBES, probe, render_ok
 from nemo_gym_tok.chat_templates.tokenizer import family_tokenizer
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
 TOP_N = 40
 
 
 @dataclass
 class TemplateResult:
-    """One template's outcome: its family, each check's rendered text or failure text, and odd behaviours seen."""
+    """One template's outcome: its family, the checks it failed (with the exception text), and behaviours seen."""
 
     entry: TemplateEntry
     family: Family
@@ -42,7 +46,7 @@ def _check_name(probe_name: str, generation_prompt: bool) -> str:
 CHECKS = tuple(_check_name(p.name, gen) for p in PROBES for gen in (False, True))
 
 
-def _probe_template(tokenizer, result: TemplateResult) -> None:  # noqa: ANN001 - PreTrainedTokenizerFast
+def _probe_template(tokenizer: PreTrainedTokenizerFast, result: TemplateResult) -> None:
     """Render every probe with and without a generation prompt, and look for behaviours a splice must handle."""
     rendered: dict[str, str] = {}
     for item in PROBES:
@@ -57,36 +61,46 @@ def _probe_template(tokenizer, result: TemplateResult) -> None:  # noqa: ANN001 
     tool = probe("tool_call")
     as_string = render_ok(tokenizer, tool.conversation(dict_arguments=False), **tool.render_kwargs())
     if "tool_call" in rendered and isinstance(as_string, Exception):
-        result.notes.append("needs dict arguments")
+        result.notes.append("needs tool-call arguments as a dict")
     elif "tool_call" not in rendered and isinstance(as_string, str):
-        result.notes.append("needs string arguments")
+        result.notes.append("needs tool-call arguments as a JSON string")
+    failed = result.failures
+    if "system_user" in failed and "user_only" not in failed:
+        result.notes.append("refuses a system message")
+    if any("alternate" in failed.get(name, "") for name in ("tool_call", "system_user")):
+        result.notes.append("enforces strict user/assistant alternation")
     turns = probe("multi_turn").conversation()
     full = rendered.get("multi_turn")
     if full is None:
         return
+    answer = turns[1]["content"]
     # History stability: is the 2-message render a prefix of the 3-message one (last assistant not special-cased)?
     history = render_ok(tokenizer, turns[:2])
     if isinstance(history, str) and not full.startswith(history):
-        result.notes.append("last assistant rendered differently")
+        result.notes.append("renders the last assistant message differently from history")
+    # Turn closer: does any stop token follow the answer in history, or only the next turn's opener (if anything)?
+    between = full.split(answer, 1)[-1].split(turns[2]["content"], 1)[0]
+    if answer in full and not any(stop in between for stop in (result.family.eos, *result.family.end_tokens)):
+        result.notes.append("no stop token closes an assistant turn in history")
     # Generation prompt: is render(user, gen prompt) a prefix of the render with the assistant reply in place?
     prompt = render_ok(tokenizer, turns[:1], add_generation_prompt=True)
     if isinstance(prompt, str) and not full.startswith(prompt):
-        result.notes.append("generation prompt not a prefix of the answered turn")
+        result.notes.append("generation prompt is not a prefix of the answered turn")
     if rendered.get("multi_turn") == rendered.get("multi_turn+gen"):
-        result.notes.append("generation prompt ignored or always added")
+        result.notes.append("add_generation_prompt changes nothing")
     ids = tokenizer.encode(full, add_special_tokens=False)
     if tokenizer.decode(ids, skip_special_tokens=False) != full:
         result.notes.append("encode/decode does not round-trip")
 
 
-def survey(out: Callable[[str], None] = print) -> SurveyReport:
-    """Build every catalog entry's family tokenizer, render all probes with it, print the summary tables, and
-    return the raw results. (Tokenizers are cheap after the first: they share one parsed BPE model.)
+def survey(entries: Iterable[TemplateEntry] | None = None, out: Callable[[str], None] = print) -> SurveyReport:
+    """Build every catalog entry's (or just `entries`') family tokenizer, render all probes with it, print the
+    summary tables and return the raw results. Tokenizers are cheap after the first: they share one parsed BPE.
     """
     start = time.perf_counter()
     results: list[TemplateResult] = []
     build = render = 0.0
-    for item in load_catalog():
+    for item in load_catalog() if entries is None else entries:
         t0 = time.perf_counter()
         family = family_of(item)
         tokenizer = family_tokenizer(item.text, family)
@@ -129,7 +143,7 @@ def _print(report: SurveyReport, out: Callable[[str], None]) -> None:
     out("\nbehaviours (templates, download share):")
     for note, count in notes.most_common():
         dl = sum(r.entry.downloads for r in results if note in r.notes)
-        out(f"  {note:52} {count:4} {_pct(dl, total_dl)}")
+        out(f"  {note:62} {count:4} {_pct(dl, total_dl)}")
     top = sorted(results, key=lambda r: -r.entry.downloads)[:TOP_N]
     out(f"\ntop-{TOP_N} templates by downloads that fail a check:")
     for result in top:

@@ -32,7 +32,7 @@ _BRACKETED = re.compile(r"\[/?[A-Z][A-Z_]{1,30}\]")
 # XML-ish reasoning/tool markup that is a real added token in the models that use it (Qwen3, GLM, Hermes, ...).
 _MARKUP_TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 # Extracted markers whose name says "reasoning or tool markup" are added non-special, like Qwen3's <tool_call>.
-_MARKUP_NAME = re.compile(r"think|reason|tool|call|function|arg|param|response|result|action|answer", re.I)
+_MARKUP_NAME = re.compile(r"think|reason|tool|call|function|arg|param|response|result|action", re.I)
 
 
 def extract_markers(text: str, family: Family) -> list[tuple[str, bool]]:

@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-PLACEHOLDER = re.compile(r"ngt(?:body|think|fn|arg)(\d+)q")
+PLACEHOLDER = re.compile(r"ngt(?:body|think|arg)(\d+)q")
 """Placeholder text: letters and digits only, so templates that trim, split or escape content leave it whole."""
 
 
@@ -20,18 +20,19 @@ def placeholder(kind: str, message_index: int) -> str:
     return f"ngt{kind}{message_index}q"
 
 
-def neutralize(messages: Sequence[Any], up_to: int) -> list[dict[str, Any]]:
+def neutralize(messages: Sequence[Any], up_to: int, force_content: frozenset[int] = frozenset()) -> list[dict[str, Any]]:
     """Plain-dict copies of `messages`; assistant messages at index <= `up_to` get placeholder text.
 
-    Content always becomes a placeholder (so every neutral assistant turn renders one), reasoning becomes one where
-    the message has reasoning, and each tool call keeps its id but gets a placeholder name and placeholder argument
-    values (in the type the caller used: a JSON string stays a JSON string).
+    Content becomes a placeholder where the message has content or no tool calls (so every neutral assistant turn
+    renders one), reasoning becomes one where the message has reasoning, and each tool call keeps its id and name
+    (templates render the name again with the tool's result) but gets placeholder argument values (in the type the
+    caller used: a JSON string stays a JSON string).
     """
     neutral = []
     for index, message in enumerate(messages):
         plain = _plain(message)
         if index <= up_to and plain.get("role") == "assistant":
-            plain = _neutral_assistant(plain, index)
+            plain = _neutral_assistant(plain, index, index in force_content)
         neutral.append(plain)
     return neutral
 
@@ -46,12 +47,13 @@ def placeholder_spans(text: str) -> dict[int, tuple[int, int]]:
     return spans
 
 
-def _neutral_assistant(message: dict[str, Any], index: int) -> dict[str, Any]:
+def _neutral_assistant(message: dict[str, Any], index: int, force_content: bool) -> dict[str, Any]:
     neutral = {key: value for key, value in message.items() if key not in ("reasoning", "reasoning_content")}
-    neutral["content"] = placeholder("body", index)
+    calls = message.get("tool_calls")
+    if message.get("content") or not calls or force_content:
+        neutral["content"] = placeholder("body", index)
     if message.get("reasoning_content") or message.get("reasoning"):
         neutral["reasoning_content"] = placeholder("think", index)
-    calls = message.get("tool_calls")
     if calls:
         neutral["tool_calls"] = [_neutral_call(call, index) for call in calls]
     return neutral
@@ -73,7 +75,7 @@ def _neutral_call(call: Any, index: int) -> dict[str, Any]:
         neutral_arguments = _neutral_arguments(arguments, index)
     else:
         neutral_arguments = {"ngt": placeholder("arg", index)}
-    return {**call, "function": {**function, "name": placeholder("fn", index), "arguments": neutral_arguments}}
+    return {**call, "function": {**function, "arguments": neutral_arguments}}
 
 
 def _neutral_arguments(arguments: Mapping[str, Any], index: int) -> dict[str, Any]:

@@ -86,11 +86,15 @@ def detect_profile(renderer: ChatRenderer, *, terminator_override: str | None = 
         is_last = assistant_index == len(conversation) - 1
         if closer is not None:
             (last_closers if is_last else closers).add(closer.group(0))
-        header_start = 0
-        if pattern:
-            for match in pattern.finditer(text, 0, first):
-                header_start = match.end()
-        headers.append(text[header_start:first])
+        try:
+            prompt = _render(renderer, neutral[:assistant_index], tools, add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - probes are best effort
+            continue
+        # The model's ids start where the generation prompt ends: the header is the history's text before the body
+        # (from the last special token) as far as the generation prompt's text (from its last special token) agrees.
+        before_body = text[_last_special_end(pattern, text, first) : first]
+        generation_tail = prompt[_last_special_end(pattern, prompt, len(prompt)) :]
+        headers.append(before_body[: _common_prefix_length(before_body, generation_tail)])
     if not rendered_any:
         raise UnsupportedTemplateError("the chat template renders none of the probe conversations with an assistant turn")
     if terminator_override:
@@ -132,16 +136,35 @@ def _probes() -> list[tuple[list[dict[str, Any]], int, list[dict[str, Any]] | No
     again = {"role": "user", "content": "And once more?"}
     system = {"role": "system", "content": "Be brief."}
     reply = {"role": "assistant", "content": "Hi."}
-    call = {"role": "assistant", "content": "", "tool_calls": [_CALL]}
+    call = {"role": "assistant", "content": "", "tool_calls": [_CALL]}  # a tool call alone, as models send them
+    thought = {"role": "assistant", "content": "Hi.", "reasoning_content": "Greet back."}
     result = {"role": "tool", "tool_call_id": "call_0", "content": "a greeting"}
     return [
         ([user, reply, again], 1, None),
         ([system, user, reply, again], 2, None),
         ([user, reply, again, dict(reply), dict(again)], 3, None),
         ([user, call, result], 1, [_TOOL]),
+        ([user, thought, again], 1, None),
         ([user, reply], 1, None),
         ([system, user, reply], 2, None),
     ]
+
+
+def _last_special_end(pattern: re.Pattern[str] | None, text: str, before: int) -> int:
+    end = 0
+    if pattern:
+        for match in pattern.finditer(text, 0, before):
+            end = match.end()
+    return end
+
+
+def _common_prefix_length(left: str, right: str) -> int:
+    length = 0
+    for a, b in zip(left, right):
+        if a != b:
+            break
+        length += 1
+    return length
 
 
 def _common_suffix(texts: list[str]) -> str:

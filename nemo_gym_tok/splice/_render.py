@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -57,7 +59,7 @@ class HFChatRenderer:
         self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool, continue_final_message: bool = False
     ) -> str:
         return self.tokenizer.apply_chat_template(
-            [dict(m) for m in messages],
+            template_messages(messages),
             tools=self.tools,
             chat_template=self.chat_template,
             add_generation_prompt=add_generation_prompt,
@@ -79,3 +81,33 @@ class HFChatRenderer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as vLLM hands them to a chat template: tool-call arguments as objects (JSON text parsed; anything
+    that is not an object becomes {}), and an empty tool_calls list dropped."""
+    prepared = []
+    for message in messages:
+        message = dict(message)
+        calls = message.get("tool_calls")
+        if message.get("role") == "assistant" and isinstance(calls, list):
+            if not calls:
+                message.pop("tool_calls")
+            else:
+                message["tool_calls"] = [_with_object_arguments(call) for call in calls]
+        prepared.append(message)
+    return prepared
+
+
+def _with_object_arguments(call: Any) -> Any:
+    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+        return call
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments else {}
+        except ValueError:
+            arguments = {}
+    function["arguments"] = arguments if isinstance(arguments, Mapping) else {}
+    return {**call, "function": function}

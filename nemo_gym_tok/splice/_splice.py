@@ -95,8 +95,8 @@ def splice_prefix(
             "(prompt + generation), or no prefix at all"
         )
     closer_ids = profile.closer_ids()
-    neutral = neutralize(messages, a)
     earlier = [j for j in range(a) if _get(messages[j], "role") == "assistant"]
+    neutral = _neutral_messages(renderer, messages, a, [*earlier, a])
     find = _body_finder(profile)
 
     prompt_text = _render(renderer, neutral[:a], add_generation_prompt=True, what="the messages before the prefix's turn")
@@ -163,6 +163,14 @@ def splice_prefix(
         prompt_token_ids=spliced, kept_prefix_length=kept, template_differed=differed, replaced_tokens=replaced,
         end_token_replaced=end_replaced, repaired_turns=repaired,
     )
+
+
+def _neutral_messages(renderer: ChatRenderer, messages: Sequence[Any], a: int, turns: list[int]) -> list[dict[str, Any]]:
+    """Neutral messages in which every assistant turn up to messages[a] renders a placeholder."""
+    neutral = neutralize(messages, a)
+    text = _render(renderer, neutral, add_generation_prompt=True, what="the messages")
+    silent = frozenset(turns) - set(placeholder_spans(text))
+    return neutralize(messages, a, force_content=silent) if silent else neutral
 
 
 def _body_finder(profile: TemplateProfile) -> Any:

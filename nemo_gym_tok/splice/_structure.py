@@ -65,8 +65,8 @@ def locate_bodies(
 ) -> tuple[Body, ...]:
     """The bodies of the neutral assistant messages `message_indices` in `text`, in order.
 
-    A body starts after the assistant header (the last special token before the message's first placeholder, then
-    `assistant_header` if the text continues with it) and ends where the first closing token after the message's last
+    A body starts after the assistant header (the last special token before the message's first placeholder, and
+    after the last `assistant_header` text there) and ends where the first closing token after the message's last
     placeholder starts. `open_ended` names a message whose body may run to the end of the text (a final message
     rendered with continue_final_message). Raises LookupError with the reason when a body cannot be located.
     """
@@ -81,9 +81,11 @@ def locate_bodies(
         start = previous_end
         for match in specials.finditer(text, previous_end, first):
             start = match.end()
-        header_at = text.rfind(assistant_header, start, first) if assistant_header else -1
-        if header_at >= 0:
-            start = header_at + len(assistant_header)
+        if assistant_header:
+            header_at = text.rfind(assistant_header, previous_end, first)
+            if header_at < 0:
+                raise LookupError(f"the assistant header {assistant_header!r} does not open messages[{index}]")
+            start = max(start, header_at + len(assistant_header))
         close = closing.search(text, last)
         if close is None:
             if index != open_ended:

@@ -1,0 +1,192 @@
+"""The pure-level sweep: every shipped chat template, drift-prone episodes through the splice, each judged by the oracle.
+
+Per template: build its family tokenizer, detect the template's turn structure, play a few episodes (plain, with
+tools, with reasoning, without a system prompt; turns ended on an end token and cut), then edit earlier messages and
+check the splice refuses every edit the template renders. A template is `exact` when every splice passed the oracle
+and every visible edit was refused, `refused` when the splice refused something with a 400 (never wrong), and `wrong`
+when the oracle caught a wrong splice or an edit passed the structural check. Templates that cannot render the
+episode shapes at all (a template that raises on any assistant turn, say) are `not renderable`.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nemo_gym_tok.chat_templates.catalog import TemplateEntry, load_catalog
+from nemo_gym_tok.chat_templates.episodes import TOOL, EpisodeSettings, Episode, WrongSplice, play_episode
+from nemo_gym_tok.chat_templates.families import family_of
+from nemo_gym_tok.chat_templates.tokenizer import end_token_ids, family_tokenizer
+from nemo_gym_tok.splice import (
+    HFChatRenderer,
+    SpliceError,
+    TemplateProfile,
+    detect_profile,
+    find_prefix_source,
+    splice_prefix,
+)
+from nemo_gym_tok.splice._neutral import neutralize
+
+OUTCOMES = ("exact", "refused", "wrong", "not renderable")
+
+SHAPES = (
+    EpisodeSettings(turns=4),
+    EpisodeSettings(turns=4, system=False),
+    EpisodeSettings(turns=4, tools=True),
+    EpisodeSettings(turns=4, reasoning=True),
+)
+
+
+@dataclass
+class TemplateResult:
+    name: str
+    family: str
+    downloads: int
+    outcome: str
+    reason: str = ""
+    splices: int = 0
+    edits_refused: int = 0
+
+
+@dataclass
+class SweepReport:
+    results: list[TemplateResult] = field(default_factory=list)
+
+    def share(self, outcome: str, *, weighted: bool) -> float:
+        total = sum(r.downloads if weighted else 1 for r in self.results)
+        part = sum(r.downloads if weighted else 1 for r in self.results if r.outcome == outcome)
+        return part / total if total else 0.0
+
+    def format(self, *, listed: int = 40) -> str:
+        lines = [f"{len(self.results)} chat templates; splices judged: {sum(r.splices for r in self.results)}, "
+                 f"edits refused: {sum(r.edits_refused for r in self.results)}"]
+        lines.append(f"{'outcome':<16}{'templates':>10}{'by count':>10}{'by downloads':>14}")
+        counts = Counter(r.outcome for r in self.results)
+        for outcome in OUTCOMES:
+            lines.append(f"{outcome:<16}{counts[outcome]:>10}{self.share(outcome, weighted=False):>10.1%}"
+                         f"{self.share(outcome, weighted=True):>14.2%}")
+        by_family: dict[str, Counter[str]] = defaultdict(Counter)
+        for result in self.results:
+            by_family[result.family][result.outcome] += 1
+        lines.append("per family (exact/refused/wrong/not renderable):")
+        for name in sorted(by_family):
+            c = by_family[name]
+            lines.append(f"  {name:<14} {c['exact']:>4} {c['refused']:>4} {c['wrong']:>4} {c['not renderable']:>4}")
+        for outcome in ("wrong", "refused", "not renderable"):
+            rows = sorted((r for r in self.results if r.outcome == outcome), key=lambda r: -r.downloads)
+            if rows:
+                lines.append(f"{outcome} (by downloads, first {min(listed, len(rows))} of {len(rows)}):")
+                lines += [f"  {r.downloads:>10}  {r.name} [{r.family}]: {r.reason[:160]}" for r in rows[:listed]]
+        return "\n".join(lines)
+
+
+def sweep_template(entry: TemplateEntry, *, episodes_per_shape: int = 2, seed: int = 0) -> TemplateResult:
+    """Judge one template (see the module docstring)."""
+    family = family_of(entry)
+    result = TemplateResult(entry.name, family.name, entry.downloads, "exact")
+    tokenizer = family_tokenizer(entry.text, family)
+    ends = end_token_ids(tokenizer, family)
+    plain = HFChatRenderer(tokenizer, extra_end_token_ids=ends)
+    with_tools = HFChatRenderer(tokenizer, tools=[TOOL], extra_end_token_ids=ends)
+    try:
+        profile = detect_profile(plain)
+    except SpliceError as exc:
+        return _outcome(result, "refused", f"profile: {exc}")
+    except Exception as exc:  # noqa: BLE001 - a template that raises on every probe
+        return _outcome(result, "not renderable", f"{type(exc).__name__}: {exc}")
+    played = 0
+    for shape_number, shape in enumerate(SHAPES):
+        renderer = with_tools if shape.tools else plain
+        for number in range(episodes_per_shape):
+            rng = random.Random(f"{seed}-{entry.name}-{shape_number}-{number}")
+            try:
+                episode = play_episode(renderer, profile, rng, shape)
+            except WrongSplice as exc:
+                return _outcome(result, "wrong", f"{_shape(shape)}: {exc}")
+            except SpliceError as exc:
+                _outcome(result, "refused", f"{_shape(shape)}: {exc}")
+                continue
+            except Exception as exc:  # noqa: BLE001 - the template cannot render this shape (no tools, say)
+                if not result.reason:
+                    result.reason = f"{_shape(shape)} not renderable: {type(exc).__name__}: {exc}"
+                continue
+            played += 1
+            result.splices += len(episode.telemetry)
+            wrong = _edits_are_refused(renderer, profile, episode, result)
+            if wrong:
+                return _outcome(result, "wrong", wrong)
+    if played == 0 and result.outcome == "exact":
+        return _outcome(result, "not renderable", result.reason or "no episode could be rendered")
+    return result
+
+
+def sweep(entries: Iterable[TemplateEntry], *, progress: Callable[[TemplateResult], None] | None = None,
+          **options: Any) -> SweepReport:
+    report = SweepReport()
+    for entry in entries:
+        result = sweep_template(entry, **options)
+        report.results.append(result)
+        if progress:
+            progress(result)
+    return report
+
+
+def sweep_catalog(**options: Any) -> SweepReport:
+    return sweep(load_catalog(), **options)
+
+
+def _edits_are_refused(
+    renderer: HFChatRenderer, profile: TemplateProfile, episode: Episode, result: TemplateResult
+) -> str | None:
+    """Edit the messages before the last bundled turn; every edit the template renders must be refused."""
+    messages = episode.messages
+    a = max(i for i, m in enumerate(messages) if m.get("prompt_token_ids") is not None)
+    edits: list[tuple[str, Callable[[list[dict[str, Any]]], None], HFChatRenderer]] = []
+    for index, message in enumerate(messages[:a]):
+        if message["role"] in ("system", "user", "tool") and isinstance(message.get("content"), str):
+            edits.append((f"edited messages[{index}]", _appender(index), renderer))
+    if not renderer.tools:
+        edits.append(("tools added", lambda m: None, HFChatRenderer(renderer.tokenizer, tools=[TOOL],
+                                                                   extra_end_token_ids=tuple(renderer.end_token_ids))))
+    for label, edit, edited_renderer in edits:
+        edited = copy.deepcopy(messages)
+        edit(edited)
+        try:
+            before = renderer.render(neutralize(messages, a)[:a], add_generation_prompt=True)
+            after = edited_renderer.render(neutralize(edited, a)[:a], add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - an edit the template cannot render is nothing to refuse
+            continue
+        if before == after:
+            continue  # the template does not render what was edited: the prompt is still exactly the template's
+        try:
+            splice_prefix(edited_renderer, profile, edited, find_prefix_source(edited))
+        except SpliceError:
+            result.edits_refused += 1
+            continue
+        return f"{label} passed the structural check"
+    return None
+
+
+def _appender(index: int) -> Callable[[list[dict[str, Any]]], None]:
+    def edit(messages: list[dict[str, Any]]) -> None:
+        messages[index]["content"] += " (edited)"
+
+    return edit
+
+
+def _outcome(result: TemplateResult, outcome: str, reason: str) -> TemplateResult:
+    rank = {"exact": 0, "not renderable": 1, "refused": 2, "wrong": 3}
+    if rank[outcome] >= rank[result.outcome]:
+        if outcome != result.outcome or not result.reason or outcome == "refused" and result.outcome == "exact":
+            result.reason = reason
+        result.outcome = outcome
+    return result
+
+
+def _shape(shape: EpisodeSettings) -> str:
+    parts = ["tools" if shape.tools else "", "reasoning" if shape.reasoning else "", "" if shape.system else "no system"]
+    return "episode(" + ", ".join(p for p in parts if p) + ")"
