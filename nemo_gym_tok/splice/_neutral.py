@@ -20,19 +20,28 @@ def placeholder(kind: str, message_index: int) -> str:
     return f"ngt{kind}{message_index}q"
 
 
-def neutralize(messages: Sequence[Any], up_to: int, force_content: frozenset[int] = frozenset()) -> list[dict[str, Any]]:
+MESSAGE_PLACEHOLDER = re.compile(r"ngtmsg(\d+)q")
+"""Placeholder text of a non-assistant message, in the rendering that checks no turn holds another message."""
+
+
+def neutralize(
+    messages: Sequence[Any], up_to: int, force_content: frozenset[int] = frozenset(), *, others: bool = False
+) -> list[dict[str, Any]]:
     """Plain-dict copies of `messages`; assistant messages at index <= `up_to` get placeholder text.
 
     Content becomes a placeholder where the message has content or no tool calls (so every neutral assistant turn
     renders one), reasoning becomes one where the message has reasoning, and each tool call keeps its id and name
     (templates render the name again with the tool's result) but gets placeholder argument values (in the type the
-    caller used: a JSON string stays a JSON string).
+    caller used: a JSON string stays a JSON string). With `others`, every other message's text becomes a placeholder
+    too (MESSAGE_PLACEHOLDER), to see where the template puts it.
     """
     neutral = []
     for index, message in enumerate(messages):
         plain = _plain(message)
         if index <= up_to and plain.get("role") == "assistant":
             plain = _neutral_assistant(plain, index, index in force_content)
+        elif others and plain.get("role") != "assistant" and isinstance(plain.get("content"), str) and plain["content"]:
+            plain["content"] = f"ngtmsg{index}q"
         neutral.append(plain)
     return neutral
 

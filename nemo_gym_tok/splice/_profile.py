@@ -39,7 +39,10 @@ class TemplateProfile:
     replaced_end_tokens: frozenset[str]
     """Model end tokens that the template renders as another closer once the turn is history."""
     assistant_header: str
-    """Text between the last special token before an assistant body and the body (e.g. "assistant\\n")."""
+    """Template text that ends right before an assistant body (e.g. "assistant\\n" or " [/INST]")."""
+    header_follows_special: bool
+    """True when the header comes right after the last special token (ChatML's role name); False when message text
+    lies between them (Llama 2's "[INST] ... [/INST]"), so the header is the last occurrence before the body."""
     special_tokens: Mapping[str, int]
     """Special tokens by text: the anchors of the structure."""
     overridden: bool = False
@@ -53,9 +56,10 @@ class TemplateProfile:
     def describe(self) -> str:
         how = "set by NEMO_GYM_TOK_TURN_TERMINATOR" if self.overridden else "detected"
         replaced = f"; model end tokens rendered as a closer: {sorted(self.replaced_end_tokens)}" if self.replaced_end_tokens else ""
+        where = "after the last special token" if self.header_follows_special else "after message text"
         return (
-            f"assistant turns close with {sorted(self.closers)} ({how}); assistant header {self.assistant_header!r}"
-            f"{replaced}"
+            f"assistant turns close with {sorted(self.closers)} ({how}); assistant header {self.assistant_header!r} "
+            f"({where}){replaced}"
         )
 
 
@@ -70,6 +74,7 @@ def detect_profile(renderer: ChatRenderer, *, terminator_override: str | None = 
     closers: set[str] = set()
     last_closers: set[str] = set()
     headers: list[str] = []
+    trailing = False
     rendered_any = False
     for conversation, assistant_index, tools in _probes():
         neutral = neutralize(conversation, assistant_index)
@@ -95,6 +100,8 @@ def detect_profile(renderer: ChatRenderer, *, terminator_override: str | None = 
         before_body = text[_last_special_end(pattern, text, first) : first]
         generation_tail = prompt[_last_special_end(pattern, prompt, len(prompt)) :]
         headers.append(before_body[: _common_prefix_length(before_body, generation_tail)])
+        texts = [m["content"] for m in conversation if m["role"] != "assistant" and isinstance(m.get("content"), str)]
+        trailing = trailing or any(text_ in headers[-1] for text_ in texts if text_)
     if not rendered_any:
         raise UnsupportedTemplateError("the chat template renders none of the probe conversations with an assistant turn")
     if terminator_override:
@@ -112,7 +119,8 @@ def detect_profile(renderer: ChatRenderer, *, terminator_override: str | None = 
         closers=frozenset(closers),
         end_token_ids=frozenset(renderer.end_token_ids),
         replaced_end_tokens=frozenset(replaced),
-        assistant_header=_common_suffix(headers),
+        assistant_header=_common_suffix(headers) if trailing else _common_prefix(headers),
+        header_follows_special=not trailing,
         special_tokens=special,
         overridden=bool(terminator_override),
     )
@@ -165,6 +173,15 @@ def _common_prefix_length(left: str, right: str) -> int:
             break
         length += 1
     return length
+
+
+def _common_prefix(texts: list[str]) -> str:
+    if not texts:
+        return ""
+    prefix = texts[0]
+    for text in texts[1:]:
+        prefix = prefix[: _common_prefix_length(prefix, text)]
+    return prefix
 
 
 def _common_suffix(texts: list[str]) -> str:

@@ -25,7 +25,7 @@ from nemo_gym_tok.splice._errors import (
     UnsupportedTemplateError,
 )
 from nemo_gym_tok.splice._ids import PREFIX_KEY, PrefixSource, _get
-from nemo_gym_tok.splice._neutral import neutralize, placeholder_spans
+from nemo_gym_tok.splice._neutral import MESSAGE_PLACEHOLDER, neutralize, placeholder_spans
 from nemo_gym_tok.splice._profile import TemplateProfile
 from nemo_gym_tok.splice._render import ChatRenderer
 from nemo_gym_tok.splice._structure import Layout, Mismatch, locate_bodies, match_fixed_segments, special_skeleton
@@ -132,6 +132,7 @@ def splice_prefix(
     )
     full_layout = Layout(full_text, find(full_text, [*earlier, a], a if continue_final_message else None))
     _check_same_turns(prompt_layout, full_layout, profile, a)
+    _check_no_message_inside_a_turn(renderer, messages, a, [*earlier, a], find, add_generation_prompt, continue_final_message)
     body = full_layout.bodies[-1]
     tail_text = full_text[body.end :]
     repeated = sorted(set(placeholder_spans(tail_text)))
@@ -178,7 +179,8 @@ def _body_finder(profile: TemplateProfile) -> Any:
         try:
             return locate_bodies(
                 text, indices, special_tokens=profile.special_tokens, closers=profile.closers,
-                assistant_header=profile.assistant_header, open_ended=open_ended,
+                assistant_header=profile.assistant_header, header_follows_special=profile.header_follows_special,
+                open_ended=open_ended,
             )
         except LookupError as exc:
             raise BoundaryNotFoundError(f"{exc}; the splice cannot tell where the model's ids end") from None
@@ -203,6 +205,25 @@ def _check_same_turns(prompt: Layout, full: Layout, profile: TemplateProfile, a:
             f"the chat template renders the turns before messages[{a}] with other special tokens once more messages "
             f"follow ({' '.join(before)!r} then, {' '.join(now)!r} now); the splice cannot prove the prompt exact"
         )
+
+
+def _check_no_message_inside_a_turn(
+    renderer: ChatRenderer, messages: Sequence[Any], a: int, turns: list[int], find: Any, add_generation_prompt: bool,
+    continue_final_message: bool,
+) -> None:
+    """No other message's text lies inside an assistant body: the structural check does not look inside bodies, and
+    a template that renders a tool result inside the assistant turn (Gemma 4 after a turn with text) would hide it."""
+    neutral = neutralize(messages, a, frozenset(turns), others=True)
+    text = _render(renderer, neutral, add_generation_prompt=add_generation_prompt,
+                   continue_final_message=continue_final_message, what="the messages")
+    for body in find(text, turns, a if continue_final_message else None):
+        inside = MESSAGE_PLACEHOLDER.search(text, body.start, body.end)
+        if inside is not None:
+            raise UnsupportedTemplateError(
+                f"the chat template renders messages[{inside.group(1)}] inside the assistant turn of "
+                f"messages[{body.message_index}] (between the model's text and the turn's end), so the model's ids "
+                "cannot be spliced in without dropping or reordering it"
+            )
 
 
 def _kept_prefix(

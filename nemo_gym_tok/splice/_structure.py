@@ -61,12 +61,12 @@ class Mismatch:
 
 def locate_bodies(
     text: str, message_indices: Sequence[int], *, special_tokens: Mapping[str, int], closers: frozenset[str],
-    assistant_header: str, open_ended: int | None = None,
+    assistant_header: str, header_follows_special: bool = True, open_ended: int | None = None,
 ) -> tuple[Body, ...]:
     """The bodies of the neutral assistant messages `message_indices` in `text`, in order.
 
-    A body starts after the assistant header (the last special token before the message's first placeholder, and
-    after the last `assistant_header` text there) and ends where the first closing token after the message's last
+    A body starts after the assistant header: the last special token before the message's first placeholder, then
+    `assistant_header` (right there, or its last occurrence before the placeholder when message text comes between) and ends where the first closing token after the message's last
     placeholder starts. `open_ended` names a message whose body may run to the end of the text (a final message
     rendered with continue_final_message). Raises LookupError with the reason when a body cannot be located.
     """
@@ -82,10 +82,13 @@ def locate_bodies(
         for match in specials.finditer(text, previous_end, first):
             start = match.end()
         if assistant_header:
-            header_at = text.rfind(assistant_header, previous_end, first)
+            if header_follows_special:
+                header_at = start if text.startswith(assistant_header, start) and start + len(assistant_header) <= first else -1
+            else:
+                header_at = text.rfind(assistant_header, start, first)
             if header_at < 0:
                 raise LookupError(f"the assistant header {assistant_header!r} does not open messages[{index}]")
-            start = max(start, header_at + len(assistant_header))
+            start = header_at + len(assistant_header)
         close = closing.search(text, last)
         if close is None:
             if index != open_ended:

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import os
-import shutil
-import tempfile
-import time
-import uuid
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from nemo_gym_tok.tiny_model._cache import (
+    MARKER_FILE,
+    build_cached,
+    cache_root,
+    is_complete as _is_complete,
+    file_sha256,
+    hash_spec,
+    write_marker,
+)
 from nemo_gym_tok.tiny_model.tokenizer import (
     ENDOFTEXT_ID,
     IM_END_ID,
@@ -25,6 +28,25 @@ from nemo_gym_tok.tiny_model.tokenizer import (
     qwen_ranks_file,
     save_tokenizer,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+__all__ = [
+    "BUILD_FORMAT",
+    "MARKER_FILE",
+    "MODEL_CONFIG",
+    "REQUIRED_FILES",
+    "SEED",
+    "VOCAB_SIZE",
+    "build_spec",
+    "build_tiny_model",
+    "cache_root",
+    "default_tiny_model_dir",
+    "is_complete",
+    "spec_hash",
+    "write_random_qwen3",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +77,6 @@ MODEL_CONFIG: dict[str, Any] = {
     "pad_token_id": ENDOFTEXT_ID,
 }
 
-# Written last into the temporary build dir; a directory holding it (with a matching hash) is complete.
-MARKER_FILE = "ngt_tiny_model.json"
 REQUIRED_FILES = (
     "config.json",
     "generation_config.json",
@@ -65,17 +85,6 @@ REQUIRED_FILES = (
     "tokenizer_config.json",
     MARKER_FILE,
 )
-
-# Partial dirs of builds killed mid-way are removed once they are older than this; a live build takes seconds.
-_STALE_PARTIAL_SECONDS = 3600.0
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 @lru_cache(maxsize=1)
@@ -86,7 +95,7 @@ def build_spec() -> dict[str, Any]:
         "seed": SEED,
         "model_config": MODEL_CONFIG,
         "added_tokens": [list(t) for t in QWEN_ADDED_TOKENS],
-        "ranks_sha256": _file_sha256(qwen_ranks_file()),
+        "ranks_sha256": file_sha256(qwen_ranks_file()),
         "pattern": QWEN_PAT_STR,
         "chat_template_sha256": hashlib.sha256(chat_template().encode("utf-8")).hexdigest(),
     }
@@ -94,14 +103,7 @@ def build_spec() -> dict[str, Any]:
 
 def spec_hash() -> str:
     """Short, stable hash of `build_spec()`."""
-    canonical = json.dumps(build_spec(), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:12]
-
-
-def cache_root() -> Path:
-    """`$NGT_CACHE_DIR` if set, else `~/.cache/nemo_gym_tok`."""
-    configured = os.environ.get("NGT_CACHE_DIR")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "nemo_gym_tok"
+    return hash_spec(build_spec())
 
 
 def default_tiny_model_dir() -> Path:
@@ -111,80 +113,54 @@ def default_tiny_model_dir() -> Path:
 
 def is_complete(directory: Path) -> bool:
     """True if `directory` holds a finished build of the current spec."""
-    try:
-        marker = json.loads((directory / MARKER_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    if not isinstance(marker, dict) or marker.get("spec_hash") != spec_hash():
-        return False
-    return all((directory / name).is_file() for name in REQUIRED_FILES)
+    return _is_complete(directory, spec_hash(), REQUIRED_FILES)
 
 
-def _is_replaceable(directory: Path) -> bool:
-    """Only empty dirs and earlier builds of ours may be replaced; never delete a user's unrelated directory."""
-    if not directory.exists():
-        return True
-    if not directory.is_dir():
-        return False
-    return (directory / MARKER_FILE).is_file() or not any(directory.iterdir())
+def write_random_qwen3(
+    out: Path,
+    model_config: dict[str, Any],
+    *,
+    seed: int,
+    tokenizer: PreTrainedTokenizerFast,
+    chat_template_text: str,
+    eos_token_id: int | list[int],
+    pad_token_id: int | None,
+    bos_token_id: int | None = None,
+) -> None:
+    """Write a random-weight Qwen3 (bf16, seeded) with its generation config and tokenizer into `out`.
 
-
-def _write_build(out: Path) -> None:
-    """Write model weights, configs and tokenizer into `out` (an existing empty directory)."""
+    The generation config's `eos_token_id` is what vLLM stops on; the tokenizer is saved with the chat template
+    inside tokenizer_config.json. Deterministic: same arguments, byte-identical files.
+    """
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(**MODEL_CONFIG)
+    config = Qwen3Config(**model_config)
     # fork_rng: seeding must not disturb the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(SEED)
+        torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config)
     model = model.to(torch.bfloat16).eval()
-    # Only <|im_end|> ends a turn; listing <|endoftext|> too would let a turn end on a token the template never writes.
     model.generation_config = GenerationConfig(
-        bos_token_id=None,
-        eos_token_id=IM_END_ID,
-        pad_token_id=ENDOFTEXT_ID,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
     )
     model.save_pretrained(str(out), safe_serialization=True)
-    save_tokenizer(build_tokenizer(), out)
+    save_tokenizer(tokenizer, out, chat_template_text)
     for path in out.iterdir():
         # transformers writes the weights owner-only; a server running as another user must be able to read them.
         path.chmod(0o644)
 
-    marker = {"spec_hash": spec_hash(), "spec": build_spec()}
-    (out / MARKER_FILE).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
-
-def _remove_stale_partials(dest: Path) -> None:
-    """Delete leftovers of killed builds of `dest` (old temp dirs next to it)."""
-    now = time.time()
-    for leftover in dest.parent.glob(f".{dest.name}.partial-*"):
-        try:
-            if now - leftover.stat().st_mtime > _STALE_PARTIAL_SECONDS:
-                shutil.rmtree(leftover, ignore_errors=True)
-        except OSError:
-            pass
-
-
-def _install(built: Path, dest: Path, *, force: bool) -> None:
-    """Move the finished temp dir to `dest` with renames, so `dest` is never seen half-written."""
-    try:
-        os.rename(built, dest)  # atomic; succeeds if dest is absent or an empty directory
-        return
-    except OSError:
-        if not force and is_complete(dest):
-            return  # a concurrent build finished first; ours is discarded by the caller
-    if not _is_replaceable(dest):
-        raise FileExistsError(f"{dest} exists and is not a nemo_gym_tok tiny-model build; refusing to replace it")
-    aside = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex[:8]}")
-    os.rename(dest, aside)
-    try:
-        os.rename(built, dest)
-    except OSError:
-        if not is_complete(dest):
-            raise
-    shutil.rmtree(aside, ignore_errors=True)
+def _write_build(out: Path) -> None:
+    """Write model weights, configs and tokenizer into `out` (an existing empty directory)."""
+    # Only <|im_end|> ends a turn; listing <|endoftext|> too would let a turn end on a token the template never writes.
+    write_random_qwen3(
+        out, MODEL_CONFIG, seed=SEED, tokenizer=build_tokenizer(), chat_template_text=chat_template(),
+        eos_token_id=IM_END_ID, pad_token_id=ENDOFTEXT_ID, bos_token_id=None,
+    )
+    write_marker(out, spec_hash(), build_spec())
 
 
 def build_tiny_model(dest: Path | None = None, *, force: bool = False) -> Path:
@@ -196,21 +172,4 @@ def build_tiny_model(dest: Path | None = None, *, force: bool = False) -> Path:
     Raises FileExistsError if `dest` is a non-empty directory that is not one of our builds.
     """
     target = Path(dest).expanduser().absolute() if dest is not None else default_tiny_model_dir()
-    if not force and is_complete(target):
-        return target
-    if not _is_replaceable(target):
-        raise FileExistsError(f"{target} exists and is not a nemo_gym_tok tiny-model build; refusing to replace it")
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_partials(target)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
-    # mkdtemp makes it owner-only; a model dir is ordinary readable data (a server may run as another user).
-    staging.chmod(0o755)
-    logger.info("building tiny model into %s", target)
-    try:
-        _write_build(staging)
-        _install(staging, target, force=force)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return build_cached(target, force=force, complete=is_complete, write=_write_build, what="tiny-model")

@@ -124,8 +124,11 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: Path) -> None:
-    """Save tokenizer.json + tokenizer_config.json (chat template inside) loadable by transformers 4.x/5.x and vLLM."""
+def save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: Path, template: str | None = None) -> None:
+    """Save tokenizer.json + tokenizer_config.json (chat template inside) loadable by transformers 4.x/5.x and vLLM.
+
+    `template` None means our own chat template (the embedded model's); builders of other templates pass theirs.
+    """
     # Keep the template inside tokenizer_config.json: older transformers and other loaders only look there.
     tokenizer.save_pretrained(str(directory), save_jinja_files=False)
     config_path = directory / "tokenizer_config.json"
@@ -134,5 +137,7 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: Path) -> None:
     # resolve; "PreTrainedTokenizerFast" loads tokenizer.json verbatim in both (a model-specific class such as
     # Qwen2Tokenizer would rebuild the pipeline and add an NFC normalizer tiktoken does not have).
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config.setdefault("chat_template", chat_template())
+    config.setdefault("chat_template", chat_template() if template is None else template)
+    if template is not None and config["chat_template"] != template:
+        raise RuntimeError("tokenizer_config.json does not carry the chat template it was asked to save")
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8")

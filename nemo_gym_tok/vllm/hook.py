@@ -1,9 +1,13 @@
 """The prefix-splice hook inside vLLM's API server: the one module that depends on vLLM internals.
 
-It wraps three methods:
+It wraps four methods:
 - `OnlineRenderer.preprocess_chat` (chat templating for `/v1/chat/completions` and `/tokenize`): when the request
   carries `required_prefix_token_ids` or a bundled assistant message, the engine gets the model's exact prefix
-  ids followed by the template's tail, once the structural check holds (see nemo_gym_tok.splice);
+  ids followed by the template's tail, once the structural check holds (see nemo_gym_tok.splice). On a Harmony
+  model (GPT-OSS) only `/tokenize` comes here, and a request with a prefix is refused (it renders the Hugging Face
+  template, not the Harmony prompt generation uses);
+- `OnlineRenderer._make_request_with_harmony` (GPT-OSS chat completions, rendered by openai_harmony): the same
+  splice, with vLLM's own Harmony rendering as the template (`_HarmonyRenderer`);
 - `OnlineRenderer.warmup` (server start-up): detects the chat template's turn structure and logs what it found;
 - `OpenAIServingChat.chat_completion_full_generator` (non-streaming chat responses): adds the top-level
   `prefix_splice` telemetry and, with `logprobs` requested, this call's bundle on each `choice.message`.
@@ -47,17 +51,22 @@ PATCHED_METHODS = (
     ("vllm.renderers.online_renderer", "OnlineRenderer", "preprocess_chat"),
     ("vllm.renderers.online_renderer", "OnlineRenderer", "warmup"),
     ("vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat", "chat_completion_full_generator"),
+    ("vllm.renderers.online_renderer", "OnlineRenderer", "_make_request_with_harmony"),
 )
 # Other internals the wrappers use.
 # preprocess_chat's parameters the splice reads (by name, as vLLM's callers pass them).
 PREPROCESS_CHAT_PARAMETERS = (
     "request", "messages", "default_template", "default_template_content_format", "default_template_kwargs", "tool_dicts",
 )
+# _make_request_with_harmony's parameters, and what it returns: (Harmony messages, [{"prompt_token_ids": ...}]).
+HARMONY_PARAMETERS = ("request", "should_include_tools")
 USED_SYMBOLS = (
     ("vllm.exceptions", "VLLMValidationError"),
     ("vllm.renderers.params", "ChatParams"),
     ("vllm.renderers.params", "merge_kwargs"),
     ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionResponse"),
+    ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
+    ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionToolsParam"),
 )
 _MARKER = "__nemo_gym_tok_original__"
 
@@ -76,12 +85,11 @@ def check_internals() -> list[str]:
         owner = _lookup(module_name, class_name)
         if owner is None or not callable(getattr(owner, method, None)):
             missing.append(f"{module_name}.{class_name}.{method}")
-    preprocess_chat = getattr(_lookup(*PATCHED_METHODS[0][:2]), "preprocess_chat", None)
-    if preprocess_chat is not None:
-        parameters = inspect.signature(getattr(preprocess_chat, _MARKER, preprocess_chat)).parameters
-        missing.extend(
-            f"{'.'.join(PATCHED_METHODS[0])}({name}=...)" for name in PREPROCESS_CHAT_PARAMETERS if name not in parameters
-        )
+    for patched, expected in ((PATCHED_METHODS[0], PREPROCESS_CHAT_PARAMETERS), (PATCHED_METHODS[3], HARMONY_PARAMETERS)):
+        method = getattr(_lookup(*patched[:2]), patched[2], None)
+        if method is not None:
+            parameters = inspect.signature(getattr(method, _MARKER, method)).parameters
+            missing.extend(f"{'.'.join(patched)}({name}=...)" for name in expected if name not in parameters)
     for module_name, symbol in USED_SYMBOLS:
         if _lookup(module_name, symbol) is None:
             missing.append(f"{module_name}.{symbol}")
@@ -115,6 +123,7 @@ def install() -> None:
     _wrap(renderer_cls, "preprocess_chat", _preprocess_chat_with_splice)
     _wrap(renderer_cls, "warmup", _warmup_with_profile)
     _wrap(serving_cls, "chat_completion_full_generator", _full_generator_with_bundle)
+    _wrap(renderer_cls, "_make_request_with_harmony", _harmony_with_splice)
     logger.info("nemo_gym_tok prefix-splice hook installed (vLLM %s)", vllm.__version__)
 
 
@@ -138,7 +147,10 @@ def _warmup_with_profile(original: Any) -> Any:
     def warmup(self: Any) -> None:
         original(self)
         try:
-            profile = _profile_for(self, _StartupRequest(), None, None, None)
+            if getattr(self, "use_harmony", False):
+                profile = _harmony_profile(self)
+            else:
+                profile = _profile_for(self, _StartupRequest(), None, None, None)
         except SpliceError as exc:
             logger.warning(
                 "nemo_gym_tok prefix-splice hook active (vLLM %s), but it cannot splice for this chat template: %s",
@@ -160,6 +172,8 @@ def _preprocess_chat_with_splice(original: Any) -> Any:
             vocab_size = self.model_config.get_vocab_size()
             source = find_prefix_source(messages, getattr(request, PREFIX_KEY, None), vocab_size)
             new_segment = _new_segment_requested(request)
+            if source is not None and getattr(self, "use_harmony", False):
+                raise SpliceError(HARMONY_TOKENIZE_REFUSAL)
         except SpliceError as exc:
             metrics.rejected()
             raise VLLMValidationError(str(exc), parameter=PREFIX_KEY) from None
@@ -175,16 +189,67 @@ def _preprocess_chat_with_splice(original: Any) -> Any:
         except SpliceError as exc:
             metrics.rejected()
             raise VLLMValidationError(str(exc), parameter=PREFIX_KEY) from None
-        if result is None:  # a first-turn prefix: checked, nothing spliced
-            _remember(request, {"applied": False, "template_differed": False, "replaced_tokens": 0})
-            return conversation, engine_inputs
-        engine_inputs[0]["prompt_token_ids"] = result.prompt_token_ids
-        engine_inputs[0].pop("prompt", None)  # the template's text no longer describes these ids
-        _remember(request, result.telemetry())
-        metrics.spliced(result)
+        _apply(request, engine_inputs, result)
         return conversation, engine_inputs
 
     return preprocess_chat
+
+
+HARMONY_TOKENIZE_REFUSAL = (
+    "this model speaks Harmony (GPT-OSS): vLLM renders its chat completions with openai_harmony, but /tokenize "
+    "renders the Hugging Face chat template (another system preamble and date, other tool-message headers), so "
+    "/tokenize cannot give the prompt ids of a request with a token prefix. Take them from the chat completion "
+    "itself: choice.message.prompt_token_ids (with logprobs: true) or the top-level prompt_token_ids (with "
+    "return_token_ids: true)"
+)
+
+
+def _apply(request: Any, engine_inputs: list[Any], result: SpliceResult | None) -> None:
+    """Give the engine the spliced ids and remember the telemetry for the response."""
+    if result is None:  # a first-turn prefix: checked, nothing spliced
+        _remember(request, {"applied": False, "template_differed": False, "replaced_tokens": 0})
+        return
+    from nemo_gym_tok.vllm import metrics
+
+    engine_inputs[0]["prompt_token_ids"] = result.prompt_token_ids
+    engine_inputs[0].pop("prompt", None)  # the template's text no longer describes these ids
+    _remember(request, result.telemetry())
+    metrics.spliced(result)
+
+
+def _harmony_with_splice(original: Any) -> Any:
+    """Wrap the (synchronous) Harmony render of GPT-OSS chat completions with the splice."""
+    from vllm.exceptions import VLLMValidationError
+
+    from nemo_gym_tok.vllm import metrics
+
+    def _make_request_with_harmony(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            vocab_size = self.model_config.get_vocab_size()
+            source = find_prefix_source(request.messages, getattr(request, PREFIX_KEY, None), vocab_size)
+            new_segment = _new_segment_requested(request)
+        except SpliceError as exc:
+            metrics.rejected()
+            raise VLLMValidationError(str(exc), parameter=PREFIX_KEY) from None
+        harmony_messages, engine_inputs = original(self, request, *args, **kwargs)
+        # No messages: vLLM took the kv_transfer_params token reuse path and rendered nothing; left as it is.
+        if source is None or not harmony_messages:
+            return harmony_messages, engine_inputs
+        if new_segment:
+            _remember(request, {"applied": False, "template_differed": False, "replaced_tokens": 0, "new_segment": True})
+            return harmony_messages, engine_inputs
+        try:
+            include_tools = _signature(original).bind(self, request, *args, **kwargs).arguments.get(
+                "should_include_tools", True
+            )
+            result = _splice_harmony(self, request, bool(include_tools), source, engine_inputs)
+        except SpliceError as exc:
+            metrics.rejected()
+            raise VLLMValidationError(str(exc), parameter=PREFIX_KEY) from None
+        _apply(request, engine_inputs, result)
+        return harmony_messages, engine_inputs
+
+    return _make_request_with_harmony
 
 
 @functools.lru_cache(maxsize=4)
@@ -313,6 +378,108 @@ def _profile_for(
         profile = detect_profile(renderer, terminator_override=os.environ.get(TERMINATOR_ENV) or None)
         if len(_profiles) >= 256:  # one entry per template-argument combination; callers could vary them freely
             _profiles.clear()
+        _profiles[key] = profile
+    return profile
+
+
+def _splice_harmony(
+    online: Any, request: Any, include_tools: bool, source: PrefixSource, engine_inputs: list[Any]
+) -> SpliceResult | None:
+    if len(engine_inputs) != 1 or "prompt_token_ids" not in engine_inputs[0]:
+        raise SpliceError("the prefix splice supports text-only chats rendered to one token prompt")
+    template_ids = list(engine_inputs[0]["prompt_token_ids"])
+    renderer = _HarmonyRenderer(online, request, include_tools)
+    if source.message_index < 0:
+        check_starts_with(template_ids, source.prefix, renderer.decode)
+        return None
+    # Harmony always ends the prompt with `<|start|>assistant` (no add_generation_prompt, no continue_final_message)
+    # and applies no truncate_prompt_tokens while rendering.
+    return splice_prefix(
+        renderer, _harmony_profile(online), [_plain_message(m) for m in request.messages], source,
+        add_generation_prompt=True, template_prompt=(renderer.decode(template_ids), template_ids),
+    )
+
+
+class _HarmonyRenderer:
+    """ChatRenderer over vLLM's own Harmony rendering (GPT-OSS), with one request's tools and reasoning effort.
+
+    The template text is the tokenizer's decoding of the ids vLLM's `_make_request_with_harmony` renders (called
+    unwrapped, on a copy of the request holding the messages to render), so the splice's text-level algorithm
+    applies. Without a generation prompt the trailing `<|start|>assistant` is left out, and a last assistant
+    message on the final channel closes with `<|return|>` as the Hugging Face gpt-oss template renders it (how a
+    sampled turn ends), instead of the `<|end|>` Harmony gives it in history.
+    """
+
+    def __init__(self, online: Any, request: Any, include_tools: bool) -> None:
+        self._online = online
+        self._request = request
+        self._include_tools = include_tools
+        self._make_request = getattr(type(online)._make_request_with_harmony, _MARKER, type(online)._make_request_with_harmony)
+        self.tokenizer = online.renderer.get_tokenizer()
+        added = self.tokenizer.added_tokens_decoder.items()
+        self.added_tokens = {token.content: token_id for token_id, token in added}
+        self.special_tokens = {token.content: token_id for token_id, token in added if token.special}
+        self.end_token_ids = _end_token_ids(online.model_config, self.tokenizer)
+        self._generation_prompt = self.encode("<|start|>assistant")
+        self._end, self._return = self.added_tokens.get("<|end|>"), self.added_tokens.get("<|return|>")
+
+    def render(self, messages: Any, *, add_generation_prompt: bool, continue_final_message: bool = False) -> str:
+        if continue_final_message:
+            raise UnsupportedTemplateError("Harmony (GPT-OSS) prompts cannot continue a final message")
+        tools = self._request.tools if self._include_tools else None
+        return self._render(messages, tools, self._include_tools, add_generation_prompt)
+
+    def render_with_tools(self, messages: Any, tools: Any, *, add_generation_prompt: bool) -> str:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
+
+        validated = [ChatCompletionToolsParam.model_validate(tool) for tool in tools] if tools else None
+        return self._render(messages, validated, validated is not None, add_generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Any) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def _render(self, messages: Any, tools: Any, include_tools: bool, add_generation_prompt: bool) -> str:
+        copy = self._request.model_copy(update={"messages": [_harmony_input(m) for m in messages], "tools": tools})
+        harmony_messages, engine_inputs = self._make_request(self._online, copy, include_tools)
+        ids = list(engine_inputs[0]["prompt_token_ids"])
+        if not add_generation_prompt:
+            cut = len(ids) - len(self._generation_prompt)
+            if ids[cut:] != self._generation_prompt:
+                raise UnsupportedTemplateError("vLLM's Harmony prompt does not end with <|start|>assistant")
+            ids = ids[:cut]
+            last = harmony_messages[-1] if harmony_messages else None
+            if (
+                last is not None and str(getattr(last.author.role, "value", last.author.role)) == "assistant"
+                and last.channel == "final" and ids and ids[-1] == self._end and self._return is not None
+            ):
+                ids[-1] = self._return
+        return self.decode(ids)
+
+
+def _harmony_input(message: Any) -> dict[str, Any]:
+    """A message as vLLM's request validation hands it to Harmony (the deprecated reasoning_content renamed)."""
+    plain = dict(_plain_message(message))
+    if "reasoning_content" in plain:
+        reasoning = plain.pop("reasoning_content")
+        if plain.get("reasoning") is None:
+            plain["reasoning"] = reasoning
+    return plain
+
+
+def _harmony_profile(online: Any) -> TemplateProfile:
+    """The turn structure of vLLM's Harmony rendering, detected once per server (it has no template arguments)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    key = (id(online), "harmony")
+    profile = _profiles.get(key)
+    if profile is None:
+        request = ChatCompletionRequest(messages=[{"role": "user", "content": "Hello."}])
+        profile = detect_profile(
+            _HarmonyRenderer(online, request, False), terminator_override=os.environ.get(TERMINATOR_ENV) or None
+        )
         _profiles[key] = profile
     return profile
 
