@@ -42,6 +42,9 @@ class HFChatRenderer:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     chat_template: str | None = None
     extra_end_token_ids: Sequence[int] = ()
+    content_format: str = "auto"
+    """How message text reaches the template: "string", "openai" (a list of text parts, for templates that loop over
+    content parts) or "auto" (whichever shows a probe message's text, as vLLM's content-format detection decides)."""
     added_tokens: Mapping[str, int] = field(init=False)
     special_tokens: Mapping[str, int] = field(init=False)
     end_token_ids: frozenset[int] = field(init=False)
@@ -54,12 +57,14 @@ class HFChatRenderer:
         if self.tokenizer.eos_token_id is not None:
             ends.add(int(self.tokenizer.eos_token_id))
         self.end_token_ids = frozenset(ends)
+        if self.content_format == "auto":
+            self.content_format = self._detect_content_format()
 
     def render(
         self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool, continue_final_message: bool = False
     ) -> str:
         return self.tokenizer.apply_chat_template(
-            template_messages(messages),
+            template_messages(messages, as_parts=self.content_format == "openai"),
             tools=self.tools,
             chat_template=self.chat_template,
             add_generation_prompt=add_generation_prompt,
@@ -76,6 +81,20 @@ class HFChatRenderer:
             messages, add_generation_prompt=add_generation_prompt
         )
 
+    def _detect_content_format(self) -> str:
+        probe = [{"role": "user", "content": "ngtprobe7q"}]
+        for content_format in ("string", "openai"):
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    template_messages(probe, as_parts=content_format == "openai"), chat_template=self.chat_template,
+                    add_generation_prompt=True, tokenize=False, **self.template_kwargs,
+                )
+            except Exception:  # noqa: BLE001 - a template that cannot take this format
+                continue
+            if "ngtprobe7q" in text:
+                return content_format
+        return "string"
+
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
@@ -83,12 +102,15 @@ class HFChatRenderer:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def template_messages(messages: Sequence[Mapping[str, Any]], *, as_parts: bool = False) -> list[dict[str, Any]]:
     """Messages as vLLM hands them to a chat template: tool-call arguments as objects (JSON text parsed; anything
-    that is not an object becomes {}), and an empty tool_calls list dropped."""
+    that is not an object becomes {}), an empty tool_calls list dropped, and text content as a list of text parts for
+    templates that loop over parts (`as_parts`)."""
     prepared = []
     for message in messages:
         message = dict(message)
+        if as_parts and isinstance(message.get("content"), str):
+            message["content"] = [{"type": "text", "text": message["content"]}]
         calls = message.get("tool_calls")
         if message.get("role") == "assistant" and isinstance(calls, list):
             if not calls:

@@ -28,7 +28,13 @@ from nemo_gym_tok.splice._ids import PREFIX_KEY, PrefixSource, _get
 from nemo_gym_tok.splice._neutral import MESSAGE_PLACEHOLDER, neutralize, placeholder_spans
 from nemo_gym_tok.splice._profile import TemplateProfile
 from nemo_gym_tok.splice._render import ChatRenderer
-from nemo_gym_tok.splice._structure import Layout, Mismatch, locate_bodies, match_fixed_segments, special_skeleton
+from nemo_gym_tok.splice._structure import (
+    Body,
+    Layout,
+    Mismatch,
+    locate_bodies,
+    match_fixed_segments,
+)
 from nemo_gym_tok.token_sources import first_difference
 
 
@@ -102,6 +108,15 @@ def splice_prefix(
     prompt_text = _render(renderer, neutral[:a], add_generation_prompt=True, what="the messages before the prefix's turn")
     prompt_layout = Layout(prompt_text, find(prompt_text, earlier, None))
     bodies, mismatch = match_fixed_segments(prefix, prompt_layout, renderer.encode, closer_ids, profile.end_token_ids)
+    if mismatch is not None and earlier:
+        # Templates that move text between turns (Mistral v0.3 puts the system prompt in the last user turn) render
+        # the history differently once more messages follow; the prefix then holds each turn's prompt as it was.
+        turn_layout = _turn_by_turn_layout(renderer, neutral, [*earlier, a], find)
+        turn_bodies, turn_mismatch = match_fixed_segments(
+            prefix, turn_layout, renderer.encode, closer_ids, profile.end_token_ids
+        )
+        if turn_mismatch is None:
+            prompt_layout, bodies, mismatch = turn_layout, turn_bodies, None
     if mismatch is not None:
         raise _mismatch_error(renderer, neutral, a, prompt_layout, mismatch, source)
     generation_start, _ = bodies[-1]
@@ -131,8 +146,7 @@ def splice_prefix(
         what="the messages",
     )
     full_layout = Layout(full_text, find(full_text, [*earlier, a], a if continue_final_message else None))
-    _check_same_turns(prompt_layout, full_layout, profile, a)
-    _check_no_message_inside_a_turn(renderer, messages, a, [*earlier, a], find, add_generation_prompt, continue_final_message)
+    _check_message_placement(renderer, messages, a, [*earlier, a], find, add_generation_prompt, continue_final_message)
     body = full_layout.bodies[-1]
     tail_text = full_text[body.end :]
     repeated = sorted(set(placeholder_spans(tail_text)))
@@ -166,6 +180,21 @@ def splice_prefix(
     )
 
 
+def _turn_by_turn_layout(renderer: ChatRenderer, neutral: list[dict[str, Any]], turns: list[int], find: Any) -> Layout:
+    """The prompt of the last of `turns` as a chain of splices builds it: the first turn's prompt, then each turn's
+    body and what the next turn's prompt renders after it."""
+    text = _render(renderer, neutral[: turns[0]], add_generation_prompt=True, what="the first turn's messages")
+    bodies = []
+    for done, following in zip(turns, turns[1:]):
+        rendered = _render(renderer, neutral[:following], add_generation_prompt=True, what="an earlier turn's messages")
+        body = find(rendered, [turn for turn in turns if turn <= done], None)[-1]
+        start = len(text)
+        text += rendered[body.start : body.end]
+        bodies.append(Body(done, start, len(text)))
+        text += rendered[body.end :]
+    return Layout(text, tuple(bodies))
+
+
 def _neutral_messages(renderer: ChatRenderer, messages: Sequence[Any], a: int, turns: list[int]) -> list[dict[str, Any]]:
     """Neutral messages in which every assistant turn up to messages[a] renders a placeholder."""
     neutral = neutralize(messages, a)
@@ -195,28 +224,24 @@ def _render(renderer: ChatRenderer, messages: list[dict[str, Any]], *, what: str
         raise UnsupportedTemplateError(f"the chat template cannot render {what}: {exc}") from None
 
 
-def _check_same_turns(prompt: Layout, full: Layout, profile: TemplateProfile, a: int) -> None:
-    """The full rendering has the turn structure of the prompt the prefix was produced from, up to messages[a]."""
-    before = special_skeleton(prompt, profile.special_tokens)
-    now = special_skeleton(full, profile.special_tokens, until=full.bodies[-1].start)
-    extra = before[len(now) :]
-    if before[: len(now)] != now or any(token in profile.closers for token in extra):
-        raise UnsupportedTemplateError(
-            f"the chat template renders the turns before messages[{a}] with other special tokens once more messages "
-            f"follow ({' '.join(before)!r} then, {' '.join(now)!r} now); the splice cannot prove the prompt exact"
-        )
-
-
-def _check_no_message_inside_a_turn(
+def _check_message_placement(
     renderer: ChatRenderer, messages: Sequence[Any], a: int, turns: list[int], find: Any, add_generation_prompt: bool,
     continue_final_message: bool,
 ) -> None:
-    """No other message's text lies inside an assistant body: the structural check does not look inside bodies, and
-    a template that renders a tool result inside the assistant turn (Gemma 4 after a turn with text) would hide it."""
+    """Every message after messages[a] is rendered after its turn closes, and no message lies inside an assistant
+    body: the structural check does not look inside bodies, and a template that renders a tool result inside the
+    assistant turn (Gemma 4 after a turn with text) would hide it. Rendered with every message's text a placeholder."""
     neutral = neutralize(messages, a, frozenset(turns), others=True)
     text = _render(renderer, neutral, add_generation_prompt=add_generation_prompt,
                    continue_final_message=continue_final_message, what="the messages")
-    for body in find(text, turns, a if continue_final_message else None):
+    bodies = find(text, turns, a if continue_final_message else None)
+    for later in MESSAGE_PLACEHOLDER.finditer(text, 0, bodies[-1].end):
+        if int(later.group(1)) > a:
+            raise UnsupportedTemplateError(
+                f"the chat template renders messages[{later.group(1)}] before the turn of messages[{a}] closes, so the "
+                "model's ids for that turn cannot be followed by the template's ids for what comes after it"
+            )
+    for body in bodies:
         inside = MESSAGE_PLACEHOLDER.search(text, body.start, body.end)
         if inside is not None:
             raise UnsupportedTemplateError(

@@ -103,17 +103,6 @@ def locate_bodies(
     return tuple(bodies)
 
 
-def special_skeleton(layout: Layout, special_tokens: Mapping[str, int], until: int | None = None) -> list[str]:
-    """The special tokens of the fixed segments, in order (up to text offset `until`)."""
-    pattern = _special_pattern(tuple(sorted(special_tokens, key=len, reverse=True)))
-    skeleton = []
-    for start, end in layout.fixed_segments():
-        end = end if until is None else min(end, until)
-        if start < end:
-            skeleton.extend(match.group(0) for match in pattern.finditer(layout.text, start, end))
-    return skeleton
-
-
 def match_fixed_segments(
     ids: Sequence[int], layout: Layout, encode: Encode, closer_ids: frozenset[int], end_ids: frozenset[int] = frozenset()
 ) -> tuple[list[tuple[int, int]], Mismatch | None]:

@@ -17,19 +17,25 @@ def register() -> None:
     install()
 
 
+class _ThroughVLLM(logging.Handler):
+    """Hands each record to the `vllm` logger's handlers as they are when the record is emitted."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger("vllm").handle(record)
+
+
 def _log_through_vllm() -> None:
     """Send this package's log records to vLLM's own log handlers.
 
-    vLLM configures only its `vllm` logger; records of other loggers reach Python's last-resort handler, which drops
-    everything below WARNING, so the hook's start-up line (the turn closers it detected) never reached the server
-    log. Left alone when vLLM's logging is switched off (VLLM_CONFIGURE_LOGGING=0: no handlers on `vllm`) or when
-    the `nemo_gym_tok` logger was configured by someone else.
+    vLLM configures only its `vllm` logger (and does so from the command line, after plugins load in the API server
+    process); records of other loggers reach Python's last-resort handler, which drops everything below WARNING, so
+    the hook's start-up line (the turn closers it detected) never reached the server log. Left alone when vLLM's
+    logging is switched off (VLLM_CONFIGURE_LOGGING=0) or when the `nemo_gym_tok` logger was configured by the user.
     """
     ours = logging.getLogger("nemo_gym_tok")
-    vllm_logger = logging.getLogger("vllm")
-    if ours.handlers or ours.level != logging.NOTSET or not vllm_logger.handlers:
+    if ours.handlers or ours.level != logging.NOTSET or os.environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0":
         return
-    for handler in vllm_logger.handlers:
-        ours.addHandler(handler)
-    ours.setLevel(vllm_logger.level)
+    ours.addHandler(_ThroughVLLM())
+    level = logging.getLevelName(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
+    ours.setLevel(level if isinstance(level, int) else logging.INFO)
     ours.propagate = False
