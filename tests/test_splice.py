@@ -9,6 +9,7 @@ import pytest
 
 from nemo_gym_tok.chat_templates.episodes import TOOL, EpisodeSettings, check_splice, play_episode
 from nemo_gym_tok.splice import (
+    Header,
     HFChatRenderer,
     InvalidTokenIdsError,
     StalePrefixError,
@@ -69,7 +70,7 @@ def run(renderer, profile, messages, prefix=None, **options):
 
 def test_profile_of_the_tiny_template(profile) -> None:
     assert profile.closers == {"<|im_end|>"}
-    assert profile.assistant_header == "assistant\n"
+    assert profile.assistant_header == Header("assistant\n") == profile.header_after_tool
     assert profile.replaced_end_tokens == frozenset()
 
 

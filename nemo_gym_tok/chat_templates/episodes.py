@@ -124,6 +124,8 @@ def check_splice(
     if kept < len(prefix) - 1 or (kept == len(prefix) - 1 and prefix[-1] not in profile.end_token_ids | profile.closer_ids()):
         raise WrongSplice(f"the splice dropped prefix ids that are not a final end token ({len(prefix) - kept} dropped)")
     tail = spliced[kept:]
+    if profile.moves_call_text:  # the text of a tool-calling turn lives in the model's ids, before the call
+        messages = [{**m, "content": ""} if m.get("role") == "assistant" and m.get("tool_calls") else m for m in messages]
     full_text = renderer.render(list(messages), add_generation_prompt=True)
     full_ids = renderer.encode(full_text)
     if tail and full_ids[len(full_ids) - len(tail):] != tail:

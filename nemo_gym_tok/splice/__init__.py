@@ -20,7 +20,7 @@ from nemo_gym_tok.splice._ids import (
     check_token_ids,
     find_prefix_source,
 )
-from nemo_gym_tok.splice._profile import TemplateProfile, detect_profile
+from nemo_gym_tok.splice._profile import Header, TemplateProfile, detect_profile
 from nemo_gym_tok.splice._render import ChatRenderer, HFChatRenderer
 from nemo_gym_tok.splice._splice import RepairedTurn, SpliceResult, splice_prefix
 
@@ -31,6 +31,7 @@ __all__ = [
     "BoundaryNotFoundError",
     "ChatRenderer",
     "HFChatRenderer",
+    "Header",
     "InvalidTokenIdsError",
     "PrefixSource",
     "RepairedTurn",

@@ -25,7 +25,8 @@ MESSAGE_PLACEHOLDER = re.compile(r"ngtmsg(\d+)q")
 
 
 def neutralize(
-    messages: Sequence[Any], up_to: int, force_content: frozenset[int] = frozenset(), *, others: bool = False
+    messages: Sequence[Any], up_to: int, force_content: frozenset[int] = frozenset(), *, others: bool = False,
+    drop_call_text: bool = False,
 ) -> list[dict[str, Any]]:
     """Plain-dict copies of `messages`; assistant messages at index <= `up_to` get placeholder text.
 
@@ -33,13 +34,14 @@ def neutralize(
     renders one), reasoning becomes one where the message has reasoning, and each tool call keeps its id and name
     (templates render the name again with the tool's result) but gets placeholder argument values (in the type the
     caller used: a JSON string stays a JSON string). With `others`, every other message's text becomes a placeholder
-    too (MESSAGE_PLACEHOLDER), to see where the template puts it.
+    too (MESSAGE_PLACEHOLDER), to see where the template puts it. With `drop_call_text`, tool-calling messages get no
+    text at all (for templates that render it after the tools' results: it lives in the model's ids).
     """
     neutral = []
     for index, message in enumerate(messages):
         plain = _plain(message)
         if index <= up_to and plain.get("role") == "assistant":
-            plain = _neutral_assistant(plain, index, index in force_content)
+            plain = _neutral_assistant(plain, index, index in force_content, drop_call_text)
         elif others and plain.get("role") != "assistant" and isinstance(plain.get("content"), str) and plain["content"]:
             plain["content"] = f"ngtmsg{index}q"
         neutral.append(plain)
@@ -56,10 +58,12 @@ def placeholder_spans(text: str) -> dict[int, tuple[int, int]]:
     return spans
 
 
-def _neutral_assistant(message: dict[str, Any], index: int, force_content: bool) -> dict[str, Any]:
+def _neutral_assistant(message: dict[str, Any], index: int, force_content: bool, drop_call_text: bool) -> dict[str, Any]:
     neutral = {key: value for key, value in message.items() if key not in ("reasoning", "reasoning_content")}
     calls = message.get("tool_calls")
-    if message.get("content") or not calls or force_content:
+    if calls and drop_call_text and not force_content:
+        neutral["content"] = ""
+    elif message.get("content") or not calls or force_content:
         neutral["content"] = placeholder("body", index)
     if message.get("reasoning_content") or message.get("reasoning"):
         neutral["reasoning_content"] = placeholder("think", index)

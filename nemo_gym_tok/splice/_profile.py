@@ -29,6 +29,19 @@ _CALL = {"id": "call_0", "type": "function", "function": {"name": "lookup", "arg
 
 
 @dataclass(frozen=True)
+class Header:
+    """Template text that ends right before an assistant body, where the model's ids start."""
+
+    text: str
+    follows_special: bool = True
+    """True when it comes right after the last special token (ChatML's "assistant\\n"); False when message text lies
+    between them (Llama 2's "[INST] ... [/INST]"), so the header is its last occurrence before the body."""
+
+    def describe(self) -> str:
+        return f"{self.text!r} ({'after the last special token' if self.follows_special else 'after message text'})"
+
+
+@dataclass(frozen=True)
 class TemplateProfile:
     """How one chat template closes assistant turns; what the splice and the structural check rely on."""
 
@@ -38,13 +51,15 @@ class TemplateProfile:
     """Ids the model stops on."""
     replaced_end_tokens: frozenset[str]
     """Model end tokens that the template renders as another closer once the turn is history."""
-    assistant_header: str
-    """Template text that ends right before an assistant body (e.g. "assistant\\n" or " [/INST]")."""
-    header_follows_special: bool
-    """True when the header comes right after the last special token (ChatML's role name); False when message text
-    lies between them (Llama 2's "[INST] ... [/INST]"), so the header is the last occurrence before the body."""
+    assistant_header: Header
+    """What opens an assistant body (e.g. "assistant\\n" or " [/INST]")."""
+    header_after_tool: Header
+    """What opens an assistant body that follows a tool result (Gemma 4 continues the same turn, with no header)."""
     special_tokens: Mapping[str, int]
     """Special tokens by text: the anchors of the structure."""
+    moves_call_text: bool = False
+    """The template renders the text of an assistant message that calls tools after the tools' results (Gemma 4):
+    that text is part of the model's ids, before the call, and the template's rendering of it is left out."""
     overridden: bool = False
 
     def closer_ids(self) -> frozenset[int]:
@@ -56,10 +71,14 @@ class TemplateProfile:
     def describe(self) -> str:
         how = "set by NEMO_GYM_TOK_TURN_TERMINATOR" if self.overridden else "detected"
         replaced = f"; model end tokens rendered as a closer: {sorted(self.replaced_end_tokens)}" if self.replaced_end_tokens else ""
-        where = "after the last special token" if self.header_follows_special else "after message text"
+        if self.moves_call_text:
+            replaced += "; text of tool-calling turns rendered after the results (kept where the model wrote it)"
+        after_tool = "" if self.header_after_tool == self.assistant_header else (
+            f"; after a tool result {self.header_after_tool.describe()}"
+        )
         return (
-            f"assistant turns close with {sorted(self.closers)} ({how}); assistant header {self.assistant_header!r} "
-            f"({where}){replaced}"
+            f"assistant turns close with {sorted(self.closers)} ({how}); assistant header "
+            f"{self.assistant_header.describe()}{after_tool}{replaced}"
         )
 
 
@@ -73,10 +92,10 @@ def detect_profile(renderer: ChatRenderer, *, terminator_override: str | None = 
     pattern = re.compile("|".join(re.escape(t) for t in sorted(special, key=len, reverse=True))) if special else None
     closers: set[str] = set()
     last_closers: set[str] = set()
-    headers: list[str] = []
-    trailing = False
+    headers: dict[bool, list[tuple[str, bool]]] = {False: [], True: []}
     rendered_any = False
     for conversation, assistant_index, tools in _probes():
+        after_tool = conversation[assistant_index - 1]["role"] == "tool"
         neutral = neutralize(conversation, assistant_index)
         try:
             text = _render(renderer, neutral, tools, add_generation_prompt=assistant_index < len(conversation) - 1)
@@ -99,9 +118,9 @@ def detect_profile(renderer: ChatRenderer, *, terminator_override: str | None = 
         # (from the last special token) as far as the generation prompt's text (from its last special token) agrees.
         before_body = text[_last_special_end(pattern, text, first) : first]
         generation_tail = prompt[_last_special_end(pattern, prompt, len(prompt)) :]
-        headers.append(before_body[: _common_prefix_length(before_body, generation_tail)])
+        header = before_body[: _common_prefix_length(before_body, generation_tail)]
         texts = [m["content"] for m in conversation if m["role"] != "assistant" and isinstance(m.get("content"), str)]
-        trailing = trailing or any(text_ in headers[-1] for text_ in texts if text_)
+        headers[after_tool].append((header, any(text in header for text in texts if text)))
     if not rendered_any:
         raise UnsupportedTemplateError("the chat template renders none of the probe conversations with an assistant turn")
     if terminator_override:
@@ -114,16 +133,32 @@ def detect_profile(renderer: ChatRenderer, *, terminator_override: str | None = 
             "apart from the template's text; set NEMO_GYM_TOK_TURN_TERMINATOR if the model has a turn terminator"
         )
     end_tokens = {token for token, token_id in special.items() if token_id in renderer.end_token_ids}
+    moves_call_text = _moves_call_text(renderer)
     replaced = {token for token in last_closers - closers if token in end_tokens}
     return TemplateProfile(
         closers=frozenset(closers),
         end_token_ids=frozenset(renderer.end_token_ids),
         replaced_end_tokens=frozenset(replaced),
-        assistant_header=_common_suffix(headers) if trailing else _common_prefix(headers),
-        header_follows_special=not trailing,
+        assistant_header=_header(headers[False]),
+        header_after_tool=_header(headers[True]) if headers[True] else _header(headers[False]),
         special_tokens=special,
+        moves_call_text=moves_call_text,
         overridden=bool(terminator_override),
     )
+
+
+def _moves_call_text(renderer: ChatRenderer) -> bool:
+    """Whether a tool-calling assistant message's text comes after the tool's result in the template's rendering."""
+    conversation = [
+        {"role": "user", "content": "Hello there."},
+        {"role": "assistant", "content": "ngtcalltext7q", "tool_calls": [_CALL]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "ngtresult7q"},
+    ]
+    try:
+        text = _render(renderer, conversation, [_TOOL], add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - no tool support: nothing to move
+        return False
+    return "ngtresult7q" in text and text.find("ngtcalltext7q") > text.find("ngtresult7q")
 
 
 def special_tokens_of(renderer: ChatRenderer) -> dict[str, int]:
@@ -147,15 +182,26 @@ def _probes() -> list[tuple[list[dict[str, Any]], int, list[dict[str, Any]] | No
     call = {"role": "assistant", "content": "", "tool_calls": [_CALL]}  # a tool call alone, as models send them
     thought = {"role": "assistant", "content": "Hi.", "reasoning_content": "Greet back."}
     result = {"role": "tool", "tool_call_id": "call_0", "content": "a greeting"}
+    other_result = {"role": "tool", "tool_call_id": "call_0", "content": "no such word"}
     return [
         ([user, reply, again], 1, None),
         ([system, user, reply, again], 2, None),
         ([user, reply, again, dict(reply), dict(again)], 3, None),
         ([user, call, result], 1, [_TOOL]),
+        ([user, call, result, reply, again], 3, [_TOOL]),
+        ([user, call, other_result, reply, again], 3, [_TOOL]),
         ([user, thought, again], 1, None),
         ([user, reply], 1, None),
         ([system, user, reply], 2, None),
     ]
+
+
+def _header(samples: list[tuple[str, bool]]) -> Header:
+    """One header from the probes': where message text precedes it, what they all end with; else what they all start
+    with (templates that add a reasoning block to some turns only still share the role header)."""
+    trailing = any(has_text for _, has_text in samples)
+    texts = [text for text, _ in samples]
+    return Header(_common_suffix(texts), follows_special=False) if trailing else Header(_common_prefix(texts))
 
 
 def _last_special_end(pattern: re.Pattern[str] | None, text: str, before: int) -> int:

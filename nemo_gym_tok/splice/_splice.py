@@ -102,8 +102,8 @@ def splice_prefix(
         )
     closer_ids = profile.closer_ids()
     earlier = [j for j in range(a) if _get(messages[j], "role") == "assistant"]
-    neutral = _neutral_messages(renderer, messages, a, [*earlier, a])
-    find = _body_finder(profile)
+    neutral = _neutral_messages(renderer, messages, a, [*earlier, a], profile.moves_call_text)
+    find = _body_finder(profile, messages)
 
     prompt_text = _render(renderer, neutral[:a], add_generation_prompt=True, what="the messages before the prefix's turn")
     prompt_layout = Layout(prompt_text, find(prompt_text, earlier, None))
@@ -146,7 +146,7 @@ def splice_prefix(
         what="the messages",
     )
     full_layout = Layout(full_text, find(full_text, [*earlier, a], a if continue_final_message else None))
-    _check_message_placement(renderer, messages, a, [*earlier, a], find, add_generation_prompt, continue_final_message)
+    _check_message_placement(renderer, neutral, a, [*earlier, a], find, add_generation_prompt, continue_final_message)
     body = full_layout.bodies[-1]
     tail_text = full_text[body.end :]
     repeated = sorted(set(placeholder_spans(tail_text)))
@@ -155,6 +155,9 @@ def splice_prefix(
             f"the chat template renders text of messages[{repeated[0]}] again after the turn of messages[{a}] closes; "
             "the splice cannot prove such a prompt exact"
         )
+    moved_text = profile.moves_call_text and bool(_get(messages[a], "tool_calls")) and bool(_get(messages[a], "content"))
+    if moved_text:
+        template_prompt = None  # the server's rendering holds the model's text after the results; ours leaves it out
     if template_prompt is not None and not template_prompt[0].endswith(tail_text):
         raise UnsupportedTemplateError(
             "the chat template renders the turns after the prefix differently depending on earlier assistant text; "
@@ -195,20 +198,26 @@ def _turn_by_turn_layout(renderer: ChatRenderer, neutral: list[dict[str, Any]], 
     return Layout(text, tuple(bodies))
 
 
-def _neutral_messages(renderer: ChatRenderer, messages: Sequence[Any], a: int, turns: list[int]) -> list[dict[str, Any]]:
+def _neutral_messages(
+    renderer: ChatRenderer, messages: Sequence[Any], a: int, turns: list[int], drop_call_text: bool
+) -> list[dict[str, Any]]:
     """Neutral messages in which every assistant turn up to messages[a] renders a placeholder."""
-    neutral = neutralize(messages, a)
+    neutral = neutralize(messages, a, drop_call_text=drop_call_text)
     text = _render(renderer, neutral, add_generation_prompt=True, what="the messages")
     silent = frozenset(turns) - set(placeholder_spans(text))
-    return neutralize(messages, a, force_content=silent) if silent else neutral
+    return neutralize(messages, a, force_content=silent, drop_call_text=drop_call_text) if silent else neutral
 
 
-def _body_finder(profile: TemplateProfile) -> Any:
+def _body_finder(profile: TemplateProfile, messages: Sequence[Any]) -> Any:
+    def header_for(index: int) -> tuple[str, bool]:
+        after_tool = index > 0 and _get(messages[index - 1], "role") == "tool"
+        header = profile.header_after_tool if after_tool else profile.assistant_header
+        return header.text, header.follows_special
+
     def find(text: str, indices: list[int], open_ended: int | None) -> Any:
         try:
             return locate_bodies(
-                text, indices, special_tokens=profile.special_tokens, closers=profile.closers,
-                assistant_header=profile.assistant_header, header_follows_special=profile.header_follows_special,
+                text, indices, special_tokens=profile.special_tokens, closers=profile.closers, header_for=header_for,
                 open_ended=open_ended,
             )
         except LookupError as exc:
@@ -225,14 +234,14 @@ def _render(renderer: ChatRenderer, messages: list[dict[str, Any]], *, what: str
 
 
 def _check_message_placement(
-    renderer: ChatRenderer, messages: Sequence[Any], a: int, turns: list[int], find: Any, add_generation_prompt: bool,
-    continue_final_message: bool,
+    renderer: ChatRenderer, neutral: list[dict[str, Any]], a: int, turns: list[int], find: Any,
+    add_generation_prompt: bool, continue_final_message: bool,
 ) -> None:
     """Every message after messages[a] is rendered after its turn closes, and no message lies inside an assistant
     body: the structural check does not look inside bodies, and a template that renders a tool result inside the
     assistant turn (Gemma 4 after a turn with text) would hide it. Rendered with every message's text a placeholder."""
-    neutral = neutralize(messages, a, frozenset(turns), others=True)
-    text = _render(renderer, neutral, add_generation_prompt=add_generation_prompt,
+    marked = neutralize(neutral, -1, others=True)
+    text = _render(renderer, marked, add_generation_prompt=add_generation_prompt,
                    continue_final_message=continue_final_message, what="the messages")
     bodies = find(text, turns, a if continue_final_message else None)
     for later in MESSAGE_PLACEHOLDER.finditer(text, 0, bodies[-1].end):

@@ -61,12 +61,13 @@ class Mismatch:
 
 def locate_bodies(
     text: str, message_indices: Sequence[int], *, special_tokens: Mapping[str, int], closers: frozenset[str],
-    assistant_header: str, header_follows_special: bool = True, open_ended: int | None = None,
+    header_for: Callable[[int], tuple[str, bool]], open_ended: int | None = None,
 ) -> tuple[Body, ...]:
     """The bodies of the neutral assistant messages `message_indices` in `text`, in order.
 
     A body starts after the assistant header: the last special token before the message's first placeholder, then
-    `assistant_header` (right there, or its last occurrence before the placeholder when message text comes between) and ends where the first closing token after the message's last
+    the header text `header_for(index)` gives (right there, or its last occurrence before the placeholder when it
+    says message text comes between) and ends where the first closing token after the message's last
     placeholder starts. `open_ended` names a message whose body may run to the end of the text (a final message
     rendered with continue_final_message). Raises LookupError with the reason when a body cannot be located.
     """
@@ -81,6 +82,7 @@ def locate_bodies(
         start = previous_end
         for match in specials.finditer(text, previous_end, first):
             start = match.end()
+        assistant_header, header_follows_special = header_for(index)
         if assistant_header:
             if header_follows_special:
                 header_at = start if text.startswith(assistant_header, start) and start + len(assistant_header) <= first else -1
