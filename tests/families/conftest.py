@@ -79,7 +79,8 @@ class FamilyServer:
             indent=2, ensure_ascii=False,
         ))
         seeds = [c.seed for c in broken]
-        return f"{len(broken)}/{len(conversations)} broken (seeds {seeds}; all in {path})\n{describe_failure(self.case, broken[0])}"
+        first = describe_failure(self.case, broken[0])
+        return f"{len(broken)}/{len(conversations)} broken (seeds {seeds}; all in {path})\n{first}"
 
     def log(self) -> str:
         try:
@@ -94,7 +95,8 @@ class FamilyServer:
         stock = self.played.get(("stock", False), [])
         drifting = sum(not c.contiguous for c in stock)
         return (
-            f"{self.case.key:<14} {self.case.template}: contiguous {both.contiguous}/{both.conversations} conversations "
+            f"{self.case.key:<14} {self.case.template}: contiguous {both.contiguous}/{both.conversations} "
+            f"conversations "
             f"(plain {bundled.contiguous}/{bundled.conversations}, tools {tools.contiguous}/{tools.conversations}), "
             f"{both.turns} turns, {both.repaired} repaired, {both.tool_calls} tool calls, "
             f"ended {both.endings['stop'] + both.endings['tool_calls']} / cut {both.endings['length']}, "
@@ -133,7 +135,6 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         server.stop()
         if family_server.played:
             _summaries[case.key] = family_server.summary()
-            print(f"\n{_summaries[case.key]}")
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -7,6 +7,7 @@ status other than 200) is kept with its request and response, never retried or w
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import re
@@ -72,13 +73,18 @@ class FamilyCase:
 
     def server_args(self) -> tuple[str, ...]:
         args = list(CPU_SERVING_ARGS) + list(TEST_BED_ARGS)
-        if self.tool_parser is None:  # TEST_BED_ARGS name hermes; a family without tool calls needs no parser
-            index = args.index("--enable-auto-tool-choice")
-            del args[index : index + 3]
-        else:
-            args[args.index("--tool-call-parser") + 1] = self.tool_parser
+        # TEST_BED_ARGS name the hermes parser: swap in the family's, or drop tool calling where there is none.
+        parser = args.index("--tool-call-parser")
+        del args[parser : parser + 2]
+        args.remove("--enable-auto-tool-choice")
+        if self.tool_parser is not None:
+            args += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_parser]
         if self.reasoning_parser:
             args += ["--reasoning-parser", self.reasoning_parser]
+        # The CPU engine dies ("CPU Generator does not use offset") when it chunks the prefill of a seeded request.
+        # The default budget (2,048 tokens a step on CPU) chunks as soon as ten first-turn prompts with a tool block
+        # (Qwen3's is about 250 ids) arrive together; 16,384 holds every step these conversations make.
+        args += ["--max-num-batched-tokens", "16384"]
         return tuple(args)
 
 
@@ -126,7 +132,9 @@ class Conversation:
         return next(((i, t) for i, t in enumerate(self.turns) if t.status != 200 or not t.contiguous), None)
 
 
-def continues(previous: list[int] | None, prompt: list[int], telemetry: dict[str, Any] | None, end_ids: set[int]) -> bool:
+def continues(
+    previous: list[int] | None, prompt: list[int], telemetry: dict[str, Any] | None, end_ids: set[int]
+) -> bool:
     """Turn N+1's prompt starts with turn N's prompt + generation ids; the final id may have given way to the
     template's closing only where the hook says so (`end_token_replaced`) and that id is one of the model's end ids."""
     if previous is None:
@@ -274,8 +282,6 @@ def closers_in_log(log: str) -> tuple[str, list[str]]:
     closers = CLOSERS.search(line.group(0))
     if closers is None:
         return line.group(0), []
-    import ast
-
     return line.group(0), list(ast.literal_eval(closers.group(1)))
 
 

@@ -38,6 +38,9 @@ def test_bundled_conversations_are_contiguous(family: FamilyServer) -> None:
                 assert turn.finish_reason == "stop" and turn.generation_token_ids[-1] == family.closer_id
             else:
                 assert turn.finish_reason == "length"
+    if family.case.reasoning_parser:  # the parser split reasoning off, and the history sends it back
+        assert all(t.message.get("reasoning") for c in conversations for t in c.turns)
+        assert all(m.get("reasoning_content") for c in conversations for m in c.messages if m["role"] == "assistant")
     later = [t for c in conversations for t in c.turns[1:]]
     assert all(t.prefix_splice and t.prefix_splice["applied"] for t in later)
     assert any(t.repaired for t in later), f"{family.case.template}: no turn needed repair (template_differed)"
@@ -55,10 +58,10 @@ def test_tool_call_conversations_are_contiguous(family: FamilyServer) -> None:
     if not family.case.tools:
         pytest.skip(f"{family.case.template} has no tool calls")
     conversations = family.conversations("bundles", tools=True)
-    calls = [call for c in conversations for t in c.turns if t.kind == "tool" for call in t.tool_calls]
-    assert calls and all(call["function"]["name"] == "move" for call in calls)  # real, parsed tool calls
     report = family.failure_report(conversations, "tools")
     assert not report, f"{family.case.template}: {report}"
+    calls = [call for c in conversations for t in c.turns if t.kind == "tool" for call in t.tool_calls]
+    assert calls and all(call["function"]["name"] == "move" for call in calls)  # real, parsed tool calls
     tool_turns = [t for c in conversations for t in c.turns if t.kind == "tool"]
     assert all(len(t.tool_calls) == 1 for t in tool_turns), "every required tool turn returns one parsed call"
     text_turns = [t for c in conversations for t in c.turns if t.kind != "tool"]

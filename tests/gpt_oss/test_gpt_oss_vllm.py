@@ -37,7 +37,7 @@ def hooked(gpt_oss_server: VLLMServer) -> list[Conversation]:
 
 
 def test_every_conversation_is_contiguous_with_the_hook(hooked: list[Conversation]) -> None:
-    broken = [(c.seed, [t.contiguous for t in c.turns], [t.prefix_splice for t in c.turns]) for c in hooked if not c.contiguous]
+    broken = [(c.seed, [(t.contiguous, t.prefix_splice) for t in c.turns]) for c in hooked if not c.contiguous]
     turns = [turn for conversation in hooked for turn in conversation.turns]
     later = [turn for conversation in hooked for turn in conversation.turns[1:]]
     repaired = sum(bool((turn.prefix_splice or {}).get("template_differed")) for turn in later)

@@ -65,7 +65,8 @@ def test_render_without_generation_prompt_closes_a_final_answer_with_return(onli
     assert without == with_prompt.removesuffix("<|end|><|start|>assistant") + "<|return|>"
     assert f"Current date: {START_DATE}" in without
     # reasoning_content is read as `reasoning`, as vLLM's request validation renames it; the last final drops it
-    analysis = renderer.render(messages[:1] + [{"role": "assistant", "reasoning_content": "r"}], add_generation_prompt=False)
+    thinking = messages[:1] + [{"role": "assistant", "reasoning_content": "r"}]
+    analysis = renderer.render(thinking, add_generation_prompt=False)
     assert analysis.endswith("<|channel|>analysis<|message|>r<|end|>")
 
 
@@ -172,3 +173,20 @@ def test_real_gpt_oss_turn_shapes_stay_contiguous(online, tokenizer) -> None:
     text = tokenizer.decode(prompt)
     # Both analysis messages stay where the model wrote them; stock Harmony history would have dropped them.
     assert text.count("<|channel|>analysis") == 2 and text.endswith("Go on.<|end|><|start|>assistant")
+
+
+def test_a_new_token_segment_takes_harmony_ids_as_they_are(online, tokenizer) -> None:
+    messages = [{"role": "user", "content": "Hello"}]
+    _, inputs = online._make_request_with_harmony(_request(messages))
+    generation = tokenizer.encode("Hi there", add_special_tokens=False) + [RETURN_ID]
+    bundle = {"prompt_token_ids": inputs[0]["prompt_token_ids"], "generation_token_ids": generation,
+              "generation_log_probs": [0.0] * len(generation)}
+    edited = [{"role": "user", "content": "Hello, edited"}, {"role": "assistant", "content": "Hi there", **bundle},
+              {"role": "user", "content": "more"}]
+    request = _request(edited, start_token_segment=True)
+    _, spliced = online._make_request_with_harmony(request)
+    plain = [{key: value for key, value in m.items() if key not in bundle} for m in edited]
+    _, stock = online._make_request_with_harmony(_request(plain))
+    assert spliced[0]["prompt_token_ids"] == stock[0]["prompt_token_ids"]
+    assert hook._telemetry[id(request)] == {"applied": False, "template_differed": False, "replaced_tokens": 0,
+                                            "new_segment": True}
