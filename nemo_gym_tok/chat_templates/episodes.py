@@ -140,7 +140,9 @@ def check_splice(
     plain = own if isinstance(own, str) else ""
     for token in renderer.added_tokens:
         plain = plain.replace(token, " ")
-    if len(plain.strip()) >= 12 and plain == own and own.strip() in tail_text:
+    later_texts = [m.get("content") for m in messages[source.message_index + 1 :] if isinstance(m.get("content"), str)]
+    repeats = own.strip() and tail_text.count(own.strip()) > sum(text.count(own.strip()) for text in later_texts)
+    if len(plain.strip()) >= 12 and plain == own and repeats:
         raise WrongSplice("the ids after the prefix render the prefix's own assistant turn again")
 
 

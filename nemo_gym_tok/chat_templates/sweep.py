@@ -4,13 +4,15 @@ Per template: build its family tokenizer, detect the template's turn structure, 
 tools, with reasoning, without a system prompt; turns ended on an end token and cut), then edit earlier messages and
 check the splice refuses every edit the template renders. A template is `exact` when every splice passed the oracle
 and every visible edit was refused, `refused` when the splice refused something with a 400 (never wrong), and `wrong`
-when the oracle caught a wrong splice or an edit passed the structural check. Templates that cannot render the
-episode shapes at all (a template that raises on any assistant turn, say) are `not renderable`.
+when the oracle caught a wrong splice or an edit passed the structural check. Templates that render no assistant turn
+at all (rerankers, embedders, speech and translation templates that print one fixed prompt) are `no chat turns`:
+there is nothing to splice, and the hook answers them with a 400 that says so.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
@@ -23,6 +25,7 @@ from nemo_gym_tok.chat_templates.families import family_of
 from nemo_gym_tok.chat_templates.tokenizer import end_token_ids, family_tokenizer
 from nemo_gym_tok.splice import (
     HFChatRenderer,
+    NoAssistantTurnsError,
     SpliceError,
     TemplateProfile,
     detect_profile,
@@ -31,7 +34,7 @@ from nemo_gym_tok.splice import (
 )
 from nemo_gym_tok.splice._neutral import neutralize
 
-OUTCOMES = ("exact", "refused", "wrong", "not renderable")
+OUTCOMES = ("exact", "refused", "wrong", "no chat turns")
 
 SHAPES = (
     EpisodeSettings(turns=4),
@@ -50,6 +53,8 @@ class TemplateResult:
     reason: str = ""
     splices: int = 0
     edits_refused: int = 0
+    unrenderable: list[str] = field(default_factory=list)
+    """Episode shapes the template itself cannot render (no tool support, strict alternation): not splice outcomes."""
 
 
 @dataclass
@@ -72,11 +77,15 @@ class SweepReport:
         by_family: dict[str, Counter[str]] = defaultdict(Counter)
         for result in self.results:
             by_family[result.family][result.outcome] += 1
-        lines.append("per family (exact/refused/wrong/not renderable):")
+        chat = [r for r in self.results if r.outcome != "no chat turns"]
+        chat_downloads = sum(r.downloads for r in chat) or 1
+        lines.append(f"exact among templates with chat turns: {sum(r.outcome == 'exact' for r in chat)}/{len(chat)}, "
+                     f"{sum(r.downloads for r in chat if r.outcome == 'exact') / chat_downloads:.2%} by downloads")
+        lines.append("per family (exact/refused/wrong/no chat turns):")
         for name in sorted(by_family):
             c = by_family[name]
-            lines.append(f"  {name:<14} {c['exact']:>4} {c['refused']:>4} {c['wrong']:>4} {c['not renderable']:>4}")
-        for outcome in ("wrong", "refused", "not renderable"):
+            lines.append(f"  {name:<14} {c['exact']:>4} {c['refused']:>4} {c['wrong']:>4} {c['no chat turns']:>4}")
+        for outcome in ("wrong", "refused", "no chat turns"):
             rows = sorted((r for r in self.results if r.outcome == outcome), key=lambda r: -r.downloads)
             if rows:
                 lines.append(f"{outcome} (by downloads, first {min(listed, len(rows))} of {len(rows)}):")
@@ -94,12 +103,15 @@ def sweep_template(entry: TemplateEntry, *, episodes_per_shape: int = 2, seed: i
     with_tools = HFChatRenderer(tokenizer, tools=[TOOL], extra_end_token_ids=ends)
     try:
         profile = detect_profile(plain)
+    except NoAssistantTurnsError as exc:
+        return _outcome(result, "no chat turns", str(exc))
     except SpliceError as exc:
         return _outcome(result, "refused", f"profile: {exc}")
-    except Exception as exc:  # noqa: BLE001 - a template that raises on every probe
-        return _outcome(result, "not renderable", f"{type(exc).__name__}: {exc}")
     played = 0
+    system_ok = _renders(plain, [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
     for shape_number, shape in enumerate(SHAPES):
+        if not system_ok:  # templates without a system role (Gemma 2) play every shape without one
+            shape = dataclasses.replace(shape, system=False)
         renderer = with_tools if shape.tools else plain
         for number in range(episodes_per_shape):
             rng = random.Random(f"{seed}-{entry.name}-{shape_number}-{number}")
@@ -111,8 +123,7 @@ def sweep_template(entry: TemplateEntry, *, episodes_per_shape: int = 2, seed: i
                 _outcome(result, "refused", f"{_shape(shape)}: {exc}")
                 continue
             except Exception as exc:  # noqa: BLE001 - the template cannot render this shape (no tools, say)
-                if not result.reason:
-                    result.reason = f"{_shape(shape)} not renderable: {type(exc).__name__}: {exc}"
+                result.unrenderable.append(f"{_shape(shape)}: {type(exc).__name__}: {exc}")
                 continue
             played += 1
             result.splices += len(episode.telemetry)
@@ -120,7 +131,7 @@ def sweep_template(entry: TemplateEntry, *, episodes_per_shape: int = 2, seed: i
             if wrong:
                 return _outcome(result, "wrong", wrong)
     if played == 0 and result.outcome == "exact":
-        return _outcome(result, "not renderable", result.reason or "no episode could be rendered")
+        return _outcome(result, "refused", result.reason or "no episode could be rendered")
     return result
 
 
@@ -171,6 +182,14 @@ def _edits_are_refused(
     return None
 
 
+def _renders(renderer: HFChatRenderer, messages: list[dict[str, Any]]) -> bool:
+    try:
+        renderer.render(messages, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - the template refuses this shape
+        return False
+    return True
+
+
 def _appender(index: int) -> Callable[[list[dict[str, Any]]], None]:
     def edit(messages: list[dict[str, Any]]) -> None:
         messages[index]["content"] += " (edited)"
@@ -179,7 +198,7 @@ def _appender(index: int) -> Callable[[list[dict[str, Any]]], None]:
 
 
 def _outcome(result: TemplateResult, outcome: str, reason: str) -> TemplateResult:
-    rank = {"exact": 0, "not renderable": 1, "refused": 2, "wrong": 3}
+    rank = {"exact": 0, "no chat turns": 1, "refused": 2, "wrong": 3}
     if rank[outcome] >= rank[result.outcome]:
         if outcome != result.outcome or not result.reason or outcome == "refused" and result.outcome == "exact":
             result.reason = reason

@@ -6,6 +6,7 @@ Pure functions with no vLLM import; the vLLM hook (nemo_gym_tok.vllm.hook) and t
 from nemo_gym_tok.splice._errors import (
     BoundaryNotFoundError,
     InvalidTokenIdsError,
+    NoAssistantTurnsError,
     SpliceError,
     StalePrefixError,
     StructureMismatchError,
@@ -33,6 +34,7 @@ __all__ = [
     "HFChatRenderer",
     "Header",
     "InvalidTokenIdsError",
+    "NoAssistantTurnsError",
     "PrefixSource",
     "RepairedTurn",
     "SpliceError",

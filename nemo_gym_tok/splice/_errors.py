@@ -29,3 +29,7 @@ class BoundaryNotFoundError(SpliceError):
 
 class UnsupportedTemplateError(SpliceError):
     """The chat template renders turns in a way the splice cannot prove exact (no special-token turn ends, say)."""
+
+
+class NoAssistantTurnsError(UnsupportedTemplateError):
+    """The chat template renders no assistant turn at all (a reranker's or an embedder's fixed prompt)."""

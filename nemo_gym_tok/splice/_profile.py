@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nemo_gym_tok.splice._errors import UnsupportedTemplateError
+from nemo_gym_tok.splice._errors import NoAssistantTurnsError, UnsupportedTemplateError
 from nemo_gym_tok.splice._neutral import neutralize, placeholder_spans
 from nemo_gym_tok.splice._render import ChatRenderer
 
@@ -106,8 +106,15 @@ def detect_profile(renderer: ChatRenderer, *, terminator_override: str | None = 
         except Exception:  # noqa: BLE001 - a template may refuse a probe shape (no tools, no system); try the others
             continue
         spans = placeholder_spans(text)
-        if assistant_index not in spans:
-            continue
+        if assistant_index not in spans:  # a template that renders nothing of a bare tool call: show its text
+            neutral = neutralize(conversation, assistant_index, frozenset({assistant_index}))
+            try:
+                text = _render(renderer, neutral, tools, add_generation_prompt=assistant_index < len(conversation) - 1)
+            except Exception:  # noqa: BLE001 - as above
+                continue
+            spans = placeholder_spans(text)
+            if assistant_index not in spans:
+                continue
         rendered_any = True
         first, last = spans[assistant_index]
         is_last = assistant_index == len(conversation) - 1
@@ -127,7 +134,10 @@ def detect_profile(renderer: ChatRenderer, *, terminator_override: str | None = 
         texts = [m["content"] for m in conversation if m["role"] != "assistant" and isinstance(m.get("content"), str)]
         headers[after_tool].append((header, any(text in header for text in texts if text), anchor))
     if not rendered_any:
-        raise UnsupportedTemplateError("the chat template renders none of the probe conversations with an assistant turn")
+        raise NoAssistantTurnsError(
+            "the chat template renders no assistant turn in any probe conversation (a reranker, embedder or other "
+            "fixed-prompt template?), so there is no model turn to splice"
+        )
     if terminator_override:
         if terminator_override not in special:
             raise UnsupportedTemplateError(f"NEMO_GYM_TOK_TURN_TERMINATOR={terminator_override!r} is not a special token")

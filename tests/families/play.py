@@ -49,7 +49,7 @@ SEEDS = range(10)
 
 ENDED = {"max_tokens": 48, "min_tokens": 24}
 CUT = {"max_tokens": 32}
-TOOL = {"max_tokens": 60}
+TOOL = {"max_tokens": 96}  # the grammar ends the call (about 25 ids); room for a call spelled in short pieces
 
 
 @dataclass(frozen=True)
