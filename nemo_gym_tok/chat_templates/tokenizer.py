@@ -44,10 +44,11 @@ def extract_markers(text: str, family: Family) -> list[tuple[str, bool]]:
     found: dict[str, bool] = {}
     for token in _ALWAYS.findall(text):
         found[token] = not _MARKUP_NAME.search(token)
+    # `<end_of_utterance>`-style markers written literally (SmolVLM on a ChatML base): one token in the real tokenizer.
+    for match in _UNDERSCORED.finditer(text):
+        if f"</{match.group(1)}>" not in text:
+            found.setdefault(match.group(0), not _MARKUP_NAME.search(match.group(0)))
     if family.name == "generic":
-        for match in _UNDERSCORED.finditer(text):
-            if f"</{match.group(1)}>" not in text:
-                found[match.group(0)] = not _MARKUP_NAME.search(match.group(0))
         for plain in ("<s>", "</s>"):
             if plain in text:
                 found[plain] = True
