@@ -18,26 +18,11 @@ from typing import Any, Literal
 import httpx
 
 from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ARGS
+from tests.conversations import MOVE_TOOL
 
 Mode = Literal["bundles", "stock"]
 Kind = Literal["end", "cut", "tool"]
 
-MOVE_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "move",
-        "description": "Move on the grid.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "direction": {"type": "string", "enum": ["north", "south", "east", "west"]},
-                "steps": {"type": "integer", "enum": [1, 2, 3]},
-            },
-            "required": ["direction", "steps"],
-            "additionalProperties": False,
-        },
-    },
-}
 
 # Plain conversations alternate ended and cut turns; tool conversations call the tool, answer its result in text,
 # and do it again (the text turns ended one way or the other, by seed).

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import httpx
 
 from nemo_gym_tok.tiny_model.gpt_oss import CALL_ID, GENERATION_EOS_IDS, RETURN_ID
+from tests import conversations
 
 Mode = Literal["bundles", "stock"]
 MODEL = "tiny-gpt-oss"
@@ -51,14 +52,7 @@ def turn_settings(turn: int, tools: bool) -> dict[str, Any]:
 
 
 @dataclass
-class Turn:
-    prompt_token_ids: list[int]
-    generation_token_ids: list[int]
-    finish_reason: str
-    message: dict[str, Any]
-    prefix_splice: dict[str, Any] | None
-    contiguous: bool
-
+class Turn(conversations.Turn):
     @property
     def ended_on(self) -> str:
         last = self.generation_token_ids[-1] if self.generation_token_ids else None
