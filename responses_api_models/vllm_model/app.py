@@ -8,7 +8,7 @@ from typing import Any, ClassVar, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from nemo_gym_tok.conversion import chat_message_to_items, responses_to_chat_request
 from nemo_gym_tok.servers.base import BaseServerConfig, ModelServer
@@ -35,6 +35,9 @@ class VLLMModelConfig(BaseServerConfig):
     """Ask vLLM for `return_token_ids`; false uses the `/tokenize` fallback for prompt ids."""
     exclude_tools_when_tool_choice_none: bool = False
     """Mirror of the vLLM server's flag of that name: the /tokenize fallback then leaves tools out likewise."""
+    harmony: bool = False
+    """The served model is GPT-OSS: vLLM renders its chat prompts with Harmony, while /tokenize renders the Hugging Face
+    template, so /tokenize is no source of its prompt ids (use_return_token_ids must stay true)."""
     sampling_overrides: dict[str, Any] = Field(default_factory=dict)
     """Fields set on every request sent to vLLM, over what the caller sent (e.g. temperature: 1.0)."""
     request_timeout_seconds: float = 600.0
@@ -48,6 +51,15 @@ class VLLMModelConfig(BaseServerConfig):
         if isinstance(value, list) and not value:
             raise ValueError("give at least one vLLM base URL")
         return value
+
+    @model_validator(mode="after")
+    def _tokenize_cannot_render_harmony(self) -> VLLMModelConfig:
+        if self.harmony and not self.use_return_token_ids:
+            raise ValueError(
+                "harmony: true with use_return_token_ids: false would take GPT-OSS prompt ids from /tokenize, which "
+                "renders the Hugging Face template, not Harmony; set use_return_token_ids: true"
+            )
+        return self
 
     @property
     def base_urls(self) -> list[str]:
