@@ -100,11 +100,39 @@ def splice_prefix(
             f"{_what(source)} is empty, but messages[{a}] is an assistant turn: send the ids of the call that produced it "
             "(prompt + generation), or no prefix at all"
         )
-    closer_ids = profile.closer_ids()
     earlier = [j for j in range(a) if _get(messages[j], "role") == "assistant"]
     neutral = _neutral_messages(renderer, messages, a, [*earlier, a], profile.moves_call_text)
     find = _body_finder(profile, messages)
+    bodies = _check_prefix(renderer, profile, neutral, earlier, find, source)
+    full_layout, tail, template_prompt = _template_tail(
+        renderer, profile, messages, neutral, earlier, find, source, add_generation_prompt, continue_final_message,
+        template_prompt,
+    )
+    kept, end_replaced = _kept_prefix(prefix, tail, profile, continue_final_message, source)
+    spliced = prefix[:kept] + tail
+    if truncate_prompt_tokens is not None and 0 <= truncate_prompt_tokens < len(spliced):
+        raise StalePrefixError(
+            f"truncate_prompt_tokens={truncate_prompt_tokens} would cut the first {len(spliced) - truncate_prompt_tokens} "
+            f"ids of the spliced prompt ({len(spliced)} ids), which are the model's prefix; drop truncate_prompt_tokens "
+            "or start a new token segment"
+        )
+    differed, replaced, repaired = _repairs(
+        prefix[:kept], tail, template_prompt, full_layout, renderer, profile.closer_ids(), bodies
+    )
+    return SpliceResult(
+        prompt_token_ids=spliced, kept_prefix_length=kept, template_differed=differed, replaced_tokens=replaced,
+        end_token_replaced=end_replaced, repaired_turns=repaired,
+    )
 
+
+def _check_prefix(
+    renderer: ChatRenderer, profile: TemplateProfile, neutral: list[dict[str, Any]], earlier: list[int], find: Any,
+    source: PrefixSource,
+) -> list[tuple[int, int]]:
+    """The structural check: the prefix is what the template renders for messages[:a] outside the model's bodies,
+    then a non-empty generation with no end token inside. Returns the bodies' id spans (the generation last)."""
+    a, prefix = source.message_index, source.prefix
+    closer_ids = profile.closer_ids()
     prompt_text = _render(renderer, neutral[:a], add_generation_prompt=True, what="the messages before the prefix's turn")
     prompt_layout = Layout(prompt_text, find(prompt_text, earlier, None))
     bodies, mismatch = match_fixed_segments(prefix, prompt_layout, renderer.encode, closer_ids, profile.end_token_ids)
@@ -140,23 +168,31 @@ def splice_prefix(
             "belong to these messages",
             message_index=a,
         )
+    return bodies
 
+
+def _template_tail(
+    renderer: ChatRenderer, profile: TemplateProfile, messages: Sequence[Any], neutral: list[dict[str, Any]],
+    earlier: list[int], find: Any, source: PrefixSource, add_generation_prompt: bool, continue_final_message: bool,
+    template_prompt: tuple[str, list[int]] | None,
+) -> tuple[Layout, list[int], tuple[str, list[int]] | None]:
+    """The template's ids from the closing of messages[a] on, checked against the server's own rendering where it
+    describes the same prompt; with the layout of the whole rendering and that rendering (None where it does not)."""
+    a = source.message_index
     full_text = _render(
         renderer, neutral, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
         what="the messages",
     )
     full_layout = Layout(full_text, find(full_text, [*earlier, a], a if continue_final_message else None))
     _check_message_placement(renderer, neutral, a, [*earlier, a], find, add_generation_prompt, continue_final_message)
-    body = full_layout.bodies[-1]
-    tail_text = full_text[body.end :]
+    tail_text = full_text[full_layout.bodies[-1].end :]
     repeated = sorted(set(placeholder_spans(tail_text)))
     if repeated:
         raise UnsupportedTemplateError(
             f"the chat template renders text of messages[{repeated[0]}] again after the turn of messages[{a}] closes; "
             "the splice cannot prove such a prompt exact"
         )
-    moved_text = profile.moves_call_text and bool(_get(messages[a], "tool_calls")) and bool(_get(messages[a], "content"))
-    if moved_text:
+    if profile.moves_call_text and _get(messages[a], "tool_calls") and _get(messages[a], "content"):
         template_prompt = None  # the server's rendering holds the model's text after the results; ours leaves it out
     if template_prompt is not None and not template_prompt[0].endswith(tail_text):
         raise UnsupportedTemplateError(
@@ -164,23 +200,11 @@ def splice_prefix(
             "the splice cannot prove such a prompt exact"
         )
     tail = renderer.encode(tail_text)
-    if template_prompt is not None and (len(tail) > len(template_prompt[1]) or template_prompt[1][len(template_prompt[1]) - len(tail):] != tail):
+    if template_prompt is not None and template_prompt[1][len(template_prompt[1]) - len(tail) :] != tail:
         raise UnsupportedTemplateError(
             "the tokenizer splits the text after the prefix's turn differently on its own than inside the whole prompt"
         )
-    kept, end_replaced = _kept_prefix(prefix, tail, profile, continue_final_message, source)
-    spliced = prefix[:kept] + tail
-    if truncate_prompt_tokens is not None and 0 <= truncate_prompt_tokens < len(spliced):
-        raise StalePrefixError(
-            f"truncate_prompt_tokens={truncate_prompt_tokens} would cut the first {len(spliced) - truncate_prompt_tokens} "
-            f"ids of the spliced prompt ({len(spliced)} ids), which are the model's prefix; drop truncate_prompt_tokens "
-            "or start a new token segment"
-        )
-    differed, replaced, repaired = _repairs(prefix[:kept], tail, template_prompt, full_layout, renderer, closer_ids, bodies)
-    return SpliceResult(
-        prompt_token_ids=spliced, kept_prefix_length=kept, template_differed=differed, replaced_tokens=replaced,
-        end_token_replaced=end_replaced, repaired_turns=repaired,
-    )
+    return full_layout, tail, template_prompt
 
 
 def _turn_by_turn_layout(renderer: ChatRenderer, neutral: list[dict[str, Any]], turns: list[int], find: Any) -> Layout:
