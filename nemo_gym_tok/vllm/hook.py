@@ -15,13 +15,14 @@ It wraps four methods:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
 import logging
 import os
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from nemo_gym_tok.splice import (
@@ -164,32 +165,20 @@ def _warmup_with_profile(original: Any) -> Any:
 
 
 def _preprocess_chat_with_splice(original: Any) -> Any:
-    from vllm.exceptions import VLLMValidationError
-
-    from nemo_gym_tok.vllm import metrics
-
     async def preprocess_chat(self: Any, request: Any, messages: list[Any], *args: Any, **kwargs: Any) -> Any:
-        try:
-            vocab_size = self.model_config.get_vocab_size()
-            source = find_prefix_source(messages, getattr(request, PREFIX_KEY, None), vocab_size)
-            new_segment = _new_segment_requested(request)
+        with _as_400():
+            source, new_segment = _read_prefix(self, request, messages)
             if source is not None and getattr(self, "use_harmony", False):
                 raise SpliceError(HARMONY_TOKENIZE_REFUSAL)
-        except SpliceError as exc:
-            metrics.rejected()
-            raise VLLMValidationError(str(exc), parameter=PREFIX_KEY) from None
         conversation, engine_inputs = await original(self, request, messages, *args, **kwargs)
         if source is None:
             return conversation, engine_inputs
         if new_segment:
-            _remember(request, {"applied": False, "template_differed": False, "replaced_tokens": 0, "new_segment": True})
+            _remember(request, dict(_NEW_SEGMENT))
             return conversation, engine_inputs
-        try:
+        with _as_400():
             bound = _signature(original).bind(self, request, messages, *args, **kwargs)
             result = _splice(self, request, messages, bound.arguments, source, engine_inputs)
-        except SpliceError as exc:
-            metrics.rejected()
-            raise VLLMValidationError(str(exc), parameter=PREFIX_KEY) from None
         _apply(request, engine_inputs, result)
         return conversation, engine_inputs
 
@@ -221,18 +210,10 @@ def _apply(request: Any, engine_inputs: list[Any], result: SpliceResult | None) 
 
 def _harmony_with_splice(original: Any) -> Any:
     """Wrap the (synchronous) Harmony render of GPT-OSS chat completions with the splice."""
-    from vllm.exceptions import VLLMValidationError
-
-    from nemo_gym_tok.vllm import metrics
 
     def _make_request_with_harmony(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            vocab_size = self.model_config.get_vocab_size()
-            source = find_prefix_source(request.messages, getattr(request, PREFIX_KEY, None), vocab_size)
-            new_segment = _new_segment_requested(request)
-        except SpliceError as exc:
-            metrics.rejected()
-            raise VLLMValidationError(str(exc), parameter=PREFIX_KEY) from None
+        with _as_400():
+            source, new_segment = _read_prefix(self, request, request.messages)
         harmony_messages, engine_inputs = original(self, request, *args, **kwargs)
         # No messages: vLLM took the kv_transfer_params token reuse path and rendered nothing; left as it is.
         if source is None or not harmony_messages:
@@ -240,18 +221,35 @@ def _harmony_with_splice(original: Any) -> Any:
         if new_segment:
             _remember(request, dict(_NEW_SEGMENT))
             return harmony_messages, engine_inputs
-        try:
+        with _as_400():
             include_tools = _signature(original).bind(self, request, *args, **kwargs).arguments.get(
                 "should_include_tools", True
             )
             result = _splice_harmony(self, request, bool(include_tools), source, engine_inputs)
-        except SpliceError as exc:
-            metrics.rejected()
-            raise VLLMValidationError(str(exc), parameter=PREFIX_KEY) from None
         _apply(request, engine_inputs, result)
         return harmony_messages, engine_inputs
 
     return _make_request_with_harmony
+
+
+@contextlib.contextmanager
+def _as_400() -> Iterator[None]:
+    """A SpliceError inside becomes vLLM's own 400 (OpenAI error body, param required_prefix_token_ids), counted."""
+    from vllm.exceptions import VLLMValidationError
+
+    from nemo_gym_tok.vllm import metrics
+
+    try:
+        yield
+    except SpliceError as exc:
+        metrics.rejected()
+        raise VLLMValidationError(str(exc), parameter=PREFIX_KEY) from None
+
+
+def _read_prefix(online: Any, request: Any, messages: list[Any]) -> tuple[PrefixSource | None, bool]:
+    """The request's prefix (validated ids) and whether it asks for a new token segment."""
+    source = find_prefix_source(messages, getattr(request, PREFIX_KEY, None), online.model_config.get_vocab_size())
+    return source, _new_segment_requested(request)
 
 
 @functools.lru_cache(maxsize=4)
