@@ -119,6 +119,7 @@ class ContiguityReport:
     turns: int = 0
     contiguous: int = 0
     repaired_turns: int = 0
+    new_segments: int = 0
     without_bundles: int = 0
     unreadable_lines: int = 0
     failures: list[str] = field(default_factory=list)
@@ -134,6 +135,8 @@ class ContiguityReport:
             f"token-contiguous rollouts: {self.contiguous}/{self.rollouts}",
             f"turns repaired by the prefix splice: {self.repaired_turns}",
         ]
+        if self.new_segments:
+            lines.append(f"new token segments (start_token_segment; one training sequence each): {self.new_segments}")
         if self.without_bundles:
             lines.append(f"rollouts without token bundles: {self.without_bundles}")
         if self.unreadable_lines:
@@ -160,6 +163,7 @@ def check_file(path: str | Path, decode: Decode | None = None, max_failures: int
             report.turns += len(turns)
             report.multi_turn += len(turns) > 1
             report.repaired_turns += sum(turn.repaired for turn in turns)
+            report.new_segments += sum(turn.starts_segment for turn in turns)
             problem = None
             if not turns:
                 report.without_bundles += 1

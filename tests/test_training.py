@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nemo_gym_tok.contiguity import NotContiguousError, bundled_turns, check_contiguous
+from nemo_gym_tok.contiguity import NotContiguousError, bundled_turns, check_contiguous, check_file
 from nemo_gym_tok.training import (
     NoTokenBundlesError,
     SeveralSegmentsError,
@@ -109,3 +111,12 @@ def test_replaced_end_token_is_contiguous_and_keeps_the_sampled_id() -> None:
     assert sequence.loss_mask == [0, 0, 1, 1, 0, 1]
     with pytest.raises(NotContiguousError):  # without the telemetry the swap is a contiguity break
         rollout_to_training_sequences(record(item([1, 2], [3, RETURN]), item([1, 2, 3, CLOSE, 5], [6])))
+
+
+def test_check_file_counts_new_segments(tmp_path) -> None:
+    restarted = {"applied": False, "template_differed": False, "replaced_tokens": 0, "new_segment": True}
+    path = tmp_path / "rollouts.jsonl"
+    path.write_text(json.dumps(record(item([1, 2], [3, END]), item([7, 8], [4], prefix_splice=restarted))) + "\n")
+    report = check_file(path)
+    assert report.ok and report.new_segments == 1
+    assert "new token segments (start_token_segment; one training sequence each): 1" in report.format()
