@@ -90,7 +90,7 @@ def detect_profile(renderer: ChatRenderer, *, terminator_override: str | None = 
     """Read the template's turn structure from probe conversations rendered with neutral assistant turns.
 
     Raises UnsupportedTemplateError when no special token closes an assistant turn (the splice could not tell where
-    the model's ids end) or the probes cannot be rendered at all.
+    the model's ids end), NoAssistantTurnsError when no probe renders an assistant turn at all.
     """
     special = special_tokens_of(renderer)
     pattern = re.compile("|".join(re.escape(t) for t in sorted(special, key=len, reverse=True))) if special else None
@@ -132,7 +132,8 @@ def detect_profile(renderer: ChatRenderer, *, terminator_override: str | None = 
         generation_tail = prompt[_last_special(pattern, prompt, len(prompt))[1] :]
         header = before_body[: _common_prefix_length(before_body, generation_tail)]
         texts = [m["content"] for m in conversation if m["role"] != "assistant" and isinstance(m.get("content"), str)]
-        headers[after_tool].append((header, any(text in header for text in texts if text), anchor))
+        holds_message_text = any(message_text in header for message_text in texts if message_text)
+        headers[after_tool].append((header, holds_message_text, anchor))
     if not rendered_any:
         raise NoAssistantTurnsError(
             "the chat template renders no assistant turn in any probe conversation (a reranker, embedder or other "
