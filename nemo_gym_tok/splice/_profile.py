@@ -61,6 +61,9 @@ class TemplateProfile:
     """What opens an assistant body that follows a tool result (Gemma 4 continues the same turn, with no header)."""
     special_tokens: Mapping[str, int]
     """Special tokens by text: the anchors of the structure."""
+    closed_by_text: bool = False
+    """No special token closes an assistant turn (`### Response:` templates): a body ends where its text ends, the
+    template's closing text follows, and the model's own end token (which the template does not render) stays."""
     moves_call_text: bool = False
     """The template renders the text of an assistant message that calls tools after the tools' results (Gemma 4):
     that text is part of the model's ids, before the call, and the template's rendering of it is left out."""
@@ -74,6 +77,8 @@ class TemplateProfile:
 
     def describe(self) -> str:
         how = "set by NEMO_GYM_TOK_TURN_TERMINATOR" if self.overridden else "detected"
+        if self.closed_by_text:
+            how += "; no special token: a turn ends where the model's text ends"
         replaced = f"; model end tokens rendered as a closer: {sorted(self.replaced_end_tokens)}" if self.replaced_end_tokens else ""
         if self.moves_call_text:
             replaced += "; text of tool-calling turns rendered after the results (kept where the model wrote it)"
@@ -143,10 +148,10 @@ def detect_profile(renderer: ChatRenderer, *, terminator_override: str | None = 
         if terminator_override not in special:
             raise UnsupportedTemplateError(f"NEMO_GYM_TOK_TURN_TERMINATOR={terminator_override!r} is not a special token")
         closers = {terminator_override}
-    if not closers:
+    if not closers and not renderer.end_token_ids:
         raise UnsupportedTemplateError(
-            "the chat template closes assistant turns with no special token, so the model's own ids cannot be told "
-            "apart from the template's text; set NEMO_GYM_TOK_TURN_TERMINATOR if the model has a turn terminator"
+            "the chat template closes assistant turns with no special token and the model has no end token, so the "
+            "model's own ids cannot be told apart from the template's text"
         )
     end_tokens = {token for token, token_id in special.items() if token_id in renderer.end_token_ids}
     moves_call_text = _moves_call_text(renderer)
@@ -158,6 +163,7 @@ def detect_profile(renderer: ChatRenderer, *, terminator_override: str | None = 
         assistant_header=_header(headers[False]),
         header_after_tool=_header(headers[True]) if headers[True] else _header(headers[False]),
         special_tokens=special,
+        closed_by_text=not closers,
         moves_call_text=moves_call_text,
         overridden=bool(terminator_override),
     )

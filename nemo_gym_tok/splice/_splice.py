@@ -200,7 +200,9 @@ def _template_tail(
             "the splice cannot prove such a prompt exact"
         )
     tail = renderer.encode(tail_text)
-    if template_prompt is not None and template_prompt[1][len(template_prompt[1]) - len(tail) :] != tail:
+    # Turns closed by text: the tail is the template's text after the model's, tokenized on its own (inside the whole
+    # prompt the tokenizer may merge it with the model's last characters, which the model's own ids replace).
+    if template_prompt is not None and not profile.closed_by_text and template_prompt[1][len(template_prompt[1]) - len(tail) :] != tail:
         raise UnsupportedTemplateError(
             "the tokenizer splits the text after the prefix's turn differently on its own than inside the whole prompt"
         )
@@ -242,7 +244,7 @@ def _body_finder(profile: TemplateProfile, messages: Sequence[Any]) -> Any:
         try:
             return locate_bodies(
                 text, indices, special_tokens=profile.special_tokens, closers=profile.closers, header_for=header_for,
-                open_ended=open_ended,
+                open_ended=open_ended, closed_by_text=profile.closed_by_text,
             )
         except LookupError as exc:
             raise BoundaryNotFoundError(f"{exc}; the splice cannot tell where the model's ids end") from None

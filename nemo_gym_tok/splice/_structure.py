@@ -62,14 +62,15 @@ class Mismatch:
 def locate_bodies(
     text: str, message_indices: Sequence[int], *, special_tokens: Mapping[str, int], closers: frozenset[str],
     header_for: Callable[[int], tuple[str, bool, frozenset[str]]], open_ended: int | None = None,
+    closed_by_text: bool = False,
 ) -> tuple[Body, ...]:
     """The bodies of the neutral assistant messages `message_indices` in `text`, in order.
 
     A body starts after the assistant header `header_for(index)` gives: the last of its anchor special tokens
     before the message's first placeholder, then its text (right there, or its last occurrence before the placeholder
     when message text comes between), and ends where the first closing token after the message's last
-    placeholder starts. `open_ended` names a message whose body may run to the end of the text (a final message
-    rendered with continue_final_message). Raises LookupError with the reason when a body cannot be located.
+    placeholder starts (with `closed_by_text`, at the end of its last placeholder). `open_ended` names a message
+    whose body may run to the end of the text (a final message rendered with continue_final_message). Raises LookupError with the reason when a body cannot be located.
     """
     spans = placeholder_spans(text)
     specials = _special_pattern(tuple(sorted(special_tokens, key=len, reverse=True)))
@@ -96,8 +97,10 @@ def locate_bodies(
             if header_at < 0:
                 raise LookupError(f"the assistant header {assistant_header!r} does not open messages[{index}]")
             start = header_at + len(assistant_header)
-        close = closing.search(text, last)
-        if close is None:
+        close = None if closed_by_text else closing.search(text, last)
+        if closed_by_text:
+            end = len(text) if index == open_ended else last
+        elif close is None:
             if index != open_ended:
                 raise LookupError(f"no turn-closing token follows messages[{index}] (an assistant turn)")
             end = len(text)
@@ -147,7 +150,17 @@ def _segment_start(
     """Where the body that starts at `start` ends: the first closing id the `expected` segment starts at.
 
     Without a match, the first closing id (so the mismatch is reported there); None when there is no closing id.
+    Without closing ids (turns closed by text), the first place the segment matches, and never past the model's
+    first end token (generation stopped there, so the template's text follows it at the latest).
     """
+    if not closer_ids:
+        length = len(expected)
+        for index in range(start, len(ids) + 1):
+            if list(ids[index : index + length]) == expected:
+                return index
+            if index < len(ids) and ids[index] in end_ids:
+                return index + 1
+        return None
     first = None
     length = len(expected)
     for index in range(start, len(ids)):
