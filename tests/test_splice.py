@@ -272,3 +272,25 @@ def test_check_token_ids(ids, message) -> None:
     with pytest.raises(InvalidTokenIdsError, match=message):
         check_token_ids(ids, "f", vocab_size=100)
     assert check_token_ids([0, 99], "f", vocab_size=100) == [0, 99]
+
+
+TEXT_CLOSED_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'user' %}### User: {{ m.content }}\n{% else %}### Assistant: "
+    "{{ m.content }}\n{% endif %}{% endfor %}{% if add_generation_prompt %}### Assistant: {% endif %}"
+)
+
+
+def test_turns_closed_by_text_keep_the_model_end_token(tokenizer) -> None:
+    renderer = HFChatRenderer(tokenizer, chat_template=TEXT_CLOSED_TEMPLATE, extra_end_token_ids=[ENDOFTEXT_ID])
+    profile = detect_profile(renderer)
+    assert profile.closed_by_text and not profile.closers
+    messages = [{"role": "user", "content": "Where is Paris?"}]
+    prompt = prompt_ids(renderer, messages)
+    generation = drifting(renderer, "In France.") + [IM_END_ID]
+    messages += [bundled(prompt, generation, content="In France."), {"role": "user", "content": "And Rome?"}]
+    source, result = run(renderer, profile, messages)
+    assert result.prompt_token_ids[: len(source.prefix)] == source.prefix  # the model's end token is kept
+    assert renderer.decode(result.prompt_token_ids[len(source.prefix):]) == "\n### User: And Rome?\n### Assistant: "
+    messages[0]["content"] = "Where is Lyon?"
+    with pytest.raises(StructureMismatchError, match=r"messages\[0\]"):
+        run(renderer, profile, messages)
