@@ -22,7 +22,7 @@ from nemo_gym_tok.splice._ids import (
     find_prefix_source,
 )
 from nemo_gym_tok.splice._profile import Header, TemplateProfile, detect_profile
-from nemo_gym_tok.splice._render import ChatRenderer, HFChatRenderer
+from nemo_gym_tok.splice._render import ChatRenderer, HFChatRenderer, added_token_maps
 from nemo_gym_tok.splice._splice import RepairedTurn, SpliceResult, splice_prefix
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "StructureMismatchError",
     "TemplateProfile",
     "UnsupportedTemplateError",
+    "added_token_maps",
     "check_starts_with",
     "check_token_ids",
     "detect_profile",

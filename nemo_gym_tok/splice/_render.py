@@ -50,9 +50,7 @@ class HFChatRenderer:
     end_token_ids: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
-        added = self.tokenizer.added_tokens_decoder.items()
-        self.added_tokens = {token.content: token_id for token_id, token in added}
-        self.special_tokens = {token.content: token_id for token_id, token in added if token.special}
+        self.added_tokens, self.special_tokens = added_token_maps(self.tokenizer)
         ends = set(self.extra_end_token_ids)
         if self.tokenizer.eos_token_id is not None:
             ends.add(int(self.tokenizer.eos_token_id))
@@ -100,6 +98,15 @@ class HFChatRenderer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def added_token_maps(tokenizer: Any) -> tuple[dict[str, int], dict[str, int]]:
+    """A transformers tokenizer's added tokens by text: all of them, and those marked special."""
+    added = tokenizer.added_tokens_decoder.items()
+    return (
+        {token.content: token_id for token_id, token in added},
+        {token.content: token_id for token_id, token in added if token.special},
+    )
 
 
 def template_messages(messages: Sequence[Mapping[str, Any]], *, as_parts: bool = False) -> list[dict[str, Any]]:

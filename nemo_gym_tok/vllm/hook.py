@@ -33,6 +33,7 @@ from nemo_gym_tok.splice import (
     SpliceResult,
     TemplateProfile,
     UnsupportedTemplateError,
+    added_token_maps,
     check_starts_with,
     detect_profile,
     find_prefix_source,
@@ -321,15 +322,11 @@ class _RequestRenderer:
     ) -> None:
         self._online = online
         self._request = request
-        self.template = default_template if default_template is not None else online.chat_template
-        self.content_format = content_format if content_format is not None else online.chat_template_content_format
+        self.template, self.content_format = _template_and_format(online, default_template, content_format)
         self._kwargs = default_kwargs if default_kwargs is not None else online.default_chat_template_kwargs
         self._tools = tools
         self.tokenizer = online.renderer.get_tokenizer()
-        added = self.tokenizer.added_tokens_decoder.items()
-        self.added_tokens = {token.content: token_id for token_id, token in added}
-        self.special_tokens = {token.content: token_id for token_id, token in added if token.special}
-        self.end_token_ids = _end_token_ids(online.model_config, self.tokenizer)
+        self.added_tokens, self.special_tokens, self.end_token_ids = _tokenizer_facts(online)
 
     def render(self, messages: Any, *, add_generation_prompt: bool, continue_final_message: bool = False) -> str:
         return self._render(messages, self._tools, add_generation_prompt, continue_final_message)
@@ -359,26 +356,38 @@ class _RequestRenderer:
         return text
 
 
-_profiles: dict[tuple[Any, ...], TemplateProfile] = {}
+def _cache_of(online: Any) -> dict[Any, Any]:
+    """What the hook learned about one API-server renderer (template profiles, tokenizer facts), kept on the object
+    itself so it lives and dies with it."""
+    cache = online.__dict__.get(_CACHE_ATTRIBUTE)
+    if cache is None:
+        cache = online.__dict__[_CACHE_ATTRIBUTE] = {}
+    return cache
+
+
+_CACHE_ATTRIBUTE = "_nemo_gym_tok_cache"
+_MAX_PROFILES = 256
+"""Profiles kept per server: one per template-argument combination, and callers could vary those freely."""
 
 
 def _profile_for(
     online: Any, request: Any, default_template: Any, content_format: Any, default_kwargs: Any
 ) -> TemplateProfile:
     """The template profile for this request's template and template arguments, detected once per combination."""
-    renderer = _RequestRenderer(online, request, default_template, content_format, default_kwargs, None)
-    params = request.build_chat_params(renderer.template, renderer.content_format)
+    params = request.build_chat_params(*_template_and_format(online, default_template, content_format))
     template_kwargs = {
         key: value for key, value in (params.chat_template_kwargs or {}).items()
         if key not in ("add_generation_prompt", "continue_final_message", "tools")
     }
-    key = (id(online), params.chat_template, repr(sorted(template_kwargs.items(), key=lambda item: item[0])))
-    profile = _profiles.get(key)
+    key = (params.chat_template, repr(sorted(template_kwargs.items(), key=lambda item: item[0])))
+    profiles = _cache_of(online).setdefault("profiles", {})
+    profile = profiles.get(key)
     if profile is None:
+        renderer = _RequestRenderer(online, request, default_template, content_format, default_kwargs, None)
         profile = detect_profile(renderer, terminator_override=os.environ.get(TERMINATOR_ENV) or None)
-        if len(_profiles) >= 256:  # one entry per template-argument combination; callers could vary them freely
-            _profiles.clear()
-        _profiles[key] = profile
+        if len(profiles) >= _MAX_PROFILES:
+            profiles.clear()
+        profiles[key] = profile
     return profile
 
 
@@ -417,10 +426,7 @@ class _HarmonyRenderer:
         wrapped = type(online)._make_request_with_harmony
         self._make_request = getattr(wrapped, _MARKER, wrapped)  # vLLM's own render, not the hook's splice
         self.tokenizer = online.renderer.get_tokenizer()
-        added = self.tokenizer.added_tokens_decoder.items()
-        self.added_tokens = {token.content: token_id for token_id, token in added}
-        self.special_tokens = {token.content: token_id for token_id, token in added if token.special}
-        self.end_token_ids = _end_token_ids(online.model_config, self.tokenizer)
+        self.added_tokens, self.special_tokens, self.end_token_ids = _tokenizer_facts(online)
         self._generation_prompt = self.encode("<|start|>assistant")
         self._end, self._return = self.added_tokens.get("<|end|>"), self.added_tokens.get("<|return|>")
 
@@ -474,15 +480,35 @@ def _harmony_profile(online: Any) -> TemplateProfile:
     """The turn structure of vLLM's Harmony rendering, detected once per server (it has no template arguments)."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    key = (id(online), "harmony")
-    profile = _profiles.get(key)
+    cache = _cache_of(online)
+    profile = cache.get("harmony profile")
     if profile is None:
         request = ChatCompletionRequest(messages=[{"role": "user", "content": "Hello."}])
         profile = detect_profile(
             _HarmonyRenderer(online, request, False), terminator_override=os.environ.get(TERMINATOR_ENV) or None
         )
-        _profiles[key] = profile
+        cache["harmony profile"] = profile
     return profile
+
+
+def _template_and_format(online: Any, default_template: Any, content_format: Any) -> tuple[Any, Any]:
+    """The chat template and content format a request renders with: its caller's defaults, else the server's."""
+    return (
+        default_template if default_template is not None else online.chat_template,
+        content_format if content_format is not None else online.chat_template_content_format,
+    )
+
+
+def _tokenizer_facts(online: Any) -> tuple[dict[str, int], dict[str, int], frozenset[int]]:
+    """The served tokenizer's added and special tokens by text, and the ids generation stops on. Read once per server:
+    the end ids come from the generation config on disk, not to be read again on every spliced request."""
+    cache = _cache_of(online)
+    facts = cache.get("tokenizer facts")
+    if facts is None:
+        tokenizer = online.renderer.get_tokenizer()
+        added, special = added_token_maps(tokenizer)
+        facts = cache["tokenizer facts"] = (added, special, _end_token_ids(online.model_config, tokenizer))
+    return facts
 
 
 def _end_token_ids(model_config: Any, tokenizer: Any) -> frozenset[int]:

@@ -40,7 +40,6 @@ def online(tokenizer, monkeypatch: pytest.MonkeyPatch) -> Any:
     )
     renderer.supports_browsing = renderer.supports_code_interpreter = False
     renderer.use_harmony = True
-    hook._profiles.clear()
     return renderer
 
 
