@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import os
-
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from nemo_gym_tok.tiny_model import build_tiny_model
-from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer, VLLMStartupError
+from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
+from tests.servers import hooked_server
 
 SERVED_MODEL_NAME = "tiny-qwen3"
 
@@ -28,21 +27,8 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     For local iteration only, NGT_TEST_VLLM_URL points the suite at a vLLM already serving the tiny model
     as `tiny-qwen3` (started the same way); CI never sets it, so CI always starts its own server.
     """
-    reuse = os.environ.get("NGT_TEST_VLLM_URL")
-    if reuse:
-        host, port = reuse.removeprefix("http://").rstrip("/").split(":")
-        yield VLLMServer(tiny_model_dir, served_model_name=SERVED_MODEL_NAME, host=host, port=int(port))
-        return
-    server = VLLMServer(
-        tiny_model_dir,
-        served_model_name=SERVED_MODEL_NAME,
-        extra_args=(*CPU_SERVING_ARGS, *TEST_BED_ARGS),
-        env=TEST_BED_ENV,
-        log_path=tmp_path_factory.mktemp("vllm") / "vllm.log",
-    )
-    try:
-        server.start()
-    except VLLMStartupError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    yield server
-    server.stop()
+    with hooked_server(
+        tiny_model_dir, served_model_name=SERVED_MODEL_NAME, extra_args=(*CPU_SERVING_ARGS, *TEST_BED_ARGS),
+        env=TEST_BED_ENV, log_path=tmp_path_factory.mktemp("vllm") / "vllm.log", reuse_env="NGT_TEST_VLLM_URL",
+    ) as server:
+        yield server

@@ -88,7 +88,7 @@ async def converse(
         conversation.turns.append(
             Turn(prompt, generation, choice["finish_reason"], message, result.get("prefix_splice"), contiguous)
         )
-        messages.append(_history_message(message, mode))
+        messages.append(history_message(message, mode))
         for call in message.get("tool_calls") or []:
             arguments = json.loads(call["function"]["arguments"])
             messages.append({"role": "tool", "tool_call_id": call["id"], "content": f"moved {arguments['steps']}"})
@@ -96,8 +96,11 @@ async def converse(
     return conversation
 
 
-def _history_message(message: dict[str, Any], mode: Mode) -> dict[str, Any]:
-    kept = {"role": "assistant", "content": message.get("content") or ""}
+def history_message(message: dict[str, Any], mode: Mode) -> dict[str, Any]:
+    kept: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+    reasoning = message.get("reasoning") or message.get("reasoning_content")
+    if reasoning:
+        kept["reasoning_content"] = reasoning
     if message.get("tool_calls"):
         kept["tool_calls"] = message["tool_calls"]
     if mode == "bundles":

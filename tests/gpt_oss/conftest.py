@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from nemo_gym_tok.tiny_model.gpt_oss import build_tiny_gpt_oss
-from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, VLLMServer, VLLMStartupError
+from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, VLLMServer
+from tests.servers import hooked_server
 
 SERVED_MODEL_NAME = "tiny-gpt-oss"
 # Pinned explicitly (ngt vllm-serve would pin today's date): Harmony writes it into every system message.
@@ -32,21 +32,9 @@ def gpt_oss_server(gpt_oss_model_dir: Path, tmp_path_factory: pytest.TempPathFac
 
     For local iteration only, NGT_TEST_GPT_OSS_URL points these tests at a server already running the same way.
     """
-    reuse = os.environ.get("NGT_TEST_GPT_OSS_URL")
-    if reuse:
-        host, port = reuse.removeprefix("http://").rstrip("/").split(":")
-        yield VLLMServer(gpt_oss_model_dir, served_model_name=SERVED_MODEL_NAME, host=host, port=int(port))
-        return
-    server = VLLMServer(
-        gpt_oss_model_dir,
-        served_model_name=SERVED_MODEL_NAME,
-        extra_args=(*CPU_SERVING_ARGS, *GPT_OSS_ARGS),
-        env={"VLLM_SYSTEM_START_DATE": START_DATE},
-        log_path=tmp_path_factory.mktemp("vllm-gpt-oss") / "vllm.log",
-    )
-    try:
-        server.start()
-    except VLLMStartupError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    yield server
-    server.stop()
+    with hooked_server(
+        gpt_oss_model_dir, served_model_name=SERVED_MODEL_NAME, extra_args=(*CPU_SERVING_ARGS, *GPT_OSS_ARGS),
+        env={"VLLM_SYSTEM_START_DATE": START_DATE}, log_path=tmp_path_factory.mktemp("vllm-gpt-oss") / "vllm.log",
+        reuse_env="NGT_TEST_GPT_OSS_URL",
+    ) as server:
+        yield server

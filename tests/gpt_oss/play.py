@@ -7,13 +7,14 @@ hook reports `end_token_replaced` the previous call's final end token (`<|return
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import httpx
 
 from nemo_gym_tok.tiny_model.gpt_oss import CALL_ID, GENERATION_EOS_IDS, RETURN_ID
 from tests import conversations
+from tests.conversations import Conversation
 
 Mode = Literal["bundles", "stock"]
 MODEL = "tiny-gpt-oss"
@@ -57,17 +58,6 @@ class Turn(conversations.Turn):
     def ended_on(self) -> str:
         last = self.generation_token_ids[-1] if self.generation_token_ids else None
         return {RETURN_ID: "return", CALL_ID: "call"}.get(last, "end id" if last in GENERATION_EOS_IDS else "cut")
-
-
-@dataclass
-class Conversation:
-    seed: int
-    turns: list[Turn] = field(default_factory=list)
-    messages: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def contiguous(self) -> bool:
-        return all(turn.contiguous for turn in self.turns)
 
 
 def continues(prompt: list[int], previous: list[int], prefix_splice: dict[str, Any] | None) -> bool:
