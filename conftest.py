@@ -9,6 +9,7 @@ import pytest
 
 from nemo_gym_tok.tiny_model import build_tiny_model
 from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
+from nemo_gym_tok.vllm.hook import ENABLE_ENV
 from tests.servers import hooked_server
 
 SERVED_MODEL_NAME = "tiny-qwen3"
@@ -30,5 +31,18 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     with hooked_server(
         tiny_model_dir, served_model_name=SERVED_MODEL_NAME, extra_args=(*CPU_SERVING_ARGS, *TEST_BED_ARGS),
         env=TEST_BED_ENV, log_path=tmp_path_factory.mktemp("vllm") / "vllm.log", reuse_env="NGT_TEST_VLLM_URL",
+    ) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def plain_vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """A stock vLLM server (`python -m vllm.entrypoints.openai.api_server`, no plugin switched on) on the tiny model,
+    started like the hooked one: what a user who cannot install anything into vLLM talks to. Shared by every test
+    of the adapter-side splice. NGT_TEST_PLAIN_VLLM_URL reuses one for local iteration (CI never sets it)."""
+    with hooked_server(
+        tiny_model_dir, served_model_name=SERVED_MODEL_NAME, extra_args=(*CPU_SERVING_ARGS, *TEST_BED_ARGS),
+        env={**TEST_BED_ENV, ENABLE_ENV: "0"}, log_path=tmp_path_factory.mktemp("plain-vllm") / "vllm.log",
+        reuse_env="NGT_TEST_PLAIN_VLLM_URL", hook=False, what="stock vLLM (no plugin): ",
     ) as server:
         yield server

@@ -119,4 +119,4 @@ def test_vllm_serve_help_and_plugin_registration() -> None:
     result = subprocess.run([*NGT, "vllm-serve", "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "NEMO_GYM_TOK_PREFIX_SPLICE=1" in result.stdout
     assert plugin_is_registered()  # the vllm.general_plugins entry point vLLM loads in each process
-    assert vllm_command("m", ["--port", "9"])[1:] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "m", "--port", "9"]
+    assert vllm_command("m", ["--port", "9"])[1:] == ["-m", "nemo_gym_tok.cli.vllm_serve", "serve", "m", "--port", "9"]

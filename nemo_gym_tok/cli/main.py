@@ -15,6 +15,7 @@ _SUBCOMMAND_MODULES = (
     "nemo_gym_tok.cli.check",
     "nemo_gym_tok.cli.demo",
     "nemo_gym_tok.cli.template_sweep",
+    "nemo_gym_tok.cli.vllm_compat",
 )
 
 

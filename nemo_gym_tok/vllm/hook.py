@@ -1,16 +1,20 @@
 """The prefix-splice hook inside vLLM's API server: the one module that depends on vLLM internals.
 
-It wraps four methods:
+It wraps five methods:
 - `OnlineRenderer.preprocess_chat` (chat templating for `/v1/chat/completions` and `/tokenize`): when the request
   carries `required_prefix_token_ids` or a bundled assistant message, the engine gets the model's exact prefix
-  ids followed by the template's tail, once the structural check holds (see nemo_gym_tok.splice). On a Harmony
+  ids followed by the template's tail, once the structural check holds (see nemo_gym_tok.splice); the request
+  parser vLLM builds there gets the spliced ids, not the template's (`_DeferredParser`; vLLM 0.33+). On a Harmony
   model (GPT-OSS) only `/tokenize` comes here, and a request with a prefix is refused (it renders the Hugging Face
   template, not the Harmony prompt generation uses);
 - `OnlineRenderer._make_request_with_harmony` (GPT-OSS chat completions, rendered by openai_harmony): the same
   splice, with vLLM's own Harmony rendering as the template (`_HarmonyRenderer`);
 - `OnlineRenderer.warmup` (server start-up): detects the chat template's turn structure and logs what it found;
 - `OpenAIServingChat.chat_completion_full_generator` (non-streaming chat responses): adds the top-level
-  `prefix_splice` telemetry and, with `logprobs` requested, this call's bundle on each `choice.message`.
+  `prefix_splice` telemetry and, with `logprobs` requested, this call's bundle on each `choice.message`;
+- `OpenAIServingChat.chat_completion_stream_generator` (streaming chat responses): the first chunk carries
+  `prefix_splice`, and a request that asks for usage gets one extra chunk before `data: [DONE]` with the telemetry
+  and, with `logprobs`, each choice's bundle on its `delta` (docs/hook.md, "Streaming").
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import contextlib
 import functools
 import importlib
 import inspect
+import json
 import logging
 import os
+import re
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -45,8 +51,10 @@ logger = logging.getLogger("nemo_gym_tok.vllm.hook")
 ENABLE_ENV = "NEMO_GYM_TOK_PREFIX_SPLICE"
 TERMINATOR_ENV = "NEMO_GYM_TOK_TURN_TERMINATOR"
 ALLOW_UNTESTED_ENV = "NEMO_GYM_TOK_ALLOW_UNTESTED_VLLM"
-TESTED_VLLM_VERSIONS = ("0.32.",)
-"""vLLM releases whose internals this module was tested against (version prefixes)."""
+SUPPORTED_VLLM = ((0, 30), (0, 34))
+"""The vLLM releases the hook supports, as (major, minor): from the first (inclusive) to the second (exclusive), i.e.
+0.30 to 0.33 (docs/vllm-versions.md). Inside the range the hook installs whenever `check_internals()` finds what it
+wraps; outside it only with NEMO_GYM_TOK_ALLOW_UNTESTED_VLLM=1 (and the same check)."""
 
 # module, class, method: what the hook wraps. A vLLM upgrade that moves any of these fails `check_internals()`.
 PATCHED_METHODS = (
@@ -54,12 +62,19 @@ PATCHED_METHODS = (
     ("vllm.renderers.online_renderer", "OnlineRenderer", "warmup"),
     ("vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat", "chat_completion_full_generator"),
     ("vllm.renderers.online_renderer", "OnlineRenderer", "_make_request_with_harmony"),
+    ("vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat", "chat_completion_stream_generator"),
 )
 # Other internals the wrappers use.
 # preprocess_chat's parameters the splice reads (by name, as vLLM's callers pass them).
 PREPROCESS_CHAT_PARAMETERS = (
     "request", "messages", "default_template", "default_template_content_format", "default_template_kwargs", "tool_dicts",
 )
+# The request-parser class preprocess_chat takes (optional: a vLLM without it has no parser to keep in step).
+# From vLLM 0.33 on, preprocess_chat hands that parser the prompt ids (`set_prompt_token_ids`) before the splice
+# could replace them; the wrapper defers the parser's prompt and adjust_request until the spliced ids are known.
+PREPROCESS_CHAT_PARSER_PARAMETER = "parser"
+# What a parser built inside preprocess_chat may be asked: the stand-in holds back exactly these two calls.
+PARSER_METHODS_HELD = ("set_prompt_token_ids", "adjust_request")
 # _make_request_with_harmony's parameters, and what it returns: (Harmony messages, [{"prompt_token_ids": ...}]).
 HARMONY_PARAMETERS = ("request", "should_include_tools")
 USED_SYMBOLS = (
@@ -105,15 +120,39 @@ def is_installed() -> bool:
     return owner is not None and hasattr(getattr(owner, method), _MARKER)
 
 
+def is_supported_vllm(version: str) -> bool:
+    """Whether a vLLM version string (`0.32.0`, `0.33.1rc1`, `0.30.0+cpu`) lies in SUPPORTED_VLLM."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        return False
+    release = (int(match[1]), int(match[2]))
+    return SUPPORTED_VLLM[0] <= release < SUPPORTED_VLLM[1]
+
+
+def supported_vllm_text() -> str:
+    """SUPPORTED_VLLM for people: `0.30 to 0.33`."""
+    (low_major, low_minor), (high_major, high_minor) = SUPPORTED_VLLM
+    # The upper bound is exclusive; within one major version the last supported minor is one below it.
+    last = f"{high_major}.{high_minor - 1}" if high_minor > 0 else f"below {high_major}.0"
+    return f"{low_major}.{low_minor} to {last}"
+
+
 def install() -> None:
     """Wrap vLLM's chat templating and chat responses; idempotent (safe in every API-server process)."""
     import vllm
 
-    if not vllm.__version__.startswith(TESTED_VLLM_VERSIONS) and os.environ.get(ALLOW_UNTESTED_ENV) != "1":
-        raise VLLMInternalsChanged(
-            f"nemo_gym_tok's prefix-splice hook is tested on vLLM {', '.join(v + 'x' for v in TESTED_VLLM_VERSIONS)}, "
-            f"found {vllm.__version__}; set {ALLOW_UNTESTED_ENV}=1 to try anyway"
+    if not is_supported_vllm(vllm.__version__):
+        if os.environ.get(ALLOW_UNTESTED_ENV) != "1":
+            raise VLLMInternalsChanged(
+                f"nemo_gym_tok's prefix-splice hook supports vLLM {supported_vllm_text()}, found {vllm.__version__}; "
+                f"set {ALLOW_UNTESTED_ENV}=1 to try anyway (it still installs only if every vLLM internal it wraps "
+                "is in place)"
+            )
+        logger.warning(
+            "nemo_gym_tok prefix-splice hook: vLLM %s is outside the supported range %s; trying because %s=1",
+            vllm.__version__, supported_vllm_text(), ALLOW_UNTESTED_ENV,
         )
+    # The authority inside the range too: a release that moved what the hook wraps is refused, naming it.
     missing = check_internals()
     if missing:
         raise VLLMInternalsChanged(
@@ -126,6 +165,7 @@ def install() -> None:
     _wrap(renderer_cls, "preprocess_chat", _preprocess_chat_with_splice)
     _wrap(renderer_cls, "warmup", _warmup_with_profile)
     _wrap(serving_cls, "chat_completion_full_generator", _full_generator_with_bundle)
+    _wrap(serving_cls, "chat_completion_stream_generator", _stream_generator_with_bundle)
     _wrap(renderer_cls, "_make_request_with_harmony", _harmony_with_splice)
     logger.info("nemo_gym_tok prefix-splice hook installed (vLLM %s)", vllm.__version__)
 
@@ -171,19 +211,86 @@ def _preprocess_chat_with_splice(original: Any) -> Any:
             source, new_segment = _read_prefix(self, request, messages)
             if source is not None and getattr(self, "use_harmony", False):
                 raise SpliceError(HARMONY_TOKENIZE_REFUSAL)
-        conversation, engine_inputs = await original(self, request, messages, *args, **kwargs)
-        if source is None:
+        if source is None or new_segment:
+            conversation, engine_inputs = await original(self, request, messages, *args, **kwargs)
+            if source is not None:
+                _remember(request, dict(_NEW_SEGMENT))
             return conversation, engine_inputs
-        if new_segment:
-            _remember(request, dict(_NEW_SEGMENT))
-            return conversation, engine_inputs
+        bound = _signature(original).bind(self, request, messages, *args, **kwargs)
+        deferred = _DeferredParser.replacing(bound.arguments)
+        conversation, engine_inputs = await original(*bound.args, **bound.kwargs)
         with _as_400():
-            bound = _signature(original).bind(self, request, messages, *args, **kwargs)
             result = _splice(self, request, messages, bound.arguments, source, engine_inputs)
         _apply(request, engine_inputs, result)
+        if deferred is not None:
+            deferred.replay(engine_inputs[0]["prompt_token_ids"])
         return conversation, engine_inputs
 
     return preprocess_chat
+
+
+class _DeferredParser:
+    """Stands in for vLLM's request-parser class while preprocess_chat renders a request the hook will splice.
+
+    preprocess_chat builds the parser after rendering, hands it the rendered prompt ids (vLLM 0.33+:
+    `set_prompt_token_ids`, which decides e.g. whether the prompt already closes reasoning) and lets it adjust the
+    request (structured outputs for tool calls). Those are the template's ids, not the spliced ones the engine gets.
+    So both calls are held back and replayed on the real parser once the splice is applied. Nothing else moves:
+    the render is done before the parser is built, and preprocess_chat returns without reading the adjusted request
+    (adjust_request changes it in place); `ngt vllm-compat` checks that each release uses the parser only so.
+    """
+
+    def __init__(self, parser_cls: Any) -> None:
+        self._parser_cls = parser_cls
+        self._built: list[_HeldParser] = []
+
+    @classmethod
+    def replacing(cls, arguments: dict[str, Any]) -> _DeferredParser | None:
+        """Put a stand-in in place of the `parser` argument, if the call has a parser; return it."""
+        parser_cls = arguments.get(PREPROCESS_CHAT_PARSER_PARAMETER)
+        if parser_cls is None:
+            return None
+        deferred = arguments[PREPROCESS_CHAT_PARSER_PARAMETER] = cls(parser_cls)
+        return deferred
+
+    def __getattr__(self, name: str) -> Any:
+        # The class attributes vLLM reads before building one (tool_parser_cls, reasoning_parser_cls, ...).
+        return getattr(self._parser_cls, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _HeldParser:
+        held = _HeldParser(self._parser_cls(*args, **kwargs))
+        self._built.append(held)
+        return held
+
+    def replay(self, prompt_token_ids: Any) -> None:
+        """Give every parser vLLM built the final prompt ids, then let it adjust the request, as vLLM would have."""
+        for held in self._built:
+            held.replay(list(prompt_token_ids))
+
+
+class _HeldParser:
+    """One parser built inside preprocess_chat, its prompt ids and request adjustments held back (_DeferredParser)."""
+
+    def __init__(self, parser: Any) -> None:
+        self._parser = parser
+        self._prompt_was_set = False
+        self._requests: list[Any] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._parser, name)
+
+    def set_prompt_token_ids(self, prompt_token_ids: Any) -> None:
+        self._prompt_was_set = True
+
+    def adjust_request(self, request: Any) -> Any:
+        self._requests.append(request)
+        return request
+
+    def replay(self, prompt_token_ids: list[int]) -> None:
+        if self._prompt_was_set:
+            self._parser.set_prompt_token_ids(prompt_token_ids)
+        for request in self._requests:
+            self._parser.adjust_request(request=request)
 
 
 _NEW_SEGMENT = {"applied": False, "template_differed": False, "replaced_tokens": 0, "new_segment": True}
@@ -580,3 +687,146 @@ def _attach_bundles(response: Any, final: Any) -> None:
         choice.message.generation_log_probs = [
             float(step[token].logprob) for token, step in zip(generation_ids, output.logprobs)
         ]
+
+
+_SSE_DATA = "data: "
+_SSE_DONE = "data: [DONE]\n\n"
+
+
+def _stream_generator_with_bundle(original: Any) -> Any:
+    """Wrap the streaming chat response (an async generator of SSE strings that vLLM returns without awaiting).
+
+    The wrapper is a plain function returning a generator, so a request without a prefix and without a bundle to
+    report gets vLLM's own generator, untouched. The splice itself ran in preprocess_chat, before vLLM returned the
+    generator, so every refusal is a JSON 400 before the first byte of the stream.
+    """
+
+    def chat_completion_stream_generator(
+        self: Any, request: Any, result_generator: AsyncIterator[Any], *args: Any, **kwargs: Any
+    ) -> AsyncIterator[str]:
+        telemetry = _telemetry.pop(id(request), None)
+        final_asked = _usage_requested(self, request)
+        wants_bundle = final_asked and bool(getattr(request, "logprobs", False))
+        if telemetry is None and not wants_bundle:
+            return original(self, request, result_generator, *args, **kwargs)
+        record = _StreamRecord(keep_ids=wants_bundle)
+        source = record.watch(result_generator) if final_asked else result_generator
+        chunks = original(self, request, source, *args, **kwargs)
+        return _with_splice_chunks(chunks, telemetry, record if final_asked else None)
+
+    return chat_completion_stream_generator
+
+
+async def _with_splice_chunks(
+    chunks: AsyncIterator[str], telemetry: dict[str, Any] | None, record: _StreamRecord | None
+) -> AsyncIterator[str]:
+    """vLLM's stream with `prefix_splice` on its first chunk and, when `record` is given (the request asked for
+    usage), the final chunk before `data: [DONE]`."""
+    first, last = True, None
+    async with contextlib.aclosing(chunks):  # closing this stream closes vLLM's generator too
+        async for chunk in chunks:
+            if chunk == _SSE_DONE:
+                # Only a stream that ran to its end gets the final chunk: vLLM reports a failure as an error chunk.
+                final = _final_chunk(last, telemetry, record) if record is not None and record.complete else None
+                if final is not None:
+                    yield final
+            else:
+                if first and telemetry is not None:
+                    chunk = _with_top_level(chunk, "prefix_splice", telemetry)
+                first, last = False, chunk
+            yield chunk
+
+
+class _StreamRecord:
+    """What a streamed request's engine outputs add up to. vLLM streams deltas (RequestOutputKind.DELTA): each
+    output holds only the ids and log probs generated since the previous one."""
+
+    def __init__(self, *, keep_ids: bool) -> None:
+        self.keep_ids = keep_ids
+        self.complete = False
+        """The engine's outputs ran to their end (not cut by an error or a disconnect)."""
+        self.prompt_token_ids: list[int] = []
+        self.generations: dict[int, list[int]] = {}
+        self.log_probs: dict[int, list[float]] = {}
+        self.without_log_probs: set[int] = set()
+
+    async def watch(self, outputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        async for output in outputs:
+            if self.keep_ids:
+                self._add(output)
+            yield output
+        self.complete = True
+
+    def _add(self, output: Any) -> None:
+        if output.prompt_token_ids is not None:
+            self.prompt_token_ids = list(output.prompt_token_ids)
+        for completion in output.outputs:
+            new_ids = list(completion.token_ids)
+            self.generations.setdefault(completion.index, []).extend(new_ids)
+            if completion.logprobs is None:
+                self.without_log_probs.add(completion.index)
+                continue
+            self.log_probs.setdefault(completion.index, []).extend(
+                float(step[token].logprob) for token, step in zip(new_ids, completion.logprobs)
+            )
+
+    def choices(self) -> list[dict[str, Any]]:
+        """One choice per completion with its bundle on `delta`, as `choice.message` carries it when not streaming."""
+        if not self.keep_ids:
+            return []
+        return [
+            {
+                "index": index,
+                "delta": {
+                    "prompt_token_ids": self.prompt_token_ids,
+                    "generation_token_ids": ids,
+                    "generation_log_probs": self.log_probs.get(index, []),
+                },
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for index, ids in sorted(self.generations.items())
+            if index not in self.without_log_probs
+        ]
+
+
+def _usage_requested(serving: Any, request: Any) -> bool:
+    """Whether vLLM ends this stream with a usage chunk (`stream_options.include_usage`, or the server's
+    --enable-force-include-usage): the request then also gets the hook's final chunk."""
+    options = getattr(request, "stream_options", None)
+    return bool(getattr(serving, "enable_force_include_usage", False) or getattr(options, "include_usage", False))
+
+
+def _final_chunk(last: str | None, telemetry: dict[str, Any] | None, record: _StreamRecord) -> str | None:
+    """The extra chunk: the stream's id, created and model, each choice's bundle on its delta, `prefix_splice`."""
+    head = _sse_json(last)
+    if head is None or "error" in head:
+        return None
+    chunk: dict[str, Any] = {
+        "id": head.get("id"), "object": "chat.completion.chunk", "created": head.get("created"),
+        "model": head.get("model"), "choices": record.choices(),
+    }
+    if telemetry is not None:
+        chunk["prefix_splice"] = telemetry
+    elif not chunk["choices"]:
+        return None
+    return f"{_SSE_DATA}{json.dumps(chunk, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def _with_top_level(chunk: str, key: str, value: Any) -> str:
+    """An SSE chat chunk with one more top-level field; anything else (an error chunk) unchanged."""
+    data = _sse_json(chunk)
+    if data is None or "choices" not in data:
+        return chunk
+    data[key] = value
+    return f"{_SSE_DATA}{json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def _sse_json(chunk: str | None) -> dict[str, Any] | None:
+    if chunk is None or not chunk.startswith(_SSE_DATA):
+        return None
+    try:
+        data = json.loads(chunk[len(_SSE_DATA):])
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None

@@ -18,9 +18,12 @@ from nemo_gym_tok._net import free_port, port_in_use
 # Flags measured to work on 2-core CPU machines (docs/getting-started.md); GPU users pass their own.
 CPU_SERVING_ARGS = ("--dtype", "bfloat16", "--enforce-eager")
 # What the test bed and demo need: room for long histories, and real tool calls from a random model (the hermes
-# parser; no free whitespace in constrained JSON, or a random model fills max_tokens with blanks).
+# parser; no free whitespace in constrained JSON, or a random model fills max_tokens with blanks). No chunked prefill:
+# the CPU engine dies ("CPU Generator does not use offset") when it splits the prefill of a seeded request, which it
+# does whenever concurrent prompts outgrow a step's token budget; unchunked, each prompt waits for a step it fits in.
 TEST_BED_ARGS = (
-    "--max-model-len", "4096", "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--seed", "0",
+    "--max-model-len", "4096", "--max-num-batched-tokens", "4096", "--no-enable-chunked-prefill",
+    "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--seed", "0",
     "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}',
 )
 CPU_SERVING_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
-from typing import Any, ClassVar, TypeVar
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response as HTTPResponse
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from nemo_gym_tok.conversion import chat_message_to_items, responses_to_chat_request
@@ -15,9 +18,18 @@ from nemo_gym_tok.servers.base import BaseServerConfig, ModelServer
 from nemo_gym_tok.servers.bodies import json_object
 from nemo_gym_tok.http_errors import error_message
 from nemo_gym_tok.servers.errors import ApiError, validation_message
+from nemo_gym_tok.splice import PREFIX_KEY
 from nemo_gym_tok.types import ChatCompletionRequest, Response, ResponsesRequest, ResponseUsage
-from responses_api_models.vllm_model.sessions import SESSION_COOKIE, SessionRouter, session_of
-from responses_api_models.vllm_model.token_capture import attach_bundles, capture_request_fields, drop_unrequested
+from nemo_gym_tok.vllm.hook import TERMINATOR_ENV
+from responses_api_models.vllm_model.sessions import SessionRouter
+from responses_api_models.vllm_model.token_capture import (
+    attach_bundles,
+    capture_request_fields,
+    drop_unrequested,
+    tokenize_request,
+)
+from responses_api_models.vllm_model.local_splice import AdapterSplicer
+from responses_api_models.vllm_model.streaming import chat_sse, open_chat_stream, responses_sse
 from responses_api_models.vllm_model.upstream import VLLMUpstream, is_context_overflow
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -38,12 +50,27 @@ class VLLMModelConfig(BaseServerConfig):
     harmony: bool = False
     """The served model is GPT-OSS: vLLM renders its chat prompts with Harmony, while /tokenize renders the Hugging Face
     template, so /tokenize is no source of its prompt ids (use_return_token_ids must stay true)."""
+    splice: Literal["hook", "adapter", "auto"] = "auto"
+    """Who splices the exact previous ids into the prompt: `hook` (vLLM served with `ngt vllm-serve`), `adapter`
+    (this adapter, against any vLLM 0.30+: /tokenize, the splice, then a token-in chat call) or `auto` (the hook
+    where the server has it, detected once per URL, else the adapter)."""
+    tokenizer: str | None = None
+    """Adapter-side splice: where to load the served tokenizer and chat template (directory or hub name); unset, the
+    model path the server reports on /v1/models."""
+    chat_template: str | None = None
+    """Adapter-side splice: the server's --chat-template (file or text), when it overrides the tokenizer's."""
+    chat_template_content_format: Literal["auto", "string", "openai"] = "auto"
+    """Adapter-side splice: the server's --chat-template-content-format."""
+    default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Adapter-side splice: the server's --default-chat-template-kwargs."""
     sampling_overrides: dict[str, Any] = Field(default_factory=dict)
     """Fields set on every request sent to vLLM, over what the caller sent (e.g. temperature: 1.0)."""
     request_timeout_seconds: float = 600.0
     max_attempts: int = 3
     """Attempts per vLLM call when vLLM is unreachable or answers 5xx."""
     retry_backoff_seconds: float = 0.5
+    health_check_interval_seconds: float = Field(default=5.0, gt=0)
+    """How often a URL marked unhealthy (unreachable, or 5xx on every attempt) is probed with GET /health."""
 
     @field_validator("base_url")
     @classmethod
@@ -51,6 +78,15 @@ class VLLMModelConfig(BaseServerConfig):
         if isinstance(value, list) and not value:
             raise ValueError("give at least one vLLM base URL")
         return value
+
+    @model_validator(mode="after")
+    def _adapter_splice_needs_returned_ids(self) -> VLLMModelConfig:
+        if self.splice == "adapter" and not self.use_return_token_ids:
+            raise ValueError(
+                "splice: adapter sends the spliced prompt as ids and reads them back with return_token_ids; "
+                "use_return_token_ids: false would take them from /tokenize, which re-renders the history"
+            )
+        return self
 
     @model_validator(mode="after")
     def _tokenize_cannot_render_harmony(self) -> VLLMModelConfig:
@@ -66,48 +102,104 @@ class VLLMModelConfig(BaseServerConfig):
         return [self.base_url] if isinstance(self.base_url, str) else list(self.base_url)
 
 
+@dataclass
+class PreparedCall:
+    """One chat call as the adapter sends it to vLLM, with what it needs to finish the answer."""
+
+    body: dict[str, Any]
+    caller_body: dict[str, Any]
+    required_prefix: list[int] | None
+    capture: bool
+    """Put the bundle on the returned message (return_token_id_information)."""
+    needs_ids: bool
+    """Token ids are asked of vLLM (for the bundle, or to check the required prefix)."""
+    telemetry: dict[str, Any] | None
+    """The adapter's own splice telemetry; None where it did not splice."""
+
+
 class VLLMModel(ModelServer):
     config_class: ClassVar[type[BaseServerConfig]] = VLLMModelConfig
     config: VLLMModelConfig
 
     def setup_routes(self, app: FastAPI) -> None:
-        self.router = SessionRouter(self.config.base_urls)
+        self.router = SessionRouter(
+            self.config.base_urls, probe=lambda url: self.upstream.healthy(url),
+            health_check_interval=self.config.health_check_interval_seconds,
+        )
+        app.add_api_route("/routing", self.router.report, methods=["GET"])
         self.upstream = VLLMUpstream(
             api_key=self.config.api_key,
             timeout=self.config.request_timeout_seconds,
             max_attempts=self.config.max_attempts,
             backoff_seconds=self.config.retry_backoff_seconds,
         )
+        self.splicer = AdapterSplicer(
+            tokenizer=self.config.tokenizer, chat_template=self.config.chat_template,
+            content_format=self.config.chat_template_content_format,
+            default_template_kwargs=self.config.default_chat_template_kwargs, harmony=self.config.harmony,
+            terminator_override=os.environ.get(TERMINATOR_ENV) or None,
+        )
+        self._hooked: dict[str, bool] = {}
 
         @app.post("/v1/chat/completions")
-        async def chat_completions(request: Request) -> JSONResponse:
-            chat = _parse(ChatCompletionRequest, await json_object(request))
-            session, is_new = session_of(request)
-            result = await self.complete(chat, self.router.url_for(session))
-            return _with_session_cookie(JSONResponse(result), session, is_new)
+        async def chat_completions(request: Request) -> HTTPResponse:
+            body = await json_object(request)
+            chat = _parse(ChatCompletionRequest, body)
+            key = self.router.key_for(request, body)
+            if chat.stream:
+                return await self.router.call(key, lambda url: self.stream(chat, url))
+            return JSONResponse(await self.router.call(key, lambda url: self.complete(chat, url)))
 
         @app.post("/v1/responses")
-        async def responses(request: Request) -> JSONResponse:
-            responses_request = _parse(ResponsesRequest, await json_object(request))
-            if responses_request.stream:
-                raise ApiError(400, "stream: true is not supported by this adapter; send stream: false", param="stream")
+        async def responses(request: Request) -> HTTPResponse:
+            raw = await json_object(request)
+            responses_request = _parse(ResponsesRequest, raw)
             try:
                 chat_body = responses_to_chat_request(responses_request)
             except ValueError as exc:
                 raise ApiError(400, f"input: {exc}", param="input") from None
             chat = _parse(ChatCompletionRequest, chat_body)
-            session, is_new = session_of(request)
-            result = await self.complete(chat, self.router.url_for(session))
+            key = self.router.key_for(request, raw)
+            if chat.stream:  # `stream` is not a Responses-only field: the chat body carries it
+                return await self.router.call(key, lambda url: self.stream(chat, url, as_responses=True))
+            result = await self.router.call(key, lambda url: self.complete(chat, url))
             response = _chat_result_to_response(result, self.config.model)
-            return _with_session_cookie(JSONResponse(response.model_dump(exclude_none=True)), session, is_new)
+            return JSONResponse(response.model_dump(exclude_none=True))
 
     async def complete(self, chat: ChatCompletionRequest, url: str) -> dict[str, Any]:
         """One chat completion against vLLM at `url`, with bundles resolved, prefix checked and errors mapped."""
+        if chat.stream:
+            raise ApiError(400, "stream: true goes through stream(), not complete()", param="stream")
+        call = await self.prepare(chat, url)
+        response = await self.upstream.post(url, "/v1/chat/completions", call.body)
+        if is_context_overflow(response):
+            return _context_overflow_result(self.config.model, error_message(response))
+        if response.status_code >= 400:
+            raise ApiError(response.status_code, error_message(response), error_type="upstream_invalid_request")
+        return await self.finish(call, response.json(), url)
+
+    async def stream(self, chat: ChatCompletionRequest, url: str, *, as_responses: bool = False) -> StreamingResponse:
+        """`chat` streamed from vLLM at `url` as server-sent events (chat chunks, or Responses events). Every refusal
+        (prepare's, vLLM's status, the prefix check on the first chunk) comes before the first byte (streaming.py)."""
+        call = await self.prepare(chat, url)
+        stream = await open_chat_stream(
+            call, url, post=lambda body: self.upstream.open_stream(url, "/v1/chat/completions", body),
+            prompt_ids=lambda: self._tokenize(url, tokenize_request(
+                call.body, exclude_tools_when_tool_choice_none=self.config.exclude_tools_when_tool_choice_none,
+            )),
+            finish=lambda result: self.finish(call, result, url),
+            overflow=lambda reason: _context_overflow_result(self.config.model, reason),
+        )
+        if as_responses:
+            return responses_sse(stream, to_response=lambda result: _chat_result_to_response(result, self.config.model))
+        return chat_sse(stream, call)
+
+    async def prepare(self, chat: ChatCompletionRequest, url: str) -> PreparedCall:
+        """The body to send vLLM at `url` for `chat`: sampling overrides, token capture fields, and (where the adapter
+        splices) the spliced prompt as token-in ids. Every refusal of the request happens here, before any answer."""
         required_prefix = chat.required_prefix()
         capture = self.config.return_token_id_information
         needs_ids = capture or required_prefix is not None
-        if chat.stream:
-            raise ApiError(400, "stream: true is not supported by this adapter; send stream: false", param="stream")
         if needs_ids and (chat.n or 1) > 1:
             raise ApiError(400, "n > 1 is not supported with token ids (one bundle per call); send n: 1", param="n")
 
@@ -116,23 +208,61 @@ class VLLMModel(ModelServer):
         body["model"] = self.config.model
         if needs_ids:
             body.update(capture_request_fields(body, use_return_token_ids=self.config.use_return_token_ids))
+        telemetry: dict[str, Any] | None = None
+        if required_prefix is not None and await self.splices_here(url):
+            spliced = await self.splicer.prepare(
+                body, post=lambda path, payload: self.upstream.post(url, path, payload),
+                get=lambda path: self.upstream.get(url, path),
+                tokenize_body=tokenize_request(
+                    body, exclude_tools_when_tool_choice_none=self.config.exclude_tools_when_tool_choice_none
+                ),
+            )
+            body, telemetry = spliced.body, spliced.telemetry
+            if needs_ids:
+                body["return_token_ids"] = True  # the prompt ids are the spliced ones, never a /tokenize re-render
+        return PreparedCall(body, caller_body, required_prefix, capture, needs_ids, telemetry)
 
-        response = await self.upstream.post(url, "/v1/chat/completions", body)
-        if is_context_overflow(response):
-            return _context_overflow_result(self.config.model, error_message(response))
-        if response.status_code >= 400:
-            raise ApiError(response.status_code, error_message(response), error_type="upstream_invalid_request")
-        result = response.json()
-        if needs_ids:
+    async def finish(self, call: PreparedCall, result: dict[str, Any], url: str) -> dict[str, Any]:
+        """vLLM's chat completion `result` as the caller gets it: splice telemetry, bundles resolved and checked, and
+        what the adapter asked for only for itself removed."""
+        if call.telemetry is not None:
+            result["prefix_splice"] = {**call.telemetry, "spliced_by": "adapter"}
+        elif isinstance(result.get("prefix_splice"), dict):
+            result["prefix_splice"]["spliced_by"] = "hook"
+        if call.needs_ids:
             await attach_bundles(
-                result, generation_body=body, required_prefix=required_prefix, return_bundle=capture,
+                result, generation_body=call.body, required_prefix=call.required_prefix, return_bundle=call.capture,
                 tokenize=lambda tokenize_body: self._tokenize(url, tokenize_body), upstream_url=url,
                 exclude_tools_when_tool_choice_none=self.config.exclude_tools_when_tool_choice_none,
             )
-            drop_unrequested(result, caller_body, bundle_returned=capture)
+            drop_unrequested(result, call.caller_body, bundle_returned=call.capture)
         return result
 
+    async def splices_here(self, url: str) -> bool:
+        """Whether the adapter splices for `url` (splice: adapter, or auto on a server without the hook)."""
+        if self.config.splice != "auto":
+            return self.config.splice == "adapter"
+        hooked = self._hooked.get(url)
+        if hooked is None:
+            hooked = self._hooked[url] = await self._has_hook(url)
+        return not hooked
+
+    async def _has_hook(self, url: str) -> bool:
+        """Ask the server once: the hook answers a /tokenize with an invalid required prefix with a 400 naming it; a
+        stock vLLM ignores the unknown field and tokenizes."""
+        probe = {"model": self.config.model, "messages": [{"role": "user", "content": "."}], PREFIX_KEY: [-1]}
+        response = await self.upstream.post(url, "/tokenize", probe)
+        if response.status_code == 200:
+            return False
+        if response.status_code == 400 and PREFIX_KEY in response.text:
+            return True
+        raise ApiError(
+            502, f"splice: auto could not tell whether the vLLM server at {url} has the prefix-splice hook: its "
+            f"/tokenize answered HTTP {response.status_code}: {error_message(response)}. Set splice: hook or adapter",
+        )
+
     async def aclose(self) -> None:
+        await self.router.aclose()
         await self.upstream.aclose()
         await super().aclose()
 
@@ -149,12 +279,6 @@ def _parse(model: type[Model], body: dict[str, Any]) -> Model:
     except ValidationError as exc:
         message, param = validation_message(list(exc.errors()))
         raise ApiError(400, message, param=param) from None
-
-
-def _with_session_cookie(response: JSONResponse, session: str, is_new: bool) -> JSONResponse:
-    if is_new:
-        response.set_cookie(SESSION_COOKIE, session, httponly=True, samesite="lax")
-    return response
 
 
 def _context_overflow_result(model: str, reason: str) -> dict[str, Any]:

@@ -95,25 +95,35 @@ async def attach_bundles(
             bundle = resolve_bundle([*present, from_logprobs] if from_logprobs else present)
         except TokenSourceError as exc:
             raise ApiError(502, f"vLLM at {upstream_url} reported inconsistent token ids: {exc}") from None
-        telemetry = result.get("prefix_splice") if isinstance(result.get("prefix_splice"), dict) else {}
-        if required_prefix is not None and not telemetry.get("new_segment"):
-            # The hook may give the model's final end token way to the template's closing (GPT-OSS <|return|>).
-            expected = required_prefix[:-1] if telemetry.get("end_token_replaced") else required_prefix
-            try:
-                check_prefix(bundle.prompt_token_ids, expected)
-            except PrefixMismatchError as exc:
-                raise ApiError(
-                    502,
-                    f"the vLLM server at {upstream_url} is not splicing the required prefix into the prompt ({exc}). "
-                    "Its template re-tokenized the history, so these ids would drift from what the model produced. "
-                    "Serve with `ngt vllm-serve` (or set NEMO_GYM_TOK_PREFIX_SPLICE=1 with the plugin installed).",
-                    error_type="prefix_not_spliced",
-                ) from None
+        telemetry = result.get("prefix_splice") if isinstance(result.get("prefix_splice"), dict) else None
+        check_required_prefix(bundle.prompt_token_ids, required_prefix, telemetry, upstream_url=upstream_url)
         if return_bundle:
             message.update(bundle.as_fields())
             message["token_source"] = bundle.source.value
             if isinstance(result.get("prefix_splice"), dict):
                 message["prefix_splice"] = result["prefix_splice"]
+
+
+def check_required_prefix(
+    prompt_ids: list[int], required_prefix: list[int] | None, telemetry: dict[str, Any] | None, *, upstream_url: str
+) -> None:
+    """Raise the 502 `prefix_not_spliced` unless the prompt vLLM used starts with the required prefix (no prefix, or
+    a new token segment, checks nothing). `telemetry` is the call's `prefix_splice`, if any."""
+    telemetry = telemetry or {}
+    if required_prefix is None or telemetry.get("new_segment"):
+        return
+    # The hook may give the model's final end token way to the template's closing (GPT-OSS <|return|>).
+    expected = required_prefix[:-1] if telemetry.get("end_token_replaced") else required_prefix
+    try:
+        check_prefix(prompt_ids, expected)
+    except PrefixMismatchError as exc:
+        raise ApiError(
+            502,
+            f"the vLLM server at {upstream_url} is not splicing the required prefix into the prompt ({exc}). "
+            "Its template re-tokenized the history, so these ids would drift from what the model produced. "
+            "Serve with `ngt vllm-serve` (or set NEMO_GYM_TOK_PREFIX_SPLICE=1 with the plugin installed).",
+            error_type="prefix_not_spliced",
+        ) from None
 
 
 def _message_source(message: dict[str, Any]) -> PartialBundle | None:

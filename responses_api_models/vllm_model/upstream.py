@@ -22,6 +22,15 @@ class UpstreamStatusError(Exception):
         self.response = response
 
 
+class UpstreamUnavailable(ApiError):
+    """The vLLM at `url` failed every attempt (unreachable: 503, 5xx: 502): the URL's fault, not the request's,
+    so the router marks it unhealthy and may send the same request to another URL."""
+
+    def __init__(self, status: int, message: str, url: str) -> None:
+        super().__init__(status, message)
+        self.url = url
+
+
 def root_url(base_url: str) -> str:
     """`http://host:port` from a base URL given with or without a trailing `/v1`."""
     return re.sub(r"/v1/?$", "", base_url.rstrip("/"))
@@ -32,7 +41,7 @@ def is_context_overflow(response: httpx.Response) -> bool:
 
 
 class VLLMUpstream:
-    """POSTs JSON to a vLLM server; raises ApiError for anything the caller must see as an error."""
+    """Calls a vLLM server (POST JSON, GET); raises ApiError for anything the caller must see as an error."""
 
     def __init__(self, *, api_key: str, timeout: float, max_attempts: int, backoff_seconds: float) -> None:
         self._http = httpx.AsyncClient(timeout=timeout, headers={"Authorization": f"Bearer {api_key}"})
@@ -40,7 +49,22 @@ class VLLMUpstream:
         self._backoff_seconds = backoff_seconds
 
     async def post(self, base_url: str, path: str, body: dict[str, Any]) -> httpx.Response:
-        """The response for a 2xx or 4xx answer; 5xx and transport errors are retried, then raised as ApiError."""
+        """The response for a 2xx or 4xx answer; 5xx and transport errors are retried, then raised as
+        UpstreamUnavailable (an ApiError: 502 for 5xx, 503 for unreachable)."""
+        return await self._send("POST", base_url, path, body)
+
+    async def get(self, base_url: str, path: str) -> httpx.Response:
+        """GET with the same retries and errors as `post`."""
+        return await self._send("GET", base_url, path, None)
+
+    async def open_stream(self, base_url: str, path: str, body: dict[str, Any]) -> httpx.Response:
+        """POST for a streamed answer, with the same retries and errors as `post`: the response once its status and
+        headers are in, its body still to read (`aiter_lines`); the caller must `aclose()` it."""
+        return await self._send("POST", base_url, path, body, stream=True)
+
+    async def _send(
+        self, method: str, base_url: str, path: str, body: dict[str, Any] | None, *, stream: bool = False
+    ) -> httpx.Response:
         url = f"{root_url(base_url)}{path}"
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self._max_attempts),
@@ -50,22 +74,38 @@ class VLLMUpstream:
         try:
             async for attempt in retrying:
                 with attempt:
-                    response = await self._http.post(url, json=body)
+                    if stream:
+                        response = await self._http.send(self._http.build_request(method, url, json=body), stream=True)
+                    else:
+                        response = await self._http.request(method, url, json=body)
                     if response.status_code >= 500:
+                        if stream:  # read the error text for the message, and give the connection back
+                            await response.aread()
+                            await response.aclose()
                         raise UpstreamStatusError(response)
                     return response
         except RetryError as exc:
             last = exc.last_attempt.exception()
             if isinstance(last, UpstreamStatusError):
-                raise ApiError(
+                raise UpstreamUnavailable(
                     502,
                     f"vLLM at {url} answered HTTP {last.response.status_code} {self._max_attempts} times: "
                     f"{error_message(last.response)}",
+                    base_url,
                 ) from None
-            raise ApiError(
-                503, f"vLLM at {url} is unreachable after {self._max_attempts} attempts: {type(last).__name__}: {last}"
+            raise UpstreamUnavailable(
+                503, f"vLLM at {url} is unreachable after {self._max_attempts} attempts: {type(last).__name__}: {last}",
+                base_url,
             ) from None
         raise AssertionError("unreachable")
+
+    async def healthy(self, base_url: str, timeout: float = 5.0) -> bool:
+        """True when vLLM's `GET /health` answers 200 within `timeout`: the router's probe of an unhealthy URL."""
+        try:
+            response = await self._http.get(f"{root_url(base_url)}/health", timeout=timeout)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
 
     async def aclose(self) -> None:
         await self._http.aclose()

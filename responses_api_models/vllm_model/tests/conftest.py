@@ -87,7 +87,8 @@ def stock_vllm(vllm_server: VLLMServer) -> Iterator[RecordingProxy]:
 
 @pytest.fixture
 def stock_training_adapter(stock_vllm: RecordingProxy, vllm_server: VLLMServer) -> Iterator[str]:
-    yield from adapter(stock_vllm.url, vllm_server.served_model_name, return_token_id_information=True)
+    """splice: hook in front of a server that does not splice: the adapter must notice and refuse."""
+    yield from adapter(stock_vllm.url, vllm_server.served_model_name, return_token_id_information=True, splice="hook")
 
 
 def adapter(base_url: str | list[str], model: str, **fields: Any) -> Iterator[str]:

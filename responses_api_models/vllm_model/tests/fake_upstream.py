@@ -13,7 +13,10 @@ from fastapi.responses import JSONResponse
 class FakeUpstream:
     name: str
     status: int = 200
+    healthy: bool = True
+    """What GET /health answers: 200 when true, 503 otherwise (the router's probe)."""
     requests: list[dict[str, Any]] = field(default_factory=list)
+    health_checks: int = 0
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -30,5 +33,10 @@ class FakeUpstream:
                 "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
                 "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
             })
+
+        @app.get("/health")
+        async def health() -> JSONResponse:
+            self.health_checks += 1
+            return JSONResponse({}, status_code=200 if self.healthy else 503)
 
         return app

@@ -51,7 +51,6 @@ MALFORMED = [
     ({"messages": [USER], "required_prefix_token_ids": [1, -2]}, "required_prefix_token_ids.1: Input should be greater than or equal to 0"),
     ({"messages": [USER], "required_prefix_token_ids": [1, 2.5]}, "required_prefix_token_ids.1: Input should be a valid integer"),
     ({"messages": [USER], "n": 2}, "n > 1 is not supported with token ids"),
-    ({"messages": [USER], "stream": True}, "stream: true is not supported"),
     ({"messages": {"role": "user", "content": "hi"}}, "messages: Input should be a valid list"),
     ({"messages": "hi"}, "messages: Input should be a valid list"),
     ({}, "messages: Field required"),
@@ -79,7 +78,6 @@ def test_body_that_is_not_a_json_object(capture_adapter: str, raw: bytes) -> Non
     [
         ({"input": [{"type": "function_call", "name": "f"}]}, "function_call item needs call_id"),
         ({"input": "hi", "required_prefix_token_ids": [-1]}, "required_prefix_token_ids.0"),
-        ({"input": "hi", "stream": True}, "stream: true is not supported"),
         ({"input": [{"type": "web_search_call"}]}, "has no chat equivalent"),
     ],
 )

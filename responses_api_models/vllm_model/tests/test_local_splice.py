@@ -1,0 +1,92 @@
+"""The adapter-side splice's parts that need no vLLM server: what it strips, how it shapes tools, what it refuses."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from nemo_gym_tok.servers.errors import ApiError
+from responses_api_models.vllm_model.local_splice import (
+    HARMONY_REFUSAL,
+    AdapterSplicer,
+    strip_token_fields,
+    vllm_tool_dicts,
+)
+from tests.conversations import MOVE_TOOL
+
+BUNDLE = {"prompt_token_ids": [1, 2], "generation_token_ids": [3], "generation_log_probs": [-0.5]}
+
+
+def test_strip_token_fields_leaves_everything_else() -> None:
+    body = {
+        "model": "m", "required_prefix_token_ids": [1], "start_token_segment": False, "seed": 3,
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", **BUNDLE}],
+    }
+    assert strip_token_fields(body) == {
+        "model": "m", "seed": 3, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+    }
+    assert body["messages"][1]["prompt_token_ids"] == [1, 2]  # the caller's body is not modified
+
+
+@pytest.mark.parametrize("tool", [
+    MOVE_TOOL,
+    {"type": "function", "function": {"name": "f"}},
+    {"type": "function", "function": {"name": "f", "description": "d", "strict": True, "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "f", "strict": None, "defer_loading": None}},
+])
+def test_tools_are_shaped_as_vllm_hands_them_to_the_template(tool: dict[str, Any]) -> None:
+    # The installed vLLM's own request model is the reference: a vLLM upgrade that dumps tools otherwise fails here.
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
+
+    assert vllm_tool_dicts([tool]) == [ChatCompletionToolsParam.model_validate(tool).model_dump()]
+
+
+def fake_server(root: str) -> tuple[Any, Any]:
+    async def post(path: str, body: dict[str, Any]) -> httpx.Response:
+        raise AssertionError(f"no POST expected, got {path}")
+
+    async def get(path: str) -> httpx.Response:
+        assert path == "/v1/models"
+        return httpx.Response(200, json={"data": [{"id": "m", "root": root}]})
+
+    return post, get
+
+
+def prepare(splicer: AdapterSplicer, body: dict[str, Any], root: str) -> Any:
+    post, get = fake_server(root)
+    return asyncio.run(splicer.prepare(body, post=post, get=get, tokenize_body=strip_token_fields(body)))
+
+
+HISTORY = [
+    {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", **BUNDLE}, {"role": "user", "content": "?"},
+]
+
+
+def test_harmony_models_are_refused_in_the_adapter(tiny_model_dir: Path) -> None:
+    with pytest.raises(ApiError) as refused:
+        prepare(AdapterSplicer(tokenizer=None, harmony=True), {"messages": HISTORY}, str(tiny_model_dir))
+    assert refused.value.status == 400 and refused.value.message == HARMONY_REFUSAL
+
+
+def test_malformed_bundles_are_400s_before_any_vllm_call(tiny_model_dir: Path) -> None:
+    broken = [HISTORY[0], {**HISTORY[1], "generation_token_ids": [10**9]}, HISTORY[2]]
+    with pytest.raises(ApiError) as refused:
+        prepare(AdapterSplicer(tokenizer=str(tiny_model_dir)), {"messages": broken}, "unused")
+    assert refused.value.status == 400 and "messages[1].generation_token_ids" in refused.value.message
+
+
+def test_a_new_segment_is_sent_without_splicing(tiny_model_dir: Path) -> None:
+    call = prepare(AdapterSplicer(tokenizer=str(tiny_model_dir)), {"messages": HISTORY, "start_token_segment": True}, "")
+    assert call.telemetry["new_segment"] is True
+    assert "kv_transfer_params" not in call.body and "start_token_segment" not in call.body
+
+
+def test_an_unloadable_tokenizer_is_a_clear_502(tmp_path: Path) -> None:
+    with pytest.raises(ApiError) as failed:
+        prepare(AdapterSplicer(tokenizer=None), {"messages": HISTORY}, str(tmp_path / "missing"))
+    assert failed.value.status == 502 and failed.value.error_type == "adapter_tokenizer_unavailable"
+    assert "vllm_model.tokenizer" in failed.value.message
