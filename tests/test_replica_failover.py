@@ -71,11 +71,13 @@ def start_gym(stack: ExitStack, adapter: VLLMModel) -> str:
     return stack.enter_context(serve_in_thread(create_head_app(urls)))
 
 
-def mid_conversation_on(attempts: list[Attempt], url: str) -> bool:
-    """Some conversation has had only answered calls, all on `url`, and fewer than MAX_ROUNDS - 1: its next call
-    will go to `url`, so a kill now makes it move mid-episode."""
+def ready_to_kill(attempts: list[Attempt], doomed: str, live: str) -> bool:
+    """Both replicas have answered calls, and some conversation has had only answered calls, all on `doomed`, fewer
+    than MAX_ROUNDS - 1: its next call will go to `doomed`, so a kill now makes it move mid-episode."""
+    if not any(a.url == live and a.outcome == "ok" for a in attempts):
+        return False
     for calls in by_conversation(attempts).values():
-        if all(a.url == url and a.outcome == "ok" for a in calls) and len(calls) < MAX_ROUNDS - 1:
+        if all(a.url == doomed and a.outcome == "ok" for a in calls) and len(calls) < MAX_ROUNDS - 1:
             return True
     return False
 
@@ -111,9 +113,9 @@ def test_collect_completes_when_a_replica_dies_mid_collection(
             deadline = time.monotonic() + 300
             # Kill once some rollouts are done and a conversation is part-way through on the doomed replica.
             while (not output.exists() or output.read_bytes().count(b"\n") < KILL_AFTER_ROLLOUTS
-                   or not mid_conversation_on(list(adapter.router.attempts), doomed)):
+                   or not ready_to_kill(list(adapter.router.attempts), doomed, live)):
                 assert collect.poll() is None, f"collect ended before the kill: {collect.communicate()}"
-                assert time.monotonic() < deadline, "no rollouts finished in 300 s"
+                assert time.monotonic() < deadline, "no moment to kill came in 300 s (see ready_to_kill)"
                 time.sleep(0.01)
             assert doomed_vllm.process is not None
             os.killpg(doomed_vllm.process.pid, signal.SIGKILL)  # the API server and its engine: a crash, no goodbye
@@ -149,6 +151,8 @@ def test_collect_completes_when_a_replica_dies_mid_collection(
     assert len(conversations) == total  # the agent's x-session-id: one key per rollout
     before_kill = {a.url for a in attempts if a.outcome == "ok" and a.ended < killed_at}
     assert before_kill == {doomed, live}, "both replicas served conversations before the kill"
+    started_after_kill = [calls for calls in conversations.values() if calls[0].started > killed_at]
+    assert all(a.url == live for calls in started_after_kill for a in calls if a.outcome == "ok")
     started_after_mark = [calls for calls in conversations.values() if calls[0].started > marked_at]
     assert started_after_mark, "no conversation started after the doomed replica was marked unhealthy"
     assert all(a.url == live and a.outcome == "ok" for calls in started_after_mark for a in calls)
