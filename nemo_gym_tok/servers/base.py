@@ -10,11 +10,18 @@ from typing import Any, ClassVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nemo_gym_tok.servers.bodies import json_object
+from nemo_gym_tok.servers.auth import BearerTokenMiddleware
+from nemo_gym_tok.servers.bodies import DEFAULT_MAX_BODY_BYTES, MAX_BODY_STATE_KEY, json_object
 from nemo_gym_tok.servers.client import SESSION_HEADER, ServerClient
-from nemo_gym_tok.servers.errors import ApiError, api_error_handler, error_response, validation_message
+from nemo_gym_tok.servers.errors import (
+    ApiError, UnexpectedErrorMiddleware, api_error_handler, error_response, http_error_handler, validation_message,
+)
+from nemo_gym_tok.servers.openapi import (
+    ANY_OBJECT, JsonSchema, SeedSessionRequest, StepRequest, VerifyRequest, install_components, json_body,
+)
 
 
 class BaseServerConfig(BaseModel):
@@ -25,10 +32,16 @@ class BaseServerConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = 0
     """0 lets `ngt run` pick a free port."""
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, gt=0)
+    """Largest request body the server reads (64 MiB by default); a larger one is refused with 413."""
 
 
 class BaseServer:
-    """A gym server: owns its config, a client to reach other servers by name, and its FastAPI app."""
+    """A gym server: owns its config, a client to reach other servers by name, and its FastAPI app.
+
+    With the gym's auth token on the client (`ServerClient(auth_token=...)`, which `ngt run` sets from the config's
+    `auth_token`), every route but `/health` answers 401 without `Authorization: Bearer <token>`.
+    """
 
     config_class: ClassVar[type[BaseServerConfig]] = BaseServerConfig
     kind: ClassVar[str] = ""
@@ -47,12 +60,18 @@ class BaseServer:
         app = FastAPI(title=f"{self.name} ({type(self).__name__})", lifespan=lifespan)
         app.add_exception_handler(RequestValidationError, _validation_error_as_400)
         app.add_exception_handler(ApiError, api_error_handler)
+        app.add_exception_handler(StarletteHTTPException, http_error_handler)
+        app.add_middleware(UnexpectedErrorMiddleware, server_name=self.name)
+        if self.servers.auth_token:  # added last, so outermost: checked before anything else runs
+            app.add_middleware(BearerTokenMiddleware, token=self.servers.auth_token)
+        setattr(app.state, MAX_BODY_STATE_KEY, self.config.max_body_bytes)
 
         @app.get("/health")
         async def health() -> dict[str, str]:
             return {"status": "ok", "name": self.name}
 
         self.setup_routes(app)
+        install_components(app)
         return app
 
     def setup_routes(self, app: FastAPI) -> None:
@@ -78,17 +97,19 @@ class ResourcesServer(BaseServer):
     """
 
     kind = "resources_servers"
+    row_model: ClassVar[type[BaseModel]] = SeedSessionRequest
+    """The input row as `/seed_session` takes it, for the OpenAPI document; subclasses name the fields they need."""
 
     def setup_routes(self, app: FastAPI) -> None:
-        @app.post("/seed_session")
+        @app.post("/seed_session", openapi_extra=json_body(self.row_model, session="required"))
         async def seed_session(request: Request) -> Any:
             return await self.seed_session(_session_of(request), await json_object(request))
 
-        @app.post("/step")
+        @app.post("/step", openapi_extra=json_body(StepRequest, session="required"))
         async def step(request: Request) -> Any:
             return await self.step(_session_of(request), await json_object(request))
 
-        @app.post("/verify")
+        @app.post("/verify", openapi_extra=json_body(VerifyRequest, session="required"))
         async def verify(request: Request) -> Any:
             session, body = _session_of(request), await json_object(request)
             response = body.get("response")
@@ -100,10 +121,24 @@ class ResourcesServer(BaseServer):
                 raise ApiError(500, f"{type(self).__name__}.verify must return a dict with a numeric reward")
             return result
 
-        for tool_name, tool in self.tools().items():
+        tools = self.tools()
+        declared = {"tools": sorted(tools)}
+
+        @app.get("/tools")
+        async def declared_tools() -> dict[str, list[str]]:
+            # The agent sends a model's function call only to a name listed here, so a row that offers a tool
+            # called "seed_session" or "verify" never reaches those endpoints.
+            return declared
+
+        schemas = self.tool_schemas()
+        for tool_name, tool in tools.items():
             if tool_name in RESERVED_PATHS:
                 raise ValueError(f"{type(self).__name__}: a tool cannot be named {tool_name!r} (an endpoint of its own)")
-            app.add_api_route(f"/{tool_name}", _tool_endpoint(tool), methods=["POST"], name=tool_name)
+            schema = schemas.get(tool_name, ANY_OBJECT)
+            arguments = json_body(schema, session="required", description="the tool's arguments")
+            app.add_api_route(
+                f"/{tool_name}", _tool_endpoint(tool), methods=["POST"], name=tool_name, openapi_extra=arguments,
+            )
 
     async def seed_session(self, session_id: str, row: dict[str, Any]) -> dict[str, Any]:
         """Start the episode `session_id` for one input row; the default keeps no state."""
@@ -124,8 +159,13 @@ class ResourcesServer(BaseServer):
         """Tool name -> coroutine(session_id, arguments) returning the tool's output (str or JSON-able)."""
         return {}
 
+    def tool_schemas(self) -> dict[str, JsonSchema]:
+        """Tool name -> JSON schema of its arguments (what rows offer the model), for the OpenAPI document; a tool
+        left out is documented as taking any JSON object."""
+        return {}
 
-RESERVED_PATHS = frozenset({"seed_session", "step", "verify", "health", "docs", "openapi.json", "redoc"})
+
+RESERVED_PATHS = frozenset({"seed_session", "step", "verify", "tools", "health", "docs", "openapi.json", "redoc"})
 ToolHandler = Callable[[str, dict[str, Any]], Awaitable[Any]]
 
 

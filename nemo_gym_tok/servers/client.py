@@ -9,6 +9,15 @@ import httpx
 
 SESSION_HEADER = "x-session-id"
 """Names the conversation / episode on every call: the adapter keeps it on one vLLM URL, environments key state by it."""
+AUTH_TOKEN_ENV = "NGT_AUTH_TOKEN"
+"""The gym's bearer token when the config has no `auth_token`; what `ngt collect` sends; how `ngt run` hands the token
+to its child servers (an environment variable, not a command line that `ps` shows). Defined here, in the light
+client module, so that `ngt collect` needs no server imports."""
+
+
+def auth_headers(token: str | None) -> dict[str, str]:
+    """The header a gym client sends: `Authorization: Bearer <token>`, or nothing without a token."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 class UnknownServerError(LookupError):
@@ -16,7 +25,11 @@ class UnknownServerError(LookupError):
 
 
 class ServerClient:
-    """Resolves instance names to base URLs (given, or fetched once from the head server) and sends requests."""
+    """Resolves instance names to base URLs (given, or fetched once from the head server) and sends requests.
+
+    `auth_token` is the gym's bearer token: sent on every request, and required by the server that owns this client
+    (BaseServer.build_app), so one value configures both sides.
+    """
 
     def __init__(
         self,
@@ -24,10 +37,12 @@ class ServerClient:
         *,
         head_url: str | None = None,
         timeout: float | None = 600.0,
+        auth_token: str | None = None,
     ) -> None:
         self._servers = dict(servers or {})
         self._head_url = head_url.rstrip("/") if head_url else None
-        self._http = httpx.AsyncClient(timeout=timeout)
+        self.auth_token = auth_token or None
+        self._http = httpx.AsyncClient(timeout=timeout, headers=auth_headers(self.auth_token))
 
     async def base_url(self, name: str) -> str:
         if name not in self._servers and self._head_url:

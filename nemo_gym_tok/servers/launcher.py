@@ -1,23 +1,27 @@
-"""Starts every server of a merged config (plus the head) as child processes and stops them all together."""
+"""Starts every server of a merged config (plus the head) as child processes, restarts crashed ones, stops them all."""
 
 from __future__ import annotations
 
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from nemo_gym_tok._net import free_port
-
 from nemo_gym_tok.config import GymConfig, ServerInstance
+from nemo_gym_tok.servers.auth import AUTH_TOKEN_ENV, auth_headers, auth_token_of
 from nemo_gym_tok.servers.registry import validate_instance
 from nemo_gym_tok.servers.serve import SPEC_ENV, spec_for
+from nemo_gym_tok.servers.supervision import (
+    CrashHistory, PortInUseError, PortRequest, RestartPolicy, bind_ports, describe_exit, restart_policy,
+)
 
 HEAD_NAME = "head"
 DEFAULT_HEAD_PORT = 11500
@@ -30,9 +34,19 @@ class LaunchError(RuntimeError):
 
 @dataclass
 class ChildServer:
+    """One server process, and what restarting it needs: its instance, its listening socket, its exits so far."""
+
     name: str
     url: str
     process: subprocess.Popen[bytes]
+    instance: ServerInstance
+    listener: socket.socket
+    history: CrashHistory
+    restart_at: float | None = None
+    """Monotonic time a pending restart is due (set when the process exited and the policy allows a restart)."""
+    healthy: bool = True
+    """False from a restart until its first good /health answer."""
+    restarts: int = 0
 
 
 def head_address(config: GymConfig) -> tuple[str, int]:
@@ -50,6 +64,11 @@ class Gym:
         self.children: list[ChildServer] = []
         self.urls: dict[str, str] = {}
         self.head_url = ""
+        self.auth_token: str | None = None
+        """The gym's bearer token (config `auth_token`, else $NGT_AUTH_TOKEN); set by `start()`."""
+        self.restart = RestartPolicy()
+        self._listeners: dict[str, socket.socket] = {}
+        self._probe: httpx.Client | None = None
 
     def __enter__(self) -> Gym:
         self.start()
@@ -61,17 +80,29 @@ class Gym:
     def start(self) -> None:
         for instance in self.config.instances.values():
             validate_instance(instance)  # fail on config errors before any process starts
-        ports = {name: _port_or_free(inst) for name, inst in self.config.instances.items()}
+        self.auth_token = auth_token_of(self.config)
+        self.restart = restart_policy(self.config)
+        head_host, head_port = head_address(self.config)
+        requests = [PortRequest(HEAD_NAME, head_host, head_port, "head_server.port")] + [
+            PortRequest(name, _host_of(inst), int(inst.fields.get("port") or 0),
+                        f"{name}.{inst.kind}.{inst.implementation}.port")
+            for name, inst in self.config.instances.items()
+        ]
+        try:
+            # Every port, the head's included, is bound here before any process starts: one held by another
+            # process is refused now, instead of that process answering our readiness probe.
+            self._listeners = bind_ports(requests)
+        except PortInUseError as exc:
+            raise LaunchError(str(exc)) from None
+        ports = {name: int(sock.getsockname()[1]) for name, sock in self._listeners.items()}
         self.urls = {
-            name: f"http://{_client_host(inst.fields.get('host', '127.0.0.1'))}:{ports[name]}"
+            name: f"http://{_client_host(_host_of(inst))}:{ports[name]}"
             for name, inst in self.config.instances.items()
         }
-        head_host, head_port = head_address(self.config)
-        head_port = head_port or free_port(head_host)
-        self.head_url = f"http://{_client_host(head_host)}:{head_port}"
+        self.head_url = f"http://{_client_host(head_host)}:{ports[HEAD_NAME]}"
         head = ServerInstance(HEAD_NAME, "head", "head", {"host": head_host, "servers": self.urls}, {})
         try:
-            self._spawn(head, head_port, self.head_url)
+            self._spawn(head, ports[HEAD_NAME], self.head_url)
             for name, instance in self.config.instances.items():
                 self._spawn(instance, ports[name], self.urls[name])
             self._wait_until_ready()
@@ -80,19 +111,28 @@ class Gym:
             raise
 
     def _spawn(self, instance: ServerInstance, port: int, url: str) -> None:
-        env = {**os.environ, SPEC_ENV: spec_for(instance, port=port, servers=self.urls, head_url=self.head_url)}
-        process = subprocess.Popen(
+        listener = self._listeners[instance.name]
+        process = self._popen(instance, port, listener)
+        self.children.append(ChildServer(instance.name, url, process, instance, listener, CrashHistory(self.restart)))
+
+    def _popen(self, instance: ServerInstance, port: int, listener: socket.socket) -> subprocess.Popen[bytes]:
+        spec = spec_for(instance, port=port, servers=self.urls, head_url=self.head_url, listen_fd=listener.fileno())
+        env = {**os.environ, SPEC_ENV: spec}
+        env.pop(AUTH_TOKEN_ENV, None)  # the config's token wins over the caller's environment, and none means none
+        if self.auth_token:
+            env[AUTH_TOKEN_ENV] = self.auth_token
+        return subprocess.Popen(
             [sys.executable, "-m", "nemo_gym_tok.servers.serve"],
             env=env,
+            pass_fds=(listener.fileno(),),  # the child serves on the socket the supervisor bound and keeps
             start_new_session=True,  # Ctrl-C reaches only the supervisor, which stops children in order
             preexec_fn=_die_with_parent,
         )
-        self.children.append(ChildServer(instance.name, url, process))
 
     def _wait_until_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout
         pending = list(self.children)
-        with httpx.Client(timeout=2.0) as http:
+        with httpx.Client(timeout=2.0, headers=auth_headers(self.auth_token)) as http:
             while pending:
                 for child in list(pending):
                     code = child.process.poll()
@@ -113,6 +153,52 @@ class Gym:
         """The first child that has exited, if any."""
         return next((c for c in self.children if c.process.poll() is not None), None)
 
+    def supervise(self, report: Callable[[str], None]) -> str | None:
+        """One supervision pass: schedule, run and follow restarts of exited children; `report` gets each event.
+
+        Returns why the whole gym must stop (a child exited with restarts off, or more often than the policy
+        allows within its window), or None while everything is running or coming back.
+        """
+        now = time.monotonic()
+        for child in self.children:
+            code = child.process.poll()
+            if code is not None and child.restart_at is None:
+                delay = child.history.restart_delay(now)
+                if delay is None:
+                    return self._give_up_reason(child, code)
+                child.restart_at = now + delay
+                child.healthy = False
+                report(f"server {child.name!r} {describe_exit(code)}; restarting it in {delay:g}s "
+                       f"(restart {len(child.history.exits)} of at most {self.restart.max_restarts} "
+                       f"within {self.restart.window_seconds:g}s)")
+            elif code is not None and child.restart_at is not None and now >= child.restart_at:
+                port = int(child.listener.getsockname()[1])
+                child.process = self._popen(child.instance, port, child.listener)
+                child.restart_at = None
+                child.restarts += 1
+                report(f"server {child.name!r} restarted (pid {child.process.pid})")
+            elif code is None and not child.healthy and self._answers_health(child):
+                child.healthy = True
+                report(f"server {child.name!r} is healthy again at {child.url}")
+        return None
+
+    def _give_up_reason(self, child: ChildServer, code: int) -> str:
+        if not self.restart.enabled:
+            return f"server {child.name!r} {describe_exit(code)} (restart.enabled is false)"
+        exits = len(child.history.exits) + 1
+        return (f"server {child.name!r} {describe_exit(code)}: {exits} exits within {self.restart.window_seconds:g}s, "
+                f"more than restart.max_restarts={self.restart.max_restarts} allows")
+
+    def _answers_health(self, child: ChildServer) -> bool:
+        # A short timeout: the listening socket is ours, so a connection to a child still starting up is accepted
+        # by the kernel and waits; the next supervision pass simply asks again.
+        if self._probe is None:
+            self._probe = httpx.Client(timeout=0.5, headers=auth_headers(self.auth_token))
+        try:
+            return self._probe.get(f"{child.url}/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
     def stop(self) -> None:
         """SIGTERM every child, wait up to the grace period, then SIGKILL whatever is left."""
         for child in self.children:
@@ -126,11 +212,16 @@ class Gym:
                 child.process.kill()
                 child.process.wait()
         self.children.clear()
+        for listener in self._listeners.values():
+            listener.close()
+        self._listeners = {}
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
 
 
-def _port_or_free(instance: ServerInstance) -> int:
-    port = int(instance.fields.get("port") or 0)
-    return port or free_port(str(instance.fields.get("host", "127.0.0.1")))
+def _host_of(instance: ServerInstance) -> str:
+    return str(instance.fields.get("host", "127.0.0.1"))
 
 
 def _client_host(bind_host: str) -> str:

@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 from typing import Any
 
 import uvicorn
 
 from nemo_gym_tok.config import ConfigError, ServerInstance
-from nemo_gym_tok.servers.client import ServerClient
+from nemo_gym_tok.servers.client import AUTH_TOKEN_ENV, ServerClient
 from nemo_gym_tok.servers.registry import ENTRYPOINT_KEY, resolve_entrypoint, validate_instance
 
 SPEC_ENV = "NGT_SERVER_SPEC"
 
 
-def spec_for(instance: ServerInstance, *, port: int, servers: dict[str, str], head_url: str | None) -> str:
-    """The JSON a child needs to run `instance`: its fields (with the chosen port) and every server's URL."""
+def spec_for(
+    instance: ServerInstance, *, port: int, servers: dict[str, str], head_url: str | None, listen_fd: int | None = None
+) -> str:
+    """The JSON a child needs to run `instance`: its fields (with the chosen port), every server's URL, and the
+    inherited listening socket's fd when the launcher bound the port itself."""
     fields = {**instance.fields, "port": port}
     if ENTRYPOINT_KEY in fields:
         fields[ENTRYPOINT_KEY] = resolve_entrypoint(instance)
@@ -28,6 +32,7 @@ def spec_for(instance: ServerInstance, *, port: int, servers: dict[str, str], he
         "fields": fields,
         "servers": servers,
         "head_url": head_url,
+        "listen_fd": listen_fd,
     }
     return json.dumps(spec)
 
@@ -40,9 +45,16 @@ def main() -> int:
     except ConfigError as exc:
         print(f"ngt: {exc}", file=sys.stderr)
         return 2
-    client = ServerClient(spec["servers"], head_url=spec.get("head_url"))
+    # The launcher hands the gym's token over in the environment (set, or removed when the gym has none).
+    client = ServerClient(spec["servers"], head_url=spec.get("head_url"), auth_token=os.environ.get(AUTH_TOKEN_ENV))
     server = server_class(instance.name, config, client)
-    uvicorn.run(server.build_app(), host=config.host, port=config.port, log_level="warning")
+    listen_fd = spec.get("listen_fd")
+    if listen_fd is None:
+        uvicorn.run(server.build_app(), host=config.host, port=config.port, log_level="warning")
+        return 0
+    # The launcher's socket, already bound and listening: it outlives this process, so a restart keeps the port.
+    listener = socket.socket(fileno=int(listen_fd))
+    uvicorn.Server(uvicorn.Config(server.build_app(), log_level="warning")).run(sockets=[listener])
     return 0
 
 

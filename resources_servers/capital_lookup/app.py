@@ -7,10 +7,13 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from pydantic import Field
+
 from nemo_gym_tok.servers.base import BaseServerConfig, ResourcesServer, ToolHandler
 from nemo_gym_tok.servers.client import ServerClient
 from nemo_gym_tok.servers.episodes import EpisodeStore
 from nemo_gym_tok.servers.errors import ApiError
+from nemo_gym_tok.servers.openapi import JsonSchema, SeedSessionRequest
 
 CAPITALS: dict[str, str] = {
     "France": "Paris",
@@ -45,6 +48,12 @@ class CapitalLookupConfig(BaseServerConfig):
     """Reward only episodes that called lookup_capital at least once (rewards tool use, not recall)."""
 
 
+class CapitalLookupRow(SeedSessionRequest):
+    """The row fields /seed_session reads (for the OpenAPI document; the handler checks them itself)."""
+
+    expected_answer: str = Field(min_length=1, pattern=r"\S", description="the capital the answer must name")
+
+
 @dataclass
 class Episode:
     expected_answer: str
@@ -54,6 +63,7 @@ class Episode:
 class CapitalLookup(ResourcesServer):
     config_class: ClassVar[type[BaseServerConfig]] = CapitalLookupConfig
     config: CapitalLookupConfig
+    row_model = CapitalLookupRow
 
     def __init__(self, name: str, config: BaseServerConfig, servers: ServerClient | None = None) -> None:
         super().__init__(name, config, servers)
@@ -69,6 +79,9 @@ class CapitalLookup(ResourcesServer):
 
     def tools(self) -> dict[str, ToolHandler]:
         return {"lookup_capital": self.lookup_capital}
+
+    def tool_schemas(self) -> dict[str, JsonSchema]:
+        return {"lookup_capital": LOOKUP_CAPITAL_TOOL["parameters"]}
 
     async def lookup_capital(self, session_id: str, arguments: dict[str, Any]) -> str:
         episode = self.episodes.get(session_id)

@@ -11,6 +11,7 @@ from nemo_gym_tok.servers.base import BaseServerConfig, ResourcesServer, ToolHan
 from nemo_gym_tok.servers.client import ServerClient
 from nemo_gym_tok.servers.episodes import EpisodeStore
 from nemo_gym_tok.servers.errors import ApiError, validation_message
+from nemo_gym_tok.servers.openapi import JsonSchema, SeedSessionRequest
 from resources_servers.grid_navigation.world import DIRECTIONS, Grid, Walker
 
 
@@ -37,9 +38,16 @@ class GridNavigationConfig(BaseServerConfig):
     """Most reward an episode that misses the goal can earn; it shrinks with the distance left to the goal."""
 
 
+class GridNavigationRow(SeedSessionRequest):
+    """The row field /seed_session reads (for the OpenAPI document; the handler validates it as a Grid itself)."""
+
+    grid: Grid
+
+
 class GridNavigation(ResourcesServer):
     config_class: ClassVar[type[BaseServerConfig]] = GridNavigationConfig
     config: GridNavigationConfig
+    row_model = GridNavigationRow
 
     def __init__(self, name: str, config: BaseServerConfig, servers: ServerClient | None = None) -> None:
         super().__init__(name, config, servers)
@@ -57,6 +65,9 @@ class GridNavigation(ResourcesServer):
 
     def tools(self) -> dict[str, ToolHandler]:
         return {name: self._tool(name) for name in TOOLS}
+
+    def tool_schemas(self) -> dict[str, JsonSchema]:
+        return {name: tool["parameters"] for name, tool in TOOLS.items()}
 
     def _tool(self, name: str) -> ToolHandler:
         async def handler(session_id: str, arguments: dict[str, Any]) -> str:

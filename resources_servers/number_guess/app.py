@@ -12,6 +12,7 @@ from nemo_gym_tok.servers.base import BaseServerConfig, ResourcesServer
 from nemo_gym_tok.servers.client import ServerClient
 from nemo_gym_tok.servers.episodes import EpisodeStore
 from nemo_gym_tok.servers.errors import ApiError
+from nemo_gym_tok.servers.openapi import SeedSessionRequest
 
 LOWEST, HIGHEST = 1, 100
 NO_NUMBER = f"I could not find a number in your answer; guess a number from {LOWEST} to {HIGHEST}."
@@ -23,6 +24,12 @@ FAR_AWAY = 10**18
 class NumberGuessConfig(BaseServerConfig):
     max_rounds: int = Field(4, ge=1)
     """Most guesses per episode: the model answers the row's opening message and up to max_rounds - 1 replies."""
+
+
+class NumberGuessRow(SeedSessionRequest):
+    """The row field /seed_session reads (for the OpenAPI document; the handler checks it itself)."""
+
+    secret: int = Field(ge=LOWEST, le=HIGHEST, description="the number to guess")
 
 
 @dataclass
@@ -37,6 +44,7 @@ class Game:
 class NumberGuess(ResourcesServer):
     config_class: ClassVar[type[BaseServerConfig]] = NumberGuessConfig
     config: NumberGuessConfig
+    row_model = NumberGuessRow
 
     def __init__(self, name: str, config: BaseServerConfig, servers: ServerClient | None = None) -> None:
         super().__init__(name, config, servers)

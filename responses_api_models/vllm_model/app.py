@@ -16,8 +16,9 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 from nemo_gym_tok.conversion import chat_message_to_items, responses_to_chat_request
 from nemo_gym_tok.servers.base import BaseServerConfig, ModelServer
 from nemo_gym_tok.servers.bodies import json_object
-from nemo_gym_tok.http_errors import error_message
+from nemo_gym_tok.http_errors import error_message, error_param
 from nemo_gym_tok.servers.errors import ApiError, validation_message
+from nemo_gym_tok.servers.openapi import json_body
 from nemo_gym_tok.splice import PREFIX_KEY
 from nemo_gym_tok.types import ChatCompletionRequest, Response, ResponsesRequest, ResponseUsage
 from nemo_gym_tok.vllm.hook import TERMINATOR_ENV
@@ -33,6 +34,14 @@ from responses_api_models.vllm_model.streaming import chat_sse, open_chat_stream
 from responses_api_models.vllm_model.upstream import VLLMUpstream, is_context_overflow
 
 Model = TypeVar("Model", bound=BaseModel)
+
+ADAPTER_FIELDS = frozenset({"model", "messages", "stream", "stream_options", "n", PREFIX_KEY, "start_token_segment"})
+"""Top-level fields the adapter reads itself (routing, token ids, streaming): allowed whatever `forwarded_fields`
+says. Bundle fields ride on messages, so they are never top-level fields."""
+RESPONSES_ADAPTER_FIELDS = frozenset({"input", "instructions"})
+"""`/v1/responses` fields that become the chat `messages`."""
+RESPONSES_ALIASES = {"max_output_tokens": "max_tokens"}
+"""`/v1/responses` fields that reach vLLM under a chat name: listing either name in `forwarded_fields` allows it."""
 
 
 class VLLMModelConfig(BaseServerConfig):
@@ -65,9 +74,13 @@ class VLLMModelConfig(BaseServerConfig):
     """Adapter-side splice: the server's --default-chat-template-kwargs."""
     sampling_overrides: dict[str, Any] = Field(default_factory=dict)
     """Fields set on every request sent to vLLM, over what the caller sent (e.g. temperature: 1.0)."""
+    forwarded_fields: list[str] | None = None
+    """Top-level request fields a caller may send, forwarded to vLLM; None forwards every field. A field outside the
+    list is a 400 naming it. The fields the adapter itself reads (ADAPTER_FIELDS) are always allowed."""
     request_timeout_seconds: float = 600.0
     max_attempts: int = 3
-    """Attempts per vLLM call when vLLM is unreachable or answers 5xx."""
+    """Attempts per vLLM call while vLLM is unreachable or answers 429, 502, 503 or 504 (upstream.RETRYABLE_STATUSES);
+    any other 5xx is the request's own error and is not retried."""
     retry_backoff_seconds: float = 0.5
     health_check_interval_seconds: float = Field(default=5.0, gt=0)
     """How often a URL marked unhealthy (unreachable, or 5xx on every attempt) is probed with GET /health."""
@@ -141,23 +154,27 @@ class VLLMModel(ModelServer):
         )
         self._hooked: dict[str, bool] = {}
 
-        @app.post("/v1/chat/completions")
+        @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest, session="optional"))
         async def chat_completions(request: Request) -> HTTPResponse:
             body = await json_object(request)
+            self._check_forwarded(body)
             chat = _parse(ChatCompletionRequest, body)
             key = self.router.key_for(request, body)
             if chat.stream:
                 return await self.router.call(key, lambda url: self.stream(chat, url))
             return JSONResponse(await self.router.call(key, lambda url: self.complete(chat, url)))
 
-        @app.post("/v1/responses")
+        @app.post("/v1/responses", openapi_extra=json_body(ResponsesRequest, session="optional"))
         async def responses(request: Request) -> HTTPResponse:
             raw = await json_object(request)
+            self._check_forwarded(raw, responses_api=True)
             responses_request = _parse(ResponsesRequest, raw)
             try:
                 chat_body = responses_to_chat_request(responses_request)
             except ValueError as exc:
-                raise ApiError(400, f"input: {exc}", param="input") from None
+                param = getattr(exc, "param", "input")  # ConversionError names the item and part
+                message = str(exc) if param != "input" else f"input: {exc}"
+                raise ApiError(400, message, param=param) from None
             chat = _parse(ChatCompletionRequest, chat_body)
             key = self.router.key_for(request, raw)
             if chat.stream:  # `stream` is not a Responses-only field: the chat body carries it
@@ -165,6 +182,22 @@ class VLLMModel(ModelServer):
             result = await self.router.call(key, lambda url: self.complete(chat, url))
             response = _chat_result_to_response(result, self.config.model)
             return JSONResponse(response.model_dump(exclude_none=True))
+
+    def _check_forwarded(self, body: dict[str, Any], *, responses_api: bool = False) -> None:
+        """400 naming the first top-level field outside `forwarded_fields` (when set): refused, never dropped
+        silently, so a caller learns that the operator does not let it set that field."""
+        allowed = self.config.forwarded_fields
+        if allowed is None:
+            return
+        always = ADAPTER_FIELDS | (RESPONSES_ADAPTER_FIELDS if responses_api else frozenset())
+        for name in body:
+            if name in always or name in allowed or (responses_api and RESPONSES_ALIASES.get(name) in allowed):
+                continue
+            listed = ", ".join(sorted(allowed)) or "none"
+            raise ApiError(
+                400, f"{name}: this adapter does not forward the field {name!r} to the model (forwarded_fields: "
+                f"{listed}; plus the fields the adapter reads itself)", param=name,
+            )
 
     async def complete(self, chat: ChatCompletionRequest, url: str) -> dict[str, Any]:
         """One chat completion against vLLM at `url`, with bundles resolved, prefix checked and errors mapped."""
@@ -175,7 +208,10 @@ class VLLMModel(ModelServer):
         if is_context_overflow(response):
             return _context_overflow_result(self.config.model, error_message(response))
         if response.status_code >= 400:
-            raise ApiError(response.status_code, error_message(response), error_type="upstream_invalid_request")
+            raise ApiError(
+                response.status_code, error_message(response), param=error_param(response),  # e.g. the hook's field
+                error_type="upstream_invalid_request",
+            )
         return await self.finish(call, response.json(), url)
 
     async def stream(self, chat: ChatCompletionRequest, url: str, *, as_responses: bool = False) -> StreamingResponse:

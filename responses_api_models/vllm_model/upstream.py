@@ -1,4 +1,4 @@
-"""HTTP calls to vLLM with bounded retries: unreachable or 5xx becomes a clear 503/502, 4xx passes through."""
+"""HTTP calls to vLLM: retries only where a retry can help, vLLM's own errors reach the caller at once, with reasons."""
 
 from __future__ import annotations
 
@@ -14,8 +14,14 @@ from nemo_gym_tok.servers.errors import ApiError
 _CONTEXT_OVERFLOW = re.compile(r"maximum context length|longer than the maximum model length", re.IGNORECASE)
 
 
+RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
+"""Answers that say "not now" rather than "not this request": overload, a proxy without a backend, a gateway timeout.
+Any other 5xx comes from vLLM handling this very request (e.g. a JSON schema its grammar compiler cannot take), and
+the same request would fail the same way again, so it is not retried."""
+
+
 class UpstreamStatusError(Exception):
-    """vLLM answered 5xx; retried, then reported as 502."""
+    """vLLM answered a retryable status (RETRYABLE_STATUSES); retried, then reported."""
 
     def __init__(self, response: httpx.Response) -> None:
         super().__init__(f"HTTP {response.status_code}")
@@ -23,8 +29,8 @@ class UpstreamStatusError(Exception):
 
 
 class UpstreamUnavailable(ApiError):
-    """The vLLM at `url` failed every attempt (unreachable: 503, 5xx: 502): the URL's fault, not the request's,
-    so the router marks it unhealthy and may send the same request to another URL."""
+    """The vLLM at `url` is at fault, not the request (unreachable: 503; 502/503/504 on every attempt, or a 5xx while
+    its /health fails: 502), so the router marks it unhealthy and may send the same request to another URL."""
 
     def __init__(self, status: int, message: str, url: str) -> None:
         super().__init__(status, message)
@@ -49,8 +55,8 @@ class VLLMUpstream:
         self._backoff_seconds = backoff_seconds
 
     async def post(self, base_url: str, path: str, body: dict[str, Any]) -> httpx.Response:
-        """The response for a 2xx or 4xx answer; 5xx and transport errors are retried, then raised as
-        UpstreamUnavailable (an ApiError: 502 for 5xx, 503 for unreachable)."""
+        """The response for a 2xx or 4xx answer (429 after its retries). Transport errors and 502/503/504 are retried,
+        then raised as UpstreamUnavailable; any other 5xx is raised at once (see `_status_error`)."""
         return await self._send("POST", base_url, path, body)
 
     async def get(self, base_url: str, path: str) -> httpx.Response:
@@ -78,15 +84,19 @@ class VLLMUpstream:
                         response = await self._http.send(self._http.build_request(method, url, json=body), stream=True)
                     else:
                         response = await self._http.request(method, url, json=body)
-                    if response.status_code >= 500:
+                    if response.status_code >= 500 or response.status_code in RETRYABLE_STATUSES:
                         if stream:  # read the error text for the message, and give the connection back
                             await response.aread()
                             await response.aclose()
+                        if response.status_code not in RETRYABLE_STATUSES:
+                            raise await self._status_error(base_url, url, response)
                         raise UpstreamStatusError(response)
                     return response
         except RetryError as exc:
             last = exc.last_attempt.exception()
             if isinstance(last, UpstreamStatusError):
+                if last.response.status_code < 500:
+                    return last.response  # 429 on every attempt: passed through like any 4xx
                 raise UpstreamUnavailable(
                     502,
                     f"vLLM at {url} answered HTTP {last.response.status_code} {self._max_attempts} times: "
@@ -98,6 +108,16 @@ class VLLMUpstream:
                 base_url,
             ) from None
         raise AssertionError("unreachable")
+
+    async def _status_error(self, base_url: str, url: str, response: httpx.Response) -> ApiError:
+        """A 5xx that is not retried: the request's own error (502 with vLLM's reason; the URL stays in routing)
+        while the server's /health answers 200, else the URL's failure (UpstreamUnavailable: marked unhealthy, and
+        the request may fail over). Asking /health keeps one request that vLLM cannot handle from taking every
+        replica out of routing, while a dying server is still noticed on its first 5xx."""
+        reason = f"vLLM at {url} answered HTTP {response.status_code}: {error_message(response)}"
+        if await self.healthy(base_url):
+            return ApiError(502, reason, error_type="upstream_error")
+        return UpstreamUnavailable(502, f"{reason} (and its GET /health does not answer 200)", base_url)
 
     async def healthy(self, base_url: str, timeout: float = 5.0) -> bool:
         """True when vLLM's `GET /health` answers 200 within `timeout`: the router's probe of an unhealthy URL."""

@@ -15,7 +15,10 @@ SERVED_MODEL_NAME = "tiny-gpt-oss"
 # Pinned explicitly (ngt vllm-serve would pin today's date): Harmony writes it into every system message.
 START_DATE = "2025-06-28"
 GPT_OSS_ARGS = (
-    "--max-model-len", "4096", "--max-num-batched-tokens", "4096", "--seed", "0",
+    # No chunked prefill, as on the test bed (nemo_gym_tok/vllm/server.py): the CPU engine dies when it splits the
+    # prefill of a seeded request. These seeded conversations run one at a time and fit the budget today; the flag
+    # keeps a later concurrent test from reaching the split.
+    "--max-model-len", "4096", "--max-num-batched-tokens", "4096", "--no-enable-chunked-prefill", "--seed", "0",
     # Forced tool calls on gpt_oss need the openai tool parser; without it tool_choice is silently ignored.
     "--enable-auto-tool-choice", "--tool-call-parser", "openai", "--reasoning-parser", "openai_gptoss",
 )

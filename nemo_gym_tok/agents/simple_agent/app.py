@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from fastapi.responses import Response as HTTPResponse
 
-from nemo_gym_tok.servers.base import Agent, BaseServerConfig
+from nemo_gym_tok.servers.base import RESERVED_PATHS, Agent, BaseServerConfig
 from nemo_gym_tok.servers.bodies import json_object
 from nemo_gym_tok.servers.client import SESSION_HEADER
-from nemo_gym_tok.http_errors import error_message
+from nemo_gym_tok.http_errors import error_message, error_param
 from nemo_gym_tok.servers.errors import ApiError
-from nemo_gym_tok.types.responses import Response, ResponseUsage
+from nemo_gym_tok.servers.openapi import AgentRunRequest, json_body
+from nemo_gym_tok.types.responses import Response, ResponsesRequest, ResponseUsage
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS, TELEMETRY_FIELDS
 
 ROW_PARAMS_KEY = "responses_create_params"
@@ -40,36 +43,48 @@ class SimpleAgent(Agent):
     config_class: ClassVar[type[BaseServerConfig]] = SimpleAgentConfig
     config: SimpleAgentConfig
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._declared_tools: dict[str, frozenset[str] | None] = {}
+        """Environment name -> the tool names its GET /tools lists (None: it serves no /tools)."""
+
     def setup_routes(self, app: FastAPI) -> None:
-        @app.post("/run")
+        @app.post("/run", openapi_extra=json_body(AgentRunRequest, session="optional"))
         async def run(request: Request) -> dict[str, Any]:
             return await self.run_episode(await json_object(request), _session(request))
 
-        @app.post("/v1/responses")
-        async def responses(request: Request) -> JSONResponse:
+        @app.post("/v1/responses", openapi_extra=json_body(ResponsesRequest, session="optional"))
+        async def responses(request: Request) -> HTTPResponse:
             # One model turn on the agent's model: body kept whole (a harness's fields survive the hop), and the
             # model server's answer, error status included, passed back as it came.
             body, session = await json_object(request), _session(request)
             answer = await self._post(self.config.model_server, "/v1/responses", body, session)
-            return JSONResponse(status_code=answer.status_code, content=answer.json())
+            content_type = answer.headers.get("content-type", "")
+            if answer.status_code < 400 and not content_type.startswith("application/json"):
+                # A streamed answer (stream: true): its server-sent events, passed on whole.
+                return HTTPResponse(answer.content, status_code=answer.status_code, media_type=content_type or None)
+            return JSONResponse(status_code=answer.status_code, content=_answer_json(self.config.model_server, answer))
 
     async def run_episode(self, row: dict[str, Any], session: str) -> dict[str, Any]:
         """One rollout record: the row's fields, `response` (every item of the episode), `reward`, verifier extras."""
         params = row.get(ROW_PARAMS_KEY)
         if not isinstance(params, dict) or "input" not in params:
-            raise ApiError(400, f"the row needs {ROW_PARAMS_KEY} with an `input` (the episode's first messages)")
+            raise ApiError(
+                400, f"the row needs {ROW_PARAMS_KEY} with an `input` (the episode's first messages)", param=ROW_PARAMS_KEY,
+            )
         env, model = self.config.resources_server, self.config.model_server
-        await self._call(env, "/seed_session", row, session)
         first_input = _as_items(params["input"])
         request_base = {k: v for k, v in params.items() if k != "input"} | self.config.request_overrides
-        offered = {tool.get("name") or tool.get("function", {}).get("name") for tool in request_base.get("tools") or []}
+        offered = _offered_tool_names(request_base.get("tools"))
+        await self._call(env, "/seed_session", row, session, row_param=_same_field)
         output: list[dict[str, Any]] = []
         responses: list[dict[str, Any]] = []
         for step in range(self.config.max_steps):
             body = {**request_base, "input": first_input + self._history(output)}
             if step == 0 and PREFIX_KEY in row:  # a harness's prefix for the episode's first call
                 body[PREFIX_KEY] = row[PREFIX_KEY]
-            response = await self._call(model, "/v1/responses", body, session)
+            # Only the first call is the row's as sent; a refusal later is about the episode the gym built.
+            response = await self._call(model, "/v1/responses", body, session, row_param=_row_field if step == 0 else None)
             responses.append(response)
             items = response.get("output") or []
             output.extend(items)
@@ -86,7 +101,7 @@ class SimpleAgent(Agent):
             if step_result.get("done", True):
                 break  # a user_message that comes with done is the environment's last word, recorded as is
         episode = _episode_response(responses, output)
-        verdict = await self._call(env, "/verify", {**row, "response": episode}, session)
+        verdict = await self._call(env, "/verify", {**row, "response": episode}, session, row_param=_row_field_of_verify)
         return {**row, "response": episode, **verdict}
 
     def _history(self, output: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -97,7 +112,9 @@ class SimpleAgent(Agent):
 
     async def _run_tool(self, env: str, call: dict[str, Any], session: str, offered: set[str]) -> dict[str, Any]:
         """The tool's answer as a function_call_output item; the model's own mistakes become text it can read."""
-        if call.get("name") not in offered:  # only tools the row offers reach the environment's endpoints
+        # Only tools the row offers AND the environment declares reach its endpoints: a row offering a tool named
+        # "seed_session" must not let the model restart the episode.
+        if call.get("name") not in offered or not await self._declares_tool(env, call["name"]):
             return _tool_output(call, f"error: there is no tool named {call.get('name')!r}")
         try:
             arguments = json.loads(call.get("arguments") or "{}")
@@ -112,8 +129,31 @@ class SimpleAgent(Agent):
         result = payload.get("output", payload) if isinstance(payload, dict) else payload
         return _tool_output(call, result if isinstance(result, str) else json.dumps(result))
 
-    async def _call(self, server: str, path: str, body: dict[str, Any], session: str) -> Any:
-        return _checked_json(server, await self._post(server, path, body, session))
+    async def _call(
+        self, server: str, path: str, body: dict[str, Any], session: str, row_param: RowParam | None = None,
+    ) -> Any:
+        """`server`'s JSON answer; with `row_param`, a 4xx refusal is the row's fault and becomes a 400 (413) naming
+        the row field `row_param` maps the server's `error.param` to, else any error is a 502."""
+        return _checked_json(server, await self._post(server, path, body, session), row_param)
+
+    async def _declares_tool(self, env: str, name: str) -> bool:
+        """Whether `env` lists `name` on GET /tools (read once per environment). An environment that does not serve
+        /tools (not built on ResourcesServer) gets every name but its reserved endpoints."""
+        if env not in self._declared_tools:
+            try:
+                answer = await self.servers.get(env, "/tools")
+            except httpx.TransportError as exc:
+                raise ApiError(502, f"{env} is unreachable ({type(exc).__name__}: {exc})") from None
+            declared: frozenset[str] | None = None
+            if answer.status_code not in (404, 405):
+                payload = _checked_json(env, answer)
+                names = payload.get("tools") if isinstance(payload, dict) else None
+                if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                    raise ApiError(502, f"{env} answered GET /tools without a list of tool names")
+                declared = frozenset(names)
+            self._declared_tools[env] = declared
+        declared = self._declared_tools[env]
+        return name not in RESERVED_PATHS if declared is None else name in declared
 
     async def _post(self, server: str, path: str, body: dict[str, Any], session: str) -> httpx.Response:
         try:
@@ -124,11 +164,79 @@ class SimpleAgent(Agent):
             raise ApiError(500, str(exc)) from None
 
 
-def _checked_json(server: str, answer: httpx.Response) -> Any:
+RowParam = Callable[[str | None], str | None]
+"""Maps the field a server's 4xx names (error.param) to the row field it came from; None: not the row's fault."""
+_ROW_REFUSALS = (400, 413, 422)
+
+
+def _checked_json(server: str, answer: httpx.Response, row_param: RowParam | None = None) -> Any:
     if answer.status_code >= 400:
+        if row_param is not None and answer.status_code in _ROW_REFUSALS:
+            param = row_param(error_param(answer))
+            if param is not None:
+                # The environment or the model refused what the row says: the caller's mistake, named by field.
+                status = 413 if answer.status_code == 413 else 400
+                named = f" ({param})" if param else ""
+                raise ApiError(status, f"{server} refused the row{named}: {error_message(answer)}", param=param or None)
         # Our own request to another server failed: the rollout cannot go on; say which server and why.
         raise ApiError(502, f"{server} answered HTTP {answer.status_code}: {error_message(answer)}")
-    return answer.json()
+    return _answer_json(server, answer)
+
+
+def _answer_json(server: str, answer: httpx.Response) -> Any:
+    try:
+        return answer.json()
+    except ValueError:
+        raise ApiError(502, f"{server} answered HTTP {answer.status_code} with a body that is not JSON") from None
+
+
+def _same_field(param: str | None) -> str | None:
+    """seed_session's body is the row itself: the environment's field is the row's ("": it named none)."""
+    return param or ""
+
+
+def _row_field(param: str | None) -> str:
+    """The row field behind a field of the first model call's body (the row's responses_create_params)."""
+    if param is None:
+        return ROW_PARAMS_KEY
+    if param.split(".")[0] == PREFIX_KEY:
+        return param  # a top-level row field, copied onto the first call
+    if param.startswith("messages"):
+        return f"{ROW_PARAMS_KEY}.input"  # vLLM names its chat messages; the row's are its input items
+    param = "max_output_tokens" if param == "max_tokens" else param
+    return f"{ROW_PARAMS_KEY}.{param}"
+
+
+def _row_field_of_verify(param: str | None) -> str | None:
+    """verify's body is the row plus the episode the agent built: a refused `response` is the agent's fault."""
+    if param is not None and param.split(".")[0] == "response":
+        return None
+    return _same_field(param)
+
+
+def _offered_tool_names(tools: Any) -> set[str]:
+    """Names of the function tools the row offers, or a 400 naming the malformed tool field."""
+    where = f"{ROW_PARAMS_KEY}.tools"
+    if tools is None:
+        return set()
+    if not isinstance(tools, list):
+        raise ApiError(400, f"{where} must be a list of tool objects, got {type(tools).__name__}", param=where)
+    names: set[str] = set()
+    for index, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise ApiError(400, f"{where}.{index} must be a tool object, got {type(tool).__name__}", param=f"{where}.{index}")
+        if "function" in tool and "name" not in tool:  # chat-style {"type": "function", "function": {"name": ...}}
+            function = tool["function"]
+            if not isinstance(function, dict):
+                raise ApiError(400, f"{where}.{index}.function must be an object", param=f"{where}.{index}.function")
+            name, field = function.get("name"), f"{where}.{index}.function.name"
+        else:
+            name, field = tool.get("name"), f"{where}.{index}.name"
+        if (tool.get("type", "function") == "function" or name is not None) and not isinstance(name, str):
+            raise ApiError(400, f"{field}: a function tool needs a name, as a string", param=field)
+        if isinstance(name, str):
+            names.add(name)
+    return names
 
 
 def _session(request: Request) -> str:
@@ -140,7 +248,7 @@ def _as_items(value: Any) -> list[dict[str, Any]]:
         return [{"role": "user", "content": value}]
     if isinstance(value, list) and all(isinstance(item, dict) for item in value):
         return list(value)
-    raise ApiError(400, f"{ROW_PARAMS_KEY}.input must be a string or a list of items")
+    raise ApiError(400, f"{ROW_PARAMS_KEY}.input must be a string or a list of items", param=f"{ROW_PARAMS_KEY}.input")
 
 
 def _tool_output(call: dict[str, Any], text: str) -> dict[str, Any]:

@@ -15,6 +15,8 @@ class FakeUpstream:
     status: int = 200
     healthy: bool = True
     """What GET /health answers: 200 when true, 503 otherwise (the router's probe)."""
+    fail_times: int | None = None
+    """Answer `status` to this many chat calls only, then 200 (None: always)."""
     requests: list[dict[str, Any]] = field(default_factory=list)
     health_checks: int = 0
 
@@ -25,7 +27,8 @@ class FakeUpstream:
         async def chat(request: Request) -> JSONResponse:
             body = await request.json()
             self.requests.append(body)
-            if self.status != 200:
+            failing = self.fail_times is None or len(self.requests) <= self.fail_times
+            if self.status != 200 and failing:
                 return JSONResponse({"error": {"message": f"{self.name} is broken"}}, status_code=self.status)
             message = {"role": "assistant", "content": f"from {self.name}"}
             return JSONResponse({
