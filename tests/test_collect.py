@@ -341,8 +341,9 @@ def test_a_second_collector_on_the_same_output_is_refused(tmp_path: Path, agent_
 def test_sigint_drops_the_rollouts_in_flight_and_a_resume_runs_each_rollout_once(
     tmp_path: Path, head_url: str, behaviour: AgentBehaviour
 ) -> None:
-    total = 8 * 2
-    write_rows(tmp_path / "rows.jsonl", [{"id": i} for i in range(8)])
+    rows = 24  # about 5 s of work at this delay and concurrency: the interrupt lands mid-run even on a loaded machine
+    total = rows * 2
+    write_rows(tmp_path / "rows.jsonl", [{"id": i} for i in range(rows)])
     output = tmp_path / "out.jsonl"
     behaviour.delay = 0.3
     command = [*NGT, "collect", "--input", str(tmp_path / "rows.jsonl"), "--output", str(output),
@@ -371,7 +372,7 @@ def test_sigint_drops_the_rollouts_in_flight_and_a_resume_runs_each_rollout_once
 
     assert finished.returncode == 0, finished.stderr
     assert f"{total - len(interrupted)} done now, {len(interrupted)} already done, 0 failed" in finished.stdout
-    assert rollout_ids(read_records(output)) == Counter({(r, p): 1 for r in range(8) for p in range(2)})
+    assert rollout_ids(read_records(output)) == Counter({(r, p): 1 for r in range(rows) for p in range(2)})
     assert not failures_path_for(output).exists()
 
 

@@ -8,6 +8,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from responses_api_models.vllm_model.tests.fake_upstream import chat_completion
+
 
 @dataclass
 class ScriptedChat:
@@ -32,11 +34,7 @@ class ScriptedChat:
                 message, finish = {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
             else:
                 message, finish = {"role": "assistant", "content": self.answer}, "stop"
-            return JSONResponse({
-                "id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
-                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-            })
+            return JSONResponse(chat_completion(body["model"], message, finish))
 
         @app.get("/health")
         async def health() -> dict[str, str]:

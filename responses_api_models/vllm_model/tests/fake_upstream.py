@@ -9,6 +9,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 
+def chat_completion(model: str, message: dict[str, Any], finish_reason: str = "stop") -> dict[str, Any]:
+    """A minimal vLLM chat completion answer with one choice."""
+    return {
+        "id": "x", "object": "chat.completion", "created": 0, "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }
+
+
 @dataclass
 class FakeUpstream:
     name: str
@@ -30,12 +39,7 @@ class FakeUpstream:
             failing = self.fail_times is None or len(self.requests) <= self.fail_times
             if self.status != 200 and failing:
                 return JSONResponse({"error": {"message": f"{self.name} is broken"}}, status_code=self.status)
-            message = {"role": "assistant", "content": f"from {self.name}"}
-            return JSONResponse({
-                "id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
-                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-            })
+            return JSONResponse(chat_completion(body["model"], {"role": "assistant", "content": f"from {self.name}"}))
 
         @app.get("/health")
         async def health() -> JSONResponse:
