@@ -349,7 +349,12 @@ def test_sigint_drops_the_rollouts_in_flight_and_a_resume_runs_each_rollout_once
     command = [*NGT, "collect", "--input", str(tmp_path / "rows.jsonl"), "--output", str(output),
                "--agent", "my_agent", "--head-url", head_url, "--repeats", "2", "--concurrency", "3"]
 
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # As from a terminal: a shell that starts a job in the background (CI's does) has it ignore SIGINT, and Python
+    # keeps an inherited SIG_IGN instead of raising KeyboardInterrupt.
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         deadline = time.monotonic() + 30
         # Interrupt once some rollouts are written and others are in flight at the agent.
