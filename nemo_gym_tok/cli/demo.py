@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from nemo_gym_tok.collect import collect
+from nemo_gym_tok.collect import collect, failures_path_for
 from nemo_gym_tok.config import load_config
 from nemo_gym_tok.contiguity import ContiguityReport, check_file
 from nemo_gym_tok.servers.auth import AUTH_TOKEN_ENV, env_auth_token
@@ -39,7 +39,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--limit", type=int, default=3, help="rows per environment (default 3)")
     parser.add_argument("--repeats", type=int, default=1, help="rollouts per row (default 1)")
     parser.add_argument("--concurrency", type=int, default=4, help="rollouts in flight per environment (default 4)")
-    parser.add_argument("--output-dir", type=Path, default=Path(".ngt/demo"), help="where rollouts go (default .ngt/demo)")
+    parser.add_argument(
+        "--output-dir", type=Path, default=Path(".ngt/demo"),
+        help="where rollouts go (default .ngt/demo); each run replaces the demo's files there",
+    )
     parser.add_argument(
         "--vllm-url", metavar="URL",
         help=f"use a running hooked vLLM serving the tiny model as {SERVED_MODEL_NAME!r} instead of starting one",
@@ -84,6 +87,10 @@ def run(args: argparse.Namespace) -> int:
                 environment = config.instances[agent].fields["resources_server"]
                 rows = REPO_ROOT / "resources_servers" / environment / "data" / "example.jsonl"
                 output = output_dir / f"{environment}.jsonl"
+                # Each demo is a fresh run: resuming an earlier demo's files would collect nothing (or meet files an
+                # older version of ngt wrote).
+                output.unlink(missing_ok=True)
+                failures_path_for(output).unlink(missing_ok=True)
                 summary = asyncio.run(collect(
                     rows, output, gym.urls[agent], agent=agent, concurrency=args.concurrency, limit=args.limit,
                     repeats=args.repeats, timeout=600.0, auth_token=gym.auth_token,
