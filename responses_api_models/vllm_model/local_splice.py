@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nemo_gym_tok.http_errors import error_message
 from nemo_gym_tok.servers.errors import ApiError
 from nemo_gym_tok.splice import (
     BUNDLE_KEYS,
@@ -130,6 +131,9 @@ class AdapterSplicer:
     harmony: bool = False
     terminator_override: str | None = None
     _templates: dict[str, LocalTemplate] = field(default_factory=dict)
+    _served_root: str | None = None
+    """The model path the server reported, asked once (not on every spliced turn); replicas serve the same model,
+    and each request's /tokenize ids prove the loaded copy renders as that replica does."""
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def prepare(
@@ -140,7 +144,7 @@ class AdapterSplicer:
         `tokenize_body` is the /tokenize request that renders the same prompt. Raises ApiError: 400 for a prefix
         that cannot be proven exact (as the hook answers), 502 when the local template is not the server's.
         """
-        messages = [dict(message) for message in body.get("messages") or []]
+        messages = body.get("messages") or []
         template = await self._template(get)
         try:
             source = find_prefix_source(messages, body.get(PREFIX_KEY), template.vocab_size)
@@ -162,14 +166,15 @@ class AdapterSplicer:
             )
         template_ids = await _server_template_ids(post, strip_token_fields(tokenize_body))
         prompt_ids, telemetry = await asyncio.to_thread(
-            _splice, template, source, strip_token_fields({"messages": messages})["messages"], body, tokenize_body,
-            template_ids,
+            _splice, template, source, sent["messages"], body, tokenize_body, template_ids,
         )
         sent["kv_transfer_params"] = {**(kv_params if isinstance(kv_params, dict) else {}), "prompt_token_ids": prompt_ids}
         return SplicedCall(sent, telemetry)
 
     async def _template(self, get: Callable[[str], Awaitable[Any]]) -> LocalTemplate:
-        source = self.tokenizer or await _served_model_root(get)
+        source = self.tokenizer or self._served_root
+        if source is None:
+            source = self._served_root = await _served_model_root(get)
         template = self._templates.get(source)
         if template is not None:
             return template
@@ -247,12 +252,9 @@ def _not_the_servers_template(detail: str) -> ApiError:
 async def _server_template_ids(post: Post, tokenize_body: dict[str, Any]) -> list[int]:
     response = await post("/tokenize", tokenize_body)
     if response.status_code >= 400:
-        from nemo_gym_tok.http_errors import error_message
-
-        if response.status_code < 500:
-            # The server refused the prompt itself (a bad message, an unknown tool choice): the caller's to fix.
-            raise ApiError(response.status_code, error_message(response), error_type="upstream_invalid_request")
-        raise ApiError(502, f"vLLM /tokenize failed with HTTP {response.status_code}: {error_message(response)}")
+        # `post` raises for every 5xx itself; a 4xx is the server refusing the prompt (a bad message, an unknown tool
+        # choice): the caller's to fix.
+        raise ApiError(response.status_code, error_message(response), error_type="upstream_invalid_request")
     return [int(token) for token in response.json()["tokens"]]
 
 
