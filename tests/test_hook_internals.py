@@ -131,18 +131,45 @@ class _Parser:
         return request
 
 
+TEMPLATE_TEXT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 TEMPLATE_IDS = [1, 2, 5, 6]
 SPLICED_IDS = [1, 2, 3, 6]
 
 
+class _Renderer:
+    """The shape of vLLM's BaseRenderer: render_chat_async renders the template's text, then hands it to
+    tokenize_prompts_async, which tokenizes every prompt that does not hold its ids yet."""
+
+    def __init__(self) -> None:
+        self.tokenized: list[str] = []
+
+    async def tokenize_prompts_async(self, prompts: list[dict[str, object]], params: object) -> list[dict[str, object]]:
+        answers = []
+        for prompt in prompts:
+            if "prompt_token_ids" not in prompt:
+                self.tokenized.append(str(prompt["prompt"]))
+                prompt = {**prompt, "prompt_token_ids": list(TEMPLATE_IDS)}
+            answers.append(prompt)
+        return answers
+
+    async def render_chat_async(self, conversations: object, params: object) -> tuple[list[object], list[object]]:
+        await asyncio.sleep(0)  # other requests' preprocessing interleaves here, as in the server
+        return [[]], await self.tokenize_prompts_async([{"prompt": TEMPLATE_TEXT}], params)
+
+
+class _Online:
+    def __init__(self) -> None:
+        self.renderer = _Renderer()
+
+
 async def _preprocess_chat_033(
-    self: object, request: object, messages: list[object], default_template: object,
+    self: _Online, request: object, messages: list[object], default_template: object,
     default_template_content_format: object, default_template_kwargs: object, tool_dicts: object = None,
     parser: type[_Parser] | None = None, *, skip_mm_cache: bool = False,
 ) -> tuple[list[object], list[dict[str, object]]]:
     """The shape of vLLM 0.33's OnlineRenderer.preprocess_chat: render, then build the parser, hand it the prompt ids
     and let it adjust the request."""
-    engine_input: dict[str, object] = {"prompt_token_ids": list(TEMPLATE_IDS)}
+    _, (engine_input,) = await self.renderer.render_chat_async([messages], None)
     if parser is not None and parser.reasoning_parser_cls is not None:
         request_parser = parser(None, None, model_config=None, chat_template_kwargs={})
         request_parser.set_prompt_token_ids(engine_input["prompt_token_ids"])
@@ -151,14 +178,22 @@ async def _preprocess_chat_033(
 
 
 async def _preprocess_chat_032(
-    self: object, request: object, messages: list[object], default_template: object,
+    self: _Online, request: object, messages: list[object], default_template: object,
     default_template_content_format: object, default_template_kwargs: object, tool_dicts: object = None,
     parser: type[_Parser] | None = None, *, skip_mm_cache: bool = False,
 ) -> tuple[list[object], list[dict[str, object]]]:
     """The shape of vLLM 0.30 to 0.32: the parser only adjusts the request."""
+    _, engine_inputs = await self.renderer.render_chat_async([messages], None)
     if parser is not None:
         request = parser(None, None, model_config=None, chat_template_kwargs={}).adjust_request(request=request)
-    return [], [{"prompt_token_ids": list(TEMPLATE_IDS)}]
+    return [], engine_inputs
+
+
+async def _preprocess_chat_token_reuse(
+    self: _Online, request: object, messages: list[object], *args: object, **kwargs: object
+) -> tuple[list[object], list[dict[str, object]]]:
+    """vLLM's kv_transfer_params token-reuse path: nothing is rendered or tokenized."""
+    return [], [{"prompt_token_ids": [7, 8, 9]}]
 
 
 class _Request:
@@ -166,33 +201,49 @@ class _Request:
 
 
 @pytest.fixture
-def stand_in_splice(monkeypatch: pytest.MonkeyPatch) -> list[object]:
-    """The hook's prefix reading and splice replaced: every request carries a bundle, the splice gives SPLICED_IDS.
-    Returns the list a test fills with an exception for the splice to raise instead."""
+def stand_in_splice(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[object]]:
+    """The hook's prefix reading and splice replaced: requests whose `messages` is ["bundled"] carry a bundle, and
+    the splice gives SPLICED_IDS. Returns {"texts": the template texts the splice got, "failure": an exception a test
+    puts there for the splice to raise instead}."""
     from nemo_gym_tok.splice import PrefixSource, SpliceResult
 
-    failure: list[object] = []
+    seen: dict[str, list[object]] = {"texts": [], "failure": []}
     source = PrefixSource(prefix=SPLICED_IDS[:3], message_index=1, explicit=False, prompt_length=2)
     result = SpliceResult(
         prompt_token_ids=list(SPLICED_IDS), kept_prefix_length=3, template_differed=True, replaced_tokens=1,
         end_token_replaced=False, repaired_turns=None,
     )
 
-    def splice(*args: object) -> SpliceResult:
-        if failure:
-            raise failure[0]
+    def splice(online: object, request: object, messages: object, arguments: object, source: object, text: str):
+        if seen["failure"]:
+            raise seen["failure"][0]
+        seen["texts"].append(text)
         return result
 
-    monkeypatch.setattr(hook, "_read_prefix", lambda online, request, messages: (source, False))
+    monkeypatch.setattr(
+        hook, "_read_prefix", lambda online, request, messages: (source if messages == ["bundled"] else None, False)
+    )
     monkeypatch.setattr(hook, "_splice", splice)
+    monkeypatch.setattr(_Renderer, "tokenize_prompts_async", hook._tokenize_with_splice(_Renderer.tokenize_prompts_async))
     _Parser.built.clear()
-    return failure
+    return seen
 
 
-def _preprocess(original: object, request: object, parser: object) -> list[dict[str, object]]:
+def _preprocess(
+    original: object, request: object, parser: object, online: _Online | None = None, messages: object = ("bundled",)
+) -> list[dict[str, object]]:
     wrapped = hook._preprocess_chat_with_splice(original)
-    _, engine_inputs = asyncio.run(wrapped(object(), request, [], None, None, None, None, parser))
+    _, engine_inputs = asyncio.run(wrapped(online or _Online(), request, list(messages), None, None, None, None, parser))
     return engine_inputs
+
+
+def test_spliced_ids_replace_tokenizing_the_template_text(stand_in_splice) -> None:
+    online = _Online()
+    engine_inputs = _preprocess(_preprocess_chat_032, _Request(), None, online)
+    assert engine_inputs[0]["prompt_token_ids"] == SPLICED_IDS
+    assert "prompt" not in engine_inputs[0]  # the template's text does not describe the spliced ids
+    assert stand_in_splice["texts"] == [TEMPLATE_TEXT]  # the splice read the text vLLM rendered ...
+    assert online.renderer.tokenized == []  # ... which was never tokenized
 
 
 def test_vllm_033_parser_gets_the_spliced_prompt_ids(stand_in_splice) -> None:
@@ -204,34 +255,60 @@ def test_vllm_033_parser_gets_the_spliced_prompt_ids(stand_in_splice) -> None:
     assert parser.calls == [("set_prompt_token_ids", SPLICED_IDS), ("adjust_request", request)]
 
 
-def test_parser_without_a_prompt_call_is_adjusted_once(stand_in_splice) -> None:
-    request = _Request()
-    _preprocess(_preprocess_chat_032, request, _Parser)
-    (parser,) = _Parser.built
-    assert parser.calls == [("adjust_request", request)]
-
-
-def test_no_parser_no_stand_in(stand_in_splice) -> None:
-    assert _preprocess(_preprocess_chat_033, _Request(), None)[0]["prompt_token_ids"] == SPLICED_IDS
-    assert _Parser.built == []
-
-
-def test_refused_splice_leaves_the_parser_untouched(stand_in_splice) -> None:
+def test_refused_splice_never_reaches_the_parser(stand_in_splice) -> None:
     from vllm.exceptions import VLLMValidationError
 
     from nemo_gym_tok.splice import SpliceError
 
-    stand_in_splice.append(SpliceError("the token bundle of messages[1] does not belong to these messages"))
+    stand_in_splice["failure"].append(SpliceError("the token bundle of messages[1] does not belong to these messages"))
     with pytest.raises(VLLMValidationError, match="does not belong"):
         _preprocess(_preprocess_chat_033, _Request(), _Parser)
-    (parser,) = _Parser.built
-    assert parser.calls == []
+    assert _Parser.built == []
 
 
-def test_request_without_prefix_reaches_vllm_untouched(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hook, "_read_prefix", lambda online, request, messages: (None, False))
-    _Parser.built.clear()
-    request = _Request()
-    assert _preprocess(_preprocess_chat_033, request, _Parser)[0]["prompt_token_ids"] == TEMPLATE_IDS
+def test_request_without_prefix_reaches_vllm_untouched(stand_in_splice) -> None:
+    online, request = _Online(), _Request()
+    assert _preprocess(_preprocess_chat_033, request, _Parser, online, messages=[])[0]["prompt_token_ids"] == TEMPLATE_IDS
+    assert online.renderer.tokenized == [TEMPLATE_TEXT]
     (parser,) = _Parser.built
     assert parser.calls == [("set_prompt_token_ids", TEMPLATE_IDS), ("adjust_request", request)]
+    assert stand_in_splice["texts"] == []
+
+
+def test_concurrent_requests_each_get_their_own_prompt(stand_in_splice) -> None:
+    """The pending splice follows its request: a request without a prefix preprocessed at the same time is
+    tokenized as vLLM would, and never gets the other request's ids."""
+    wrapped = hook._preprocess_chat_with_splice(_preprocess_chat_032)
+    online = _Online()
+
+    async def both() -> list[object]:
+        return await asyncio.gather(
+            wrapped(online, _Request(), ["bundled"], None, None, None, None, None),
+            wrapped(online, _Request(), [], None, None, None, None, None),
+            wrapped(online, _Request(), ["bundled"], None, None, None, None, None),
+        )
+
+    answers = asyncio.run(both())
+    assert [engine_inputs[0]["prompt_token_ids"] for _, engine_inputs in answers] == [SPLICED_IDS, TEMPLATE_IDS, SPLICED_IDS]
+    assert online.renderer.tokenized == [TEMPLATE_TEXT]
+
+
+def test_a_prefix_on_vllms_token_reuse_path_is_refused(stand_in_splice) -> None:
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match="kv_transfer_params.prompt_token_ids"):
+        _preprocess(_preprocess_chat_token_reuse, _Request(), None)
+
+
+def test_preprocessing_time_is_observed_by_path(stand_in_splice) -> None:
+    from prometheus_client import REGISTRY
+
+    def count(path: str) -> float:
+        return REGISTRY.get_sample_value("nemo_gym_tok_preprocess_seconds_count", {"path": path}) or 0.0
+
+    before = {path: count(path) for path in ("spliced", "template", "refused")}
+    _preprocess(_preprocess_chat_032, _Request(), None)
+    _preprocess(_preprocess_chat_032, _Request(), None, messages=[])
+    assert count("spliced") == before["spliced"] + 1
+    assert count("template") == before["template"] + 1
+    assert count("refused") == before["refused"]

@@ -65,7 +65,7 @@ def two_turns(renderer):
 def run(renderer, profile, messages, prefix=None, **options):
     source = find_prefix_source(messages, prefix)
     text = renderer.render(messages, add_generation_prompt=True)
-    return source, splice_prefix(renderer, profile, messages, source, template_prompt=(text, renderer.encode(text)), **options)
+    return source, splice_prefix(renderer, profile, messages, source, template_text=text, **options)
 
 
 def test_profile_of_the_tiny_template(profile) -> None:

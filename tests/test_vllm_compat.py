@@ -1,4 +1,5 @@
-"""The static vLLM wheel check (`ngt vllm-compat`) on small hand-written sources: no download, no vLLM import."""
+"""The static vLLM wheel check (`ngt vllm-compat`) on small hand-written sources (no download, no vLLM import), and on
+the stock wheels when they are in the cache."""
 
 from __future__ import annotations
 
@@ -12,41 +13,85 @@ import pytest
 from nemo_gym_tok.vllm import compat, hook
 
 RENDERER = "vllm.renderers.online_renderer"
+BASE = "vllm.renderers.base"
 
 PREPROCESS_033 = """
     async def preprocess_chat(self, request, messages, default_template, default_template_content_format,
                               default_template_kwargs, tool_dicts=None, parser=None, *, skip_mm_cache=False):
-        reuse_ids = _reused_prompt_token_ids(request, self.renderer, messages)
-        engine_input = await self.render(messages)
+        renderer = self.renderer
+        reuse_ids = _reused_prompt_token_ids(request, renderer, messages)
+        if reuse_ids:
+            conversation, engine_input = [], {"prompt_token_ids": reuse_ids}
+        else:
+            (conversation,), (engine_input,) = await renderer.render_chat_async([messages], chat_params, tok_params)
         if parser is not None:
             request_parser = parser(self.tokenizer, request.tools)
             request_parser.set_prompt_token_ids(engine_input["prompt_token_ids"])
             request = request_parser.adjust_request(request=request)
-        return [], [engine_input]
+        return conversation, [engine_input]
 """
 PREPROCESS_032 = """
     async def preprocess_chat(self, request, messages, default_template, default_template_content_format,
                               default_template_kwargs, tool_dicts=None, parser=None, *, skip_mm_cache=False):
         reuse_ids = _reused_prompt_token_ids(request)
-        engine_input = await self.render(messages)
+        (conversation,), (engine_input,) = await self.renderer.render_chat_async([messages], chat_params, tok_params)
         if parser is not None:
             request = parser(self.tokenizer, request.tools).adjust_request(request=request)
-        return [], [engine_input]
+        return conversation, [engine_input]
 """
 TOKEN_IN = '''
 def _reused_prompt_token_ids(request, renderer=None, messages=None):
     kv = getattr(request, "kv_transfer_params", None)
     return kv.pop("prompt_token_ids", None) if isinstance(kv, dict) else None
 '''
+# vLLM's chat tokenization as of 0.30 to 0.33 (vllm/renderers/base.py), shortened; the @overload stub comes first.
+TOKENIZATION = """
+    async def render_chat_async(self, conversations, chat_params, tok_params=None, *, prompt_extras=None):
+        rendered = [self.render_messages_async(conversation, chat_params) for conversation in conversations]
+        dict_prompts = [prompt for _, prompt in await asyncio.gather(*rendered)]
+        tok_prompts = await self.tokenize_prompts_async(dict_prompts, tok_params)
+        return conversations, tok_prompts
+
+    async def tokenize_prompts_async(self, prompts, params):
+        return await asyncio.gather(*(self.tokenize_prompt_async(prompt, params) for prompt in prompts))
+
+    async def tokenize_prompt_async(self, prompt, params):
+        if "encoder_prompt" in prompt:
+            return await self._tokenize_enc_dec_prompt_async(prompt, params)
+        return await self._tokenize_singleton_prompt_async(prompt, params)
+
+    @overload
+    async def _tokenize_singleton_prompt_async(self, prompt, params): ...
+
+    async def _tokenize_singleton_prompt_async(self, prompt, params):
+        if "prompt_token_ids" not in prompt and "prompt_embeds" not in prompt:
+            prompt = params.apply_pre_tokenization(self.tokenizer, prompt)
+            prompt = await self._tokenize_prompt_async(prompt, params)
+        if params.needs_detokenization and "prompt" not in prompt:
+            if "prompt_token_ids" not in prompt:
+                raise RuntimeError("Cannot run detokenization on embeddings")
+            prompt = await self._detokenize_prompt_async(prompt)
+        return params.apply_post_tokenization(self.tokenizer, prompt)
+"""
+SKIP_TEST = '"prompt_token_ids" not in prompt and "prompt_embeds" not in prompt'
+SINGLETON_BODY = """
+        if "prompt_token_ids" not in prompt and "prompt_embeds" not in prompt:
+            prompt = params.apply_pre_tokenization(self.tokenizer, prompt)
+            prompt = await self._tokenize_prompt_async(prompt, params)
+"""
 
 
 def _module_path(module: str) -> str:
     return module.replace(".", "/") + ".py"
 
 
-def release(preprocess: str = PREPROCESS_033, token_in: str = TOKEN_IN, drop: tuple[str, ...] = ()) -> dict[str, str]:
+def release(
+    preprocess: str = PREPROCESS_033, token_in: str = TOKEN_IN, tokenization: str = TOKENIZATION,
+    drop: tuple[str, ...] = (),
+) -> dict[str, str]:
     """The files of a made-up vLLM release holding everything the hook wraps and uses (built from the hook's own
-    constants, so the fixture follows them), minus the `drop`ped names."""
+    constants, so the fixture follows them), minus the `drop`ped names; the wrapped tokenize_prompts_async comes
+    with the rest of vLLM's chat tokenization (`tokenization`)."""
     methods: dict[tuple[str, str], list[str]] = defaultdict(list)
     for module, class_name, method in hook.PATCHED_METHODS:
         if method in drop:
@@ -57,6 +102,8 @@ def release(preprocess: str = PREPROCESS_033, token_in: str = TOKEN_IN, drop: tu
             methods[(module, class_name)].append(
                 "    def _make_request_with_harmony(self, request, should_include_tools=True):\n        return [], []\n"
             )
+        elif method == "tokenize_prompts_async":
+            methods[(module, class_name)].append(textwrap.indent(textwrap.dedent(tokenization), "    "))
         else:
             methods[(module, class_name)].append(f"    def {method}(self, *args, **kwargs):\n        pass\n")
     files: dict[str, list[str]] = defaultdict(list)
@@ -76,16 +123,16 @@ def check(files: dict[str, str], version: str = "0.33.0") -> compat.ReleaseRepor
 def test_a_release_with_everything_fits() -> None:
     report = check(release())
     assert report.problems == []
-    assert report.patched_found == len(hook.PATCHED_METHODS)
+    assert report.patched_found == len(hook.PATCHED_METHODS) == 6
     assert report.symbols_found == len(hook.USED_SYMBOLS)
     assert report.token_in
-    assert report.parser == compat.ParserUse(True, True, ("adjust_request", "set_prompt_token_ids"), False)
+    assert report.splice_point == compat.SplicePoint(True, True, True, True, True)
+    assert report.splice_point.gaps() == []
 
 
-def test_the_032_parser_use_sets_no_prompt_ids() -> None:
+def test_the_032_preprocess_chat_fits_too() -> None:
     report = check(release(preprocess=PREPROCESS_032), "0.32.0")
-    assert report.ok
-    assert report.parser == compat.ParserUse(True, False, ("adjust_request",), False)
+    assert report.ok and report.splice_point is not None and report.splice_point.gaps() == []
 
 
 def test_a_missing_method_and_symbol_are_named() -> None:
@@ -99,6 +146,10 @@ def test_a_missing_parameter_is_named() -> None:
     report = check(release(preprocess=PREPROCESS_033.replace("tool_dicts=None, ", "")))
     assert report.problems == ["preprocess_chat has no parameter tool_dicts="]
     assert not report.signatures_ok
+    renamed = TOKENIZATION.replace("def tokenize_prompts_async(self, prompts, params)",
+                                   "def tokenize_prompts_async(self, prompts, tok_params)")
+    report = check(release(tokenization=renamed))
+    assert report.problems == ["tokenize_prompts_async has no parameter params="]
 
 
 def test_methods_are_found_on_base_classes_across_relative_imports() -> None:
@@ -106,8 +157,24 @@ def test_methods_are_found_on_base_classes_across_relative_imports() -> None:
     files[_module_path(RENDERER)] = files[_module_path(RENDERER)].replace(
         "class OnlineRenderer:", "from .base import RendererBase\n\n\nclass OnlineRenderer(RendererBase):"
     )
-    files["vllm/renderers/base.py"] = "class RendererBase:\n    def warmup(self):\n        pass\n"
+    files["vllm/renderers/base.py"] += "\n\nclass RendererBase:\n    def warmup(self):\n        pass\n"
     assert check(files).problems == []
+
+
+def test_the_tokenization_chain_is_followed_into_base_classes() -> None:
+    """_tokenize_singleton_prompt_async on a base class of BaseRenderer, in another module, counts."""
+    own, singleton = TOKENIZATION.split("    @overload\n")
+    files = release(tokenization=own)
+    files[_module_path(BASE)] = "from vllm.renderers.tokenizing import Tokenizing\n\n\n" + files[
+        _module_path(BASE)
+    ].replace("class BaseRenderer:", "class BaseRenderer(Tokenizing, Generic[_T]):")
+    files["vllm/renderers/tokenizing.py"] = "class Tokenizing:\n" + singleton
+    assert check(files).problems == []
+    files["vllm/renderers/tokenizing.py"] = "class Tokenizing:\n    pass\n"
+    assert check(files).problems == [
+        f"{BASE}.BaseRenderer has no def of _tokenize_singleton_prompt_async: the spliced ids would be replaced by "
+        "the template's"
+    ]
 
 
 def test_re_exports_count_but_type_checking_imports_do_not() -> None:
@@ -125,46 +192,150 @@ def test_a_lost_token_in_path_is_reported() -> None:
     report = check(release(token_in=TOKEN_IN.replace('"prompt_token_ids"', '"prompt_ids"')))
     assert not report.token_in
     assert "re-check how the hook meets vLLM's token-in path" in report.problems[0]
-    no_call = PREPROCESS_033.replace("reuse_ids = _reused_prompt_token_ids(request, self.renderer, messages)", "")
+    no_call = PREPROCESS_033.replace("reuse_ids = _reused_prompt_token_ids(request, renderer, messages)", "")
     assert not check(release(preprocess=no_call)).token_in
 
 
+def _splice_problems(**changes: str) -> tuple[list[str], list[str]]:
+    """The problems of a release changed as given, and the splice point column's labels."""
+    report = check(release(**changes))
+    assert report.splice_point is not None
+    return report.problems, [label for label, _ in report.splice_point.gaps()]
+
+
+def test_preprocess_chat_must_render_through_render_chat_async() -> None:
+    preprocess = PREPROCESS_033.replace("await renderer.render_chat_async(", "await renderer.render_chat(")
+    problems, labels = _splice_problems(preprocess=preprocess)
+    assert labels == ["no render_chat_async call"]
+    assert problems == [
+        f"preprocess_chat does not call render_chat_async: the hook's splice at {BASE}.BaseRenderer."
+        "tokenize_prompts_async would never see its request"
+    ]
+
+
+def test_render_chat_async_must_call_the_wrapped_tokenize_prompts_async() -> None:
+    tokenization = TOKENIZATION.replace("await self.tokenize_prompts_async(dict_prompts, tok_params)",
+                                        "[self.tokenizer.encode(p['prompt']) for p in dict_prompts]")
+    problems, labels = _splice_problems(tokenization=tokenization)
+    assert labels == ["no tokenize_prompts_async call"]
+    assert problems == [
+        f"{BASE}.BaseRenderer.render_chat_async does not call self.tokenize_prompts_async: the hook's splice would "
+        "never run"
+    ]
+    # Calling a tokenize_prompts_async on something else (not the renderer the hook wrapped) does not count.
+    tokenization = TOKENIZATION.replace("self.tokenize_prompts_async(", "self.other.tokenize_prompts_async(")
+    assert _splice_problems(tokenization=tokenization)[1] == ["no tokenize_prompts_async call"]
+
+
+def test_tokenize_prompts_async_must_lead_to_the_singleton_tokenization() -> None:
+    tokenization = TOKENIZATION.replace("return await self._tokenize_singleton_prompt_async(prompt, params)",
+                                        "return await self._tokenize_prompt_async(prompt, params)")
+    problems, labels = _splice_problems(tokenization=tokenization)
+    assert labels == ["no _tokenize_singleton_prompt_async call"]
+    assert problems == [
+        f"{BASE}.BaseRenderer.tokenize_prompts_async does not lead to self._tokenize_singleton_prompt_async: re-check "
+        "that a prompt holding prompt_token_ids is still not tokenized"
+    ]
+
+
 @pytest.mark.parametrize(
-    "line, problem",
+    "body",
     [
-        ("request_parser.extract_reasoning(engine_input)", "calls extract_reasoning() on its request parser"),
-        ("self.last_parser = request_parser", "uses its request parser otherwise"),
-        ("self.register(parser(self.tokenizer, None))", "uses its request parser otherwise"),
-        ("assert issubclass(parser, object)", "uses its request parser otherwise"),
+        SINGLETON_BODY.replace(SKIP_TEST, '"prompt_embeds" not in prompt'),  # the ids test is gone
+        SINGLETON_BODY.replace(SKIP_TEST, '"prompt_token_ids" not in prompt or params.force'),  # `or`: no guard
+        SINGLETON_BODY.replace(SKIP_TEST, '"prompt_token_ids" not in params'),  # not the prompt
+        SINGLETON_BODY + "        prompt = self._tokenize_prompt(prompt, params)\n",  # tokenized again unguarded
+        SINGLETON_BODY.replace("self._tokenize_prompt_async", "self._encode"),  # no tokenize call at all
+        '\n        if "prompt_token_ids" in prompt:\n            prompt = dict(prompt)\n'
+        "        prompt = await self._tokenize_prompt_async(prompt, params)\n",  # no early return
     ],
+    ids=["no ids test", "or", "other name", "unguarded call", "no tokenize call", "in without return"],
 )
-def test_parser_uses_the_hook_cannot_hold_back_are_incompatible(line: str, problem: str) -> None:
-    preprocess = PREPROCESS_033.replace(
-        "            request = request_parser.adjust_request(request=request)",
-        f"            request = request_parser.adjust_request(request=request)\n            {line}",
-    )
-    report = check(release(preprocess=preprocess))
-    assert len(report.problems) == 1 and problem in report.problems[0]
+def test_the_singleton_tokenization_must_skip_a_prompt_with_ids(body: str) -> None:
+    problems, labels = _splice_problems(tokenization=TOKENIZATION.replace(SINGLETON_BODY, body))
+    assert labels == ["tokenizes prompts with prompt_token_ids"]
+    assert problems == [
+        f"{BASE}.BaseRenderer._tokenize_singleton_prompt_async does not skip tokenizing a prompt that holds "
+        "prompt_token_ids: the spliced ids would be replaced by the template's"
+    ]
 
 
-def test_no_parser_parameter_is_not_a_problem() -> None:
-    preprocess = PREPROCESS_032.replace("parser=None, ", "").replace(
-        "        if parser is not None:\n"
-        "            request = parser(self.tokenizer, request.tools).adjust_request(request=request)\n",
-        "",
+@pytest.mark.parametrize(
+    "body",
+    [
+        '\n        if "prompt_token_ids" in prompt:\n            return prompt\n'
+        "        prompt = await self._tokenize_prompt_async(prompt, params)\n",
+        '\n        if "prompt_embeds" in prompt or "prompt_token_ids" in prompt:\n            pass\n        else:\n'
+        "            prompt = await self._tokenize_prompt_async(prompt, params)\n",
+        '\n        try:\n            if "prompt_token_ids" not in prompt:\n'
+        "                prompt = await self._tokenize_prompt_async(prompt, params)\n"
+        "        except ValueError:\n            raise\n",
+    ],
+    ids=["early return", "else branch", "inside try"],
+)
+def test_other_shapes_of_the_skip_count(body: str) -> None:
+    assert _splice_problems(tokenization=TOKENIZATION.replace(SINGLETON_BODY, body)) == ([], [])
+
+
+def test_moved_tokenization_methods_are_named() -> None:
+    moved = TOKENIZATION.replace("def tokenize_prompts_async(", "def tokenize_many_async(")
+    problems, labels = _splice_problems(tokenization=moved)
+    assert problems == [
+        f"missing {BASE}.BaseRenderer.tokenize_prompts_async",
+        f"{BASE}.BaseRenderer has no def of tokenize_prompts_async: re-check that a prompt holding prompt_token_ids "
+        "is still not tokenized",
+    ]
+    moved = TOKENIZATION.replace("def render_chat_async(", "def render_chats_async(")
+    assert _splice_problems(tokenization=moved)[0] == [
+        f"{BASE}.BaseRenderer has no def of render_chat_async: the hook's splice would never run"
+    ]
+
+
+@pytest.mark.parametrize(
+    "preprocess",
+    [
+        # The parser is handed the template's ids before rendering.
+        PREPROCESS_033.replace(
+            "        renderer = self.renderer\n",
+            "        renderer = self.renderer\n        request_parser = parser(self.tokenizer, request.tools)\n"
+            "        request_parser.set_prompt_token_ids(self.tokenizer.encode(str(messages)))\n",
+        ),
+        # The request is adjusted before rendering (the 0.32 shape, moved up).
+        PREPROCESS_032.replace(
+            "        reuse_ids = _reused_prompt_token_ids(request)\n",
+            "        reuse_ids = _reused_prompt_token_ids(request)\n"
+            "        request = parser(self.tokenizer, request.tools).adjust_request(request=request)\n",
+        ),
+    ],
+    ids=["set_prompt_token_ids", "adjust_request"],
+)
+def test_the_parser_must_be_used_after_rendering(preprocess: str) -> None:
+    problems, labels = _splice_problems(preprocess=preprocess)
+    assert labels == ["parser used before rendering"]
+    assert problems == [
+        "preprocess_chat uses its request parser before render_chat_async: the parser would not see the spliced "
+        "prompt ids"
+    ]
+
+
+def test_a_parser_built_before_rendering_but_used_after_it_fits() -> None:
+    build = "request_parser = parser(self.tokenizer, request.tools)\n"
+    preprocess = PREPROCESS_033.replace(f"            {build}", "").replace(
+        "        renderer = self.renderer\n", f"        renderer = self.renderer\n        {build}"
     )
-    report = check(release(preprocess=preprocess))
-    assert report.ok and report.parser == compat.ParserUse(False, False, (), False)
+    assert _splice_problems(preprocess=preprocess) == ([], [])
 
 
 def test_the_table_names_each_release_and_every_problem() -> None:
-    reports = [check(release(), "0.33.0"), check(release(drop=("warmup",)), "0.34.0")]
+    no_skip = TOKENIZATION.replace(SKIP_TEST, '"prompt_embeds" not in prompt')
+    reports = [check(release(), "0.33.0"), check(release(drop=("warmup",), tokenization=no_skip), "0.34.0")]
     table = compat.format_reports(reports).splitlines()
-    assert table[0].split()[0] == "vLLM"
-    assert table[2].startswith("0.33.0") and table[2].endswith("ok")
+    assert table[0].split()[0] == "vLLM" and "splice point" in table[0]
+    assert table[2].startswith("0.33.0") and table[2].split()[-2:] == ["ok", "ok"]
     assert table[3].startswith("0.34.0") and "INCOMPATIBLE (outside SUPPORTED_VLLM)" in table[3]
+    assert "tokenizes prompts with prompt_token_ids" in table[3]
     assert table[4] == f"vLLM 0.34.0: missing {RENDERER}.OnlineRenderer.warmup"
-
+    assert table[5].startswith(f"vLLM 0.34.0: {BASE}.BaseRenderer._tokenize_singleton_prompt_async does not skip")
 
 def test_supported_releases_follow_the_hook_range() -> None:
     assert compat.supported_releases() == ["0.30.0", "0.31.0", "0.32.0", "0.33.0"]
@@ -190,3 +361,14 @@ def test_a_cached_wheel_is_reused_without_pip(tmp_path: Path, monkeypatch: pytes
 
     monkeypatch.setattr(compat.subprocess, "run", no_pip)
     assert compat.download_wheel("0.31.0", tmp_path) == cached
+
+
+@pytest.mark.parametrize("version", compat.supported_releases())
+def test_the_cached_stock_wheels_fit(version: str) -> None:
+    """The real sources, when `ngt vllm-compat` has downloaded them (this test never downloads)."""
+    cached = sorted(compat.wheel_cache_dir().glob(f"vllm-{version}-*.whl"))
+    if not cached:
+        pytest.skip(f"no cached vllm {version} wheel in {compat.wheel_cache_dir()} (run `make vllm-compat`)")
+    report = compat.check_wheel(cached[0], version)
+    assert report.problems == []
+    assert report.splice_point == compat.SplicePoint(True, True, True, True, True)

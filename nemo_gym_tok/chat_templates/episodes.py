@@ -105,7 +105,7 @@ def play_episode(
         source = find_prefix_source(episode.messages)
         assert source is not None
         full_text = renderer.render(episode.messages, add_generation_prompt=True)
-        result = splice_prefix(renderer, profile, episode.messages, source, template_prompt=(full_text, renderer.encode(full_text)))
+        result = splice_prefix(renderer, profile, episode.messages, source, template_text=full_text)
         check_splice(renderer, profile, episode.messages, source, result.prompt_token_ids, result.kept_prefix_length)
         episode.telemetry.append(result.telemetry())
         prompt = result.prompt_token_ids

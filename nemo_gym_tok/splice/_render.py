@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -98,6 +98,21 @@ class HFChatRenderer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def batch_decoder(renderer: Any) -> Callable[[list[list[int]]], list[str]]:
+    """Decode many id runs at once, each exactly (special tokens kept, no clean-up of spaces).
+
+    A renderer may bring its own `decode_batch`; over a transformers fast tokenizer the Rust backend decodes the
+    whole batch in one call, which costs far less than tokenizing the same text; otherwise one `decode` per run.
+    """
+    own = getattr(renderer, "decode_batch", None)
+    if own is not None:
+        return own
+    backend = getattr(getattr(renderer, "tokenizer", None), "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "decode_batch"):
+        return lambda runs: backend.decode_batch(runs, skip_special_tokens=False)
+    return lambda runs: [renderer.decode(run) for run in runs]
 
 
 def added_token_maps(tokenizer: Any) -> tuple[dict[str, int], dict[str, int]]:

@@ -10,6 +10,10 @@ and it is returned only once the structural check holds: outside the model's own
 the template renders for `messages[:a]` (the messages it was produced from), and the template's rendering of all the
 messages has the same turn structure up to messages[a]. The template's rendering is done with neutral assistant turns
 (see _neutral), so nothing the model wrote can move a boundary.
+
+Nothing here tokenizes the history: the prefix is checked against the template's text (see _fixed_text; the exact,
+id-by-id walk runs only where that cannot prove a match), and only the template's text after the boundary is
+tokenized. The cost per request is a few renderings of the messages and one decode of the prefix's fixed text.
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ from nemo_gym_tok.splice._errors import (
     StructureMismatchError,
     UnsupportedTemplateError,
 )
+from nemo_gym_tok.splice._fixed_text import FixedTextMatcher
 from nemo_gym_tok.splice._ids import PREFIX_KEY, PrefixSource, _get
 from nemo_gym_tok.splice._neutral import MESSAGE_PLACEHOLDER, neutralize, placeholder_spans
 from nemo_gym_tok.splice._profile import TemplateProfile
-from nemo_gym_tok.splice._render import ChatRenderer
+from nemo_gym_tok.splice._render import ChatRenderer, batch_decoder
 from nemo_gym_tok.splice._structure import (
     Body,
     Layout,
@@ -53,13 +58,15 @@ class SpliceResult:
     kept_prefix_length: int
     """How many of the prefix's ids open the prompt (all, or all but an end token the template's closing replaces)."""
     template_differed: bool
-    """The template's ids for the history were not the model's ids."""
+    """The template's ids for the prefix's own assistant turn (messages[a]) were not the model's ids. Earlier turns
+    were reported by the calls that added them (each turn is new on exactly one call)."""
     replaced_tokens: int
-    """Template history ids from the first difference to the boundary: what the model's ids replaced."""
+    """Template ids of that turn from the first difference to its end: what the model's ids replaced."""
     end_token_replaced: bool
     """The model's final end token became the template's closing (GPT-OSS <|return|> -> <|end|>, say)."""
     repaired_turns: tuple[RepairedTurn, ...] | None
-    """Per assistant turn, where the template's ids could be aligned turn by turn; None where they could not."""
+    """The prefix's own turn when it was repaired (empty when it was not); None where the template's text for the
+    turn was not known (no template text given, or it could not be aligned)."""
 
     def telemetry(self) -> dict[str, Any]:
         telemetry: dict[str, Any] = {
@@ -83,13 +90,13 @@ def splice_prefix(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     truncate_prompt_tokens: int | None = None,
-    template_prompt: tuple[str, list[int]] | None = None,
+    template_text: str | None = None,
 ) -> SpliceResult:
     """Splice `source.prefix` (belonging to messages[source.message_index]) into the prompt for `messages`.
 
-    `template_prompt` is the server's own (text, ids) rendering of the request, when it has one: the tail must agree
-    with it, and the telemetry says what the splice repaired. Raises a SpliceError subclass when the result could not
-    be proven exact.
+    `template_text` is the server's own rendering of the request, when it has one: the tail must agree with it, and
+    the telemetry says whether the template would have written the prefix's turn differently. Raises a SpliceError
+    subclass when the result could not be proven exact.
     """
     a = source.message_index
     prefix = source.prefix
@@ -101,12 +108,20 @@ def splice_prefix(
             "(prompt + generation), or no prefix at all"
         )
     earlier = [j for j in range(a) if _get(messages[j], "role") == "assistant"]
-    neutral = _neutral_messages(renderer, messages, a, [*earlier, a], profile.moves_call_text)
+    neutral, neutral_text = _neutral_messages(renderer, messages, a, [*earlier, a], profile.moves_call_text)
     find = _body_finder(profile, messages)
+    if add_generation_prompt and not continue_final_message:
+        full_text = neutral_text
+    else:
+        full_text = _render(
+            renderer, neutral, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, what="the messages",
+        )
+    full_layout = Layout(full_text, find(full_text, [*earlier, a], a if continue_final_message else None))
     bodies = _check_prefix(renderer, profile, neutral, earlier, find, source)
-    full_layout, tail, template_prompt = _template_tail(
-        renderer, profile, messages, neutral, earlier, find, source, add_generation_prompt, continue_final_message,
-        template_prompt,
+    tail_text, tail = _template_tail(
+        renderer, profile, messages, neutral, [*earlier, a], find, full_layout, source, add_generation_prompt,
+        continue_final_message, template_text,
     )
     kept, end_replaced = _kept_prefix(prefix, tail, profile, continue_final_message, source)
     spliced = prefix[:kept] + tail
@@ -116,9 +131,10 @@ def splice_prefix(
             f"ids of the spliced prompt ({len(spliced)} ids), which are the model's prefix; drop truncate_prompt_tokens "
             "or start a new token segment"
         )
-    differed, replaced, repaired = _repairs(
-        prefix[:kept], tail, template_prompt, full_layout, renderer, profile.closer_ids(), bodies
-    )
+    if profile.moves_call_text and _get(messages[a], "tool_calls") and _get(messages[a], "content"):
+        template_text = None  # the server's rendering holds the model's text after the results; ours leaves it out
+    generation = prefix[bodies[-1][0] : kept]
+    differed, replaced, repaired = _new_turn_repair(renderer, full_layout, tail_text, template_text, generation, a)
     return SpliceResult(
         prompt_token_ids=spliced, kept_prefix_length=kept, template_differed=differed, replaced_tokens=replaced,
         end_token_replaced=end_replaced, repaired_turns=repaired,
@@ -129,24 +145,31 @@ def _check_prefix(
     renderer: ChatRenderer, profile: TemplateProfile, neutral: list[dict[str, Any]], earlier: list[int], find: Any,
     source: PrefixSource,
 ) -> list[tuple[int, int]]:
-    """The structural check: the prefix is what the template renders for messages[:a] outside the model's bodies,
-    then a non-empty generation with no end token inside. Returns the bodies' id spans (the generation last)."""
+    """The structural check: the prefix is what the template renders for messages[:a] (with a generation prompt)
+    outside the model's bodies, then a non-empty generation with no end token inside. Returns the bodies' id spans
+    (the generation last). Checked by text first (_fixed_text), id by id where that cannot prove it."""
     a, prefix = source.message_index, source.prefix
     closer_ids = profile.closer_ids()
+    matcher = FixedTextMatcher(
+        renderer.encode, batch_decoder(renderer), renderer.added_tokens, getattr(renderer, "piece_cache", None)
+    )
     prompt_text = _render(renderer, neutral[:a], add_generation_prompt=True, what="the messages before the prefix's turn")
     prompt_layout = Layout(prompt_text, find(prompt_text, earlier, None))
-    bodies, mismatch = match_fixed_segments(prefix, prompt_layout, renderer.encode, closer_ids, profile.end_token_ids)
-    if mismatch is not None and earlier:
-        # Templates that move text between turns (Mistral v0.3 puts the system prompt in the last user turn) render
-        # the history differently once more messages follow; the prefix then holds each turn's prompt as it was.
-        turn_layout = _turn_by_turn_layout(renderer, neutral, [*earlier, a], find)
-        turn_bodies, turn_mismatch = match_fixed_segments(
-            prefix, turn_layout, renderer.encode, closer_ids, profile.end_token_ids
-        )
-        if turn_mismatch is None:
-            prompt_layout, bodies, mismatch = turn_layout, turn_bodies, None
-    if mismatch is not None:
-        raise _mismatch_error(renderer, neutral, a, prompt_layout, mismatch, source)
+    bodies = matcher.body_spans(prefix, prompt_layout, closer_ids, profile.end_token_ids)
+    if bodies is None:
+        bodies, mismatch = match_fixed_segments(prefix, prompt_layout, renderer.encode, closer_ids, profile.end_token_ids)
+        if mismatch is not None and earlier:
+            # Templates that move text between turns (Mistral v0.3 puts the system prompt in the last user turn)
+            # render the history differently once more messages follow; the prefix then holds each turn's prompt
+            # as it was.
+            turn_layout = _turn_by_turn_layout(renderer, neutral, [*earlier, a], find)
+            turn_bodies, turn_mismatch = match_fixed_segments(
+                prefix, turn_layout, renderer.encode, closer_ids, profile.end_token_ids
+            )
+            if turn_mismatch is None:
+                prompt_layout, bodies, mismatch = turn_layout, turn_bodies, None
+        if mismatch is not None:
+            raise _mismatch_error(renderer, neutral, a, prompt_layout, mismatch, source)
     generation_start, _ = bodies[-1]
     if generation_start == len(prefix):
         raise StalePrefixError(
@@ -173,40 +196,34 @@ def _check_prefix(
 
 def _template_tail(
     renderer: ChatRenderer, profile: TemplateProfile, messages: Sequence[Any], neutral: list[dict[str, Any]],
-    earlier: list[int], find: Any, source: PrefixSource, add_generation_prompt: bool, continue_final_message: bool,
-    template_prompt: tuple[str, list[int]] | None,
-) -> tuple[Layout, list[int], tuple[str, list[int]] | None]:
-    """The template's ids from the closing of messages[a] on, checked against the server's own rendering where it
-    describes the same prompt; with the layout of the whole rendering and that rendering (None where it does not)."""
+    turns: list[int], find: Any, full_layout: Layout, source: PrefixSource, add_generation_prompt: bool,
+    continue_final_message: bool, template_text: str | None,
+) -> tuple[str, list[int]]:
+    """The template's text and ids from the closing of messages[a] on, checked against the server's own rendering.
+
+    The tail is tokenized on its own. Where a closing special token starts it, that is what tokenizing the whole
+    prompt gives too (tokenizers split at added tokens first); for turns closed by text, the template's text after
+    the model's is tokenized on its own by design (inside the whole prompt the tokenizer may merge it with the
+    model's last characters, which the model's own ids replace).
+    """
     a = source.message_index
-    full_text = _render(
-        renderer, neutral, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-        what="the messages",
-    )
-    full_layout = Layout(full_text, find(full_text, [*earlier, a], a if continue_final_message else None))
-    _check_message_placement(renderer, neutral, a, [*earlier, a], find, add_generation_prompt, continue_final_message)
-    tail_text = full_text[full_layout.bodies[-1].end :]
+    _check_message_placement(renderer, neutral, a, turns, find, add_generation_prompt, continue_final_message)
+    tail_text = full_layout.text[full_layout.bodies[-1].end :]
     repeated = sorted(set(placeholder_spans(tail_text)))
     if repeated:
         raise UnsupportedTemplateError(
             f"the chat template renders text of messages[{repeated[0]}] again after the turn of messages[{a}] closes; "
             "the splice cannot prove such a prompt exact"
         )
-    if profile.moves_call_text and _get(messages[a], "tool_calls") and _get(messages[a], "content"):
-        template_prompt = None  # the server's rendering holds the model's text after the results; ours leaves it out
-    if template_prompt is not None and not template_prompt[0].endswith(tail_text):
+    moved_call_text = profile.moves_call_text and _get(messages[a], "tool_calls") and _get(messages[a], "content")
+    # Where the template moves a tool-calling turn's text after the results, the server's rendering holds it there
+    # and ours leaves it out (it lives in the model's ids): nothing to compare.
+    if template_text is not None and not moved_call_text and not template_text.endswith(tail_text):
         raise UnsupportedTemplateError(
             "the chat template renders the turns after the prefix differently depending on earlier assistant text; "
             "the splice cannot prove such a prompt exact"
         )
-    tail = renderer.encode(tail_text)
-    # Turns closed by text: the tail is the template's text after the model's, tokenized on its own (inside the whole
-    # prompt the tokenizer may merge it with the model's last characters, which the model's own ids replace).
-    if template_prompt is not None and not profile.closed_by_text and template_prompt[1][len(template_prompt[1]) - len(tail) :] != tail:
-        raise UnsupportedTemplateError(
-            "the tokenizer splits the text after the prefix's turn differently on its own than inside the whole prompt"
-        )
-    return full_layout, tail, template_prompt
+    return tail_text, renderer.encode(tail_text)
 
 
 def _turn_by_turn_layout(renderer: ChatRenderer, neutral: list[dict[str, Any]], turns: list[int], find: Any) -> Layout:
@@ -226,12 +243,16 @@ def _turn_by_turn_layout(renderer: ChatRenderer, neutral: list[dict[str, Any]], 
 
 def _neutral_messages(
     renderer: ChatRenderer, messages: Sequence[Any], a: int, turns: list[int], drop_call_text: bool
-) -> list[dict[str, Any]]:
-    """Neutral messages in which every assistant turn up to messages[a] renders a placeholder."""
+) -> tuple[list[dict[str, Any]], str]:
+    """Neutral messages in which every assistant turn up to messages[a] renders a placeholder, and their rendering
+    with a generation prompt."""
     neutral = neutralize(messages, a, drop_call_text=drop_call_text)
     text = _render(renderer, neutral, add_generation_prompt=True, what="the messages")
     silent = frozenset(turns) - set(placeholder_spans(text))
-    return neutralize(messages, a, force_content=silent, drop_call_text=drop_call_text) if silent else neutral
+    if not silent:
+        return neutral, text
+    neutral = neutralize(messages, a, force_content=silent, drop_call_text=drop_call_text)
+    return neutral, _render(renderer, neutral, add_generation_prompt=True, what="the messages")
 
 
 def _body_finder(profile: TemplateProfile, messages: Sequence[Any]) -> Any:
@@ -305,29 +326,29 @@ def _kept_prefix(
     return len(prefix), False
 
 
-def _repairs(
-    kept: list[int], tail: list[int], template_prompt: tuple[str, list[int]] | None, full: Layout,
-    renderer: ChatRenderer, closer_ids: frozenset[int], model_bodies: list[tuple[int, int]],
+def _new_turn_repair(
+    renderer: ChatRenderer, full: Layout, tail_text: str, template_text: str | None, generation: list[int], a: int
 ) -> tuple[bool, int, tuple[RepairedTurn, ...] | None]:
-    if template_prompt is None:
+    """Whether the template's ids for messages[a]'s body differ from the model's, and from where.
+
+    The template's text for that body is read from the server's rendering: it ends where the tail starts and begins
+    after the fixed text that opens it in the neutral rendering (its last occurrence, so model text that happens to
+    spell it is not mistaken for it). The body's text is tokenized on its own.
+    """
+    if template_text is None:
         return False, 0, None
-    history = template_prompt[1][: len(template_prompt[1]) - len(tail)]
-    difference = first_difference(history, kept)
+    body = full.bodies[-1]
+    opening = full.text[(full.bodies[-2].end if len(full.bodies) > 1 else 0) : body.start]
+    end = len(template_text) - len(tail_text)
+    start = template_text.rfind(opening, 0, end)
+    if start < 0 or (len(full.bodies) == 1 and start != 0):
+        return False, 0, None
+    template_ids = renderer.encode(template_text[start + len(opening) : end])
+    difference = first_difference(template_ids, generation)
     if difference is None:
         return False, 0, ()
-    replaced = len(history) - difference
-    history_layout = Layout(full.text[: full.bodies[-1].end], full.bodies)
-    template_bodies, mismatch = match_fixed_segments(history, history_layout, renderer.encode, closer_ids)
-    template_bodies = template_bodies[: len(full.bodies)]  # the walk ends with an empty span after the last body
-    if mismatch is not None or len(template_bodies) != len(model_bodies):
-        return True, replaced, None
-    repaired = []
-    for body, (t_start, t_end), (m_start, m_end) in zip(full.bodies, template_bodies, model_bodies):
-        template_ids, model_ids = history[t_start:t_end], kept[m_start:min(m_end, len(kept))]
-        turn_difference = first_difference(template_ids, model_ids)
-        if turn_difference is not None:
-            repaired.append(RepairedTurn(body.message_index, len(template_ids) - turn_difference))
-    return True, replaced, tuple(repaired)
+    replaced = len(template_ids) - difference
+    return True, replaced, (RepairedTurn(a, replaced),)
 
 
 def _mismatch_error(

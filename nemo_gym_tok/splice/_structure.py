@@ -10,6 +10,7 @@ and never past an end id, where generation stops).
 from __future__ import annotations
 
 import re
+from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -128,7 +129,9 @@ def match_fixed_segments(
     for number, (start, end) in enumerate(segments):
         expected = encode(layout.text[start:end]) if end > start else []
         if number > 0:
-            body_end = _segment_start(ids, position, expected, closer_ids, end_ids) if expected else len(ids)
+            body_end = (
+                segment_end(ids, position, _starts_with(ids, expected), closer_ids, end_ids) if expected else len(ids)
+            )
             if body_end is None:
                 return body_spans, Mismatch(len(ids), (start, end), 0, expected[:8], [])
             body_spans.append((position, body_end))
@@ -144,34 +147,38 @@ def match_fixed_segments(
     return body_spans, None
 
 
-def _segment_start(
-    ids: Sequence[int], start: int, expected: list[int], closer_ids: frozenset[int], end_ids: frozenset[int]
+def segment_end(
+    ids: Sequence[int], start: int, matches_at: Callable[[int], bool], closer_ids: frozenset[int],
+    end_ids: frozenset[int], closer_positions: Sequence[int] | None = None,
 ) -> int | None:
-    """Where the body that starts at `start` ends: the first closing id the `expected` segment starts at.
+    """Where the body that starts at `start` ends: the first closing id at which the next fixed segment matches.
 
     Without a match, the first closing id (so the mismatch is reported there); None when there is no closing id.
     Without closing ids (turns closed by text), the first place the segment matches, and never past the model's
     first end token (generation stopped there, so the template's text follows it at the latest).
+    `closer_positions`, when given, are the ascending indices of every closing id in `ids` (saves the scan).
     """
     if not closer_ids:
-        length = len(expected)
         for index in range(start, len(ids) + 1):
-            if list(ids[index : index + length]) == expected:
+            if matches_at(index):
                 return index
             if index < len(ids) and ids[index] in end_ids:
                 return index + 1
         return None
+    if closer_positions is None:
+        closer_positions = [index for index in range(start, len(ids)) if ids[index] in closer_ids]
     first = None
-    length = len(expected)
-    for index in range(start, len(ids)):
-        token = ids[index]
-        if token not in closer_ids:
-            continue
+    for index in closer_positions[bisect_left(closer_positions, start) :]:
         if first is None:
             first = index
-        if list(ids[index : index + length]) == expected or token in end_ids:
+        if matches_at(index) or ids[index] in end_ids:
             return index
     return first
+
+
+def _starts_with(ids: Sequence[int], expected: list[int]) -> Callable[[int], bool]:
+    length = len(expected)
+    return lambda index: list(ids[index : index + length]) == expected
 
 
 @lru_cache(maxsize=64)

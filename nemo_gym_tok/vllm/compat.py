@@ -3,10 +3,13 @@
 `ngt vllm-compat` (`make vllm-compat`) downloads the `vllm` wheel of every supported release once (`pip download
 --no-deps`, cached), and checks, from the source in the zip, what `nemo_gym_tok.vllm.hook` needs: every wrapped
 method (PATCHED_METHODS, inherited ones too), the parameters the splice reads (PREPROCESS_CHAT_PARAMETERS,
-HARMONY_PARAMETERS), every USED_SYMBOLS name, vLLM's token-in path (`_reused_prompt_token_ids` reading
-`kv_transfer_params['prompt_token_ids']` in preprocess_chat), and how preprocess_chat uses its request parser: since
-0.33 it hands the parser the prompt ids (`set_prompt_token_ids`), which the hook holds back until the splice is
-applied, so the parser may only be asked what the hook's stand-in holds back (PARSER_METHODS_HELD).
+HARMONY_PARAMETERS, TOKENIZE_PROMPTS_PARAMETERS), every USED_SYMBOLS name, vLLM's token-in path
+(`_reused_prompt_token_ids` reading `kv_transfer_params['prompt_token_ids']` in preprocess_chat), and the splice
+point: the hook hands vLLM's tokenization step (`BaseRenderer.tokenize_prompts_async`) a prompt that already holds
+the spliced `prompt_token_ids`, so it needs preprocess_chat to render through `render_chat_async`, that to tokenize
+through `self.tokenize_prompts_async`, that to reach `_tokenize_singleton_prompt_async`, which must tokenize only a
+prompt without `prompt_token_ids`, and preprocess_chat to use its request parser only after rendering (the parser
+then reads the spliced ids, `set_prompt_token_ids` since 0.33).
 It is the static twin of `hook.check_internals()`, which checks the vLLM that is installed.
 """
 
@@ -23,11 +26,10 @@ from pathlib import Path
 from nemo_gym_tok.tiny_model._cache import cache_root
 from nemo_gym_tok.vllm.hook import (
     HARMONY_PARAMETERS,
-    PARSER_METHODS_HELD,
     PATCHED_METHODS,
     PREPROCESS_CHAT_PARAMETERS,
-    PREPROCESS_CHAT_PARSER_PARAMETER,
     SUPPORTED_VLLM,
+    TOKENIZE_PROMPTS_PARAMETERS,
     USED_SYMBOLS,
     is_supported_vllm,
 )
@@ -35,7 +37,15 @@ from nemo_gym_tok.vllm.hook import (
 # vLLM's token-in path: the function preprocess_chat calls to take forwarded prompt ids instead of rendering.
 TOKEN_IN_FUNCTION = "_reused_prompt_token_ids"
 TOKEN_IN_FIELDS = ("kv_transfer_params", "prompt_token_ids")
-PARSER_PROMPT_METHOD = PARSER_METHODS_HELD[0]
+# The splice point: preprocess_chat -> renderer.render_chat_async -> self.tokenize_prompts_async (wrapped by the hook)
+# -> ... -> self._tokenize_singleton_prompt_async, which leaves a prompt holding PROMPT_IDS_KEY untokenized.
+TOKENIZE_METHOD = "tokenize_prompts_async"
+RENDER_CHAT_METHOD = "render_chat_async"
+SINGLETON_METHOD = "_tokenize_singleton_prompt_async"
+PROMPT_IDS_KEY = "prompt_token_ids"
+# preprocess_chat's request-parser class parameter, and the call that hands a built parser the prompt ids (0.33+).
+PARSER_PARAMETER = "parser"
+PARSER_PROMPT_METHOD = "set_prompt_token_ids"
 # How deep to follow base classes and re-exports; vLLM's chains are two or three long.
 _MAX_HOPS = 8
 
@@ -177,13 +187,16 @@ class _Reader:
         if located is None or hops > _MAX_HOPS:
             return None
         owner_module, node = located
-        for statement in node.body:
+        own: ast.stmt | None = None
+        for statement in node.body:  # the last binding wins, as when the class body runs (after any @overload stubs)
             if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef)) and statement.name == method:
-                return statement
-            if isinstance(statement, ast.Assign) and any(
+                own = statement
+            elif isinstance(statement, ast.Assign) and any(
                 isinstance(target, ast.Name) and target.id == method for target in statement.targets
             ):
-                return statement
+                own = statement
+        if own is not None:
+            return own
         for base in node.bases:  # in MRO order for single inheritance, which is what vLLM uses here
             if isinstance(base, ast.Subscript):  # Generic[...] and friends: the class is the subscripted name
                 base = base.value
@@ -202,60 +215,217 @@ def parameter_names(function: _Function) -> list[str]:
 
 
 @dataclass(frozen=True)
-class ParserUse:
-    """How preprocess_chat uses the request-parser class it is given."""
+class SplicePoint:
+    """What the hook's splice at vLLM's tokenization step needs from one release (every field True when it fits)."""
 
-    has_parameter: bool
-    sets_prompt_ids: bool
-    """It calls `set_prompt_token_ids` on a parser it built (vLLM 0.33+)."""
-    methods: tuple[str, ...]
-    """Methods called on the parsers it builds."""
-    escapes: bool
-    """The parser class, or a parser built from it, is used otherwise than the hook's stand-in allows: the class
-    otherwise than by reading an attribute, calling it or testing it against None; a built parser otherwise than by
-    calling its methods (stored on an object, passed on, returned)."""
+    renders: bool
+    """preprocess_chat renders through `render_chat_async`."""
+    tokenizes: bool
+    """`BaseRenderer.render_chat_async` tokenizes through `self.tokenize_prompts_async`, the method the hook wraps."""
+    reaches_singleton: bool
+    """`tokenize_prompts_async` leads, through `self.<method>()` calls, to `_tokenize_singleton_prompt_async`."""
+    skips_prompt_ids: bool
+    """`_tokenize_singleton_prompt_async` tokenizes only under a test that the prompt holds no `prompt_token_ids`."""
+    parser_after_render: bool
+    """preprocess_chat asks the parsers it builds from `parser` (and calls `set_prompt_token_ids`) only after its
+    `render_chat_async` call, in source order, so the parser sees the spliced ids."""
+    not_found: tuple[str, ...] = ()
+    """The base renderer's methods among render_chat_async, tokenize_prompts_async and
+    _tokenize_singleton_prompt_async that are not a def there (or on its bases)."""
+
+    def gaps(self) -> list[tuple[str, str]]:
+        """(short label for the table, problem) for every requirement that does not hold."""
+        owner = _tokenize_owner()
+        gaps = []
+
+        def unread(method: str) -> str | None:
+            return f"{owner} has no def of {method}" if method in self.not_found else None
+
+        if not self.renders:
+            gaps.append((f"no {RENDER_CHAT_METHOD} call",
+                         f"preprocess_chat does not call {RENDER_CHAT_METHOD}: the hook's splice at "
+                         f"{owner}.{TOKENIZE_METHOD} would never see its request"))
+        if not self.tokenizes:
+            what = unread(RENDER_CHAT_METHOD) or f"{owner}.{RENDER_CHAT_METHOD} does not call self.{TOKENIZE_METHOD}"
+            gaps.append((f"no {TOKENIZE_METHOD} call", f"{what}: the hook's splice would never run"))
+        if not self.reaches_singleton:
+            what = unread(TOKENIZE_METHOD) or f"{owner}.{TOKENIZE_METHOD} does not lead to self.{SINGLETON_METHOD}"
+            gaps.append((f"no {SINGLETON_METHOD} call",
+                         f"{what}: re-check that a prompt holding {PROMPT_IDS_KEY} is still not tokenized"))
+        if not self.skips_prompt_ids:
+            what = unread(SINGLETON_METHOD) or (
+                f"{owner}.{SINGLETON_METHOD} does not skip tokenizing a prompt that holds {PROMPT_IDS_KEY}"
+            )
+            gaps.append((f"tokenizes prompts with {PROMPT_IDS_KEY}",
+                         f"{what}: the spliced ids would be replaced by the template's"))
+        if not self.parser_after_render:
+            gaps.append(("parser used before rendering",
+                         f"preprocess_chat uses its request parser before {RENDER_CHAT_METHOD}: the parser would "
+                         "not see the spliced prompt ids"))
+        return gaps
 
 
-def parser_use(function: _Function) -> ParserUse:
-    """Read from preprocess_chat's body what it asks of its `parser` parameter and of the parsers it builds."""
-    parameter = PREPROCESS_CHAT_PARSER_PARAMETER
-    if parameter not in parameter_names(function):
-        return ParserUse(False, False, (), False)
-    parents = {id(child): node for node in ast.walk(function) for child in ast.iter_child_nodes(node)}
+def _tokenize_owner() -> str:
+    """`module.Class` of the wrapped tokenization method (PATCHED_METHODS), where render_chat_async is looked up."""
+    module, class_name = next((module, cls) for module, cls, method in PATCHED_METHODS if method == TOKENIZE_METHOD)
+    return f"{module}.{class_name}"
 
-    def is_parameter(node: ast.AST) -> bool:
-        return isinstance(node, ast.Name) and node.id == parameter and isinstance(node.ctx, ast.Load)
+
+def splice_point(reader: _Reader, preprocess: _Function | None) -> SplicePoint:
+    """Read the splice point from preprocess_chat (None when the release has no def of it) and the base renderer."""
+    module, _, class_name = _tokenize_owner().rpartition(".")
+    found = {
+        method: definition for method in (RENDER_CHAT_METHOD, TOKENIZE_METHOD, SINGLETON_METHOD)
+        if isinstance(definition := reader.method(module, class_name, method), (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
+    render, tokenize, singleton = (found.get(method) for method in (RENDER_CHAT_METHOD, TOKENIZE_METHOD,
+                                                                     SINGLETON_METHOD))
+    return SplicePoint(
+        renders=preprocess is not None and _calls(preprocess, RENDER_CHAT_METHOD),
+        tokenizes=render is not None and _calls_on_self(render, TOKENIZE_METHOD),
+        reaches_singleton=tokenize is not None and _reaches(reader, module, class_name, tokenize, SINGLETON_METHOD),
+        skips_prompt_ids=singleton is not None and _tokenizes_only_without_ids(singleton),
+        parser_after_render=preprocess is None or _parser_after_render(preprocess),
+        not_found=tuple(method for method in (RENDER_CHAT_METHOD, TOKENIZE_METHOD, SINGLETON_METHOD)
+                        if method not in found),
+    )
+
+
+def _self_calls(function: ast.AST) -> set[str]:
+    """Names of the methods `function` calls on `self`."""
+    return {
+        node.func.attr for node in ast.walk(function)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
+    }
+
+
+def _calls_on_self(function: ast.AST, method: str) -> bool:
+    return method in _self_calls(function)
+
+
+def _reaches(reader: _Reader, module: str, class_name: str, start: _Function, target: str) -> bool:
+    """Whether `start` leads to `self.<target>()` through the class's own methods (vLLM's chain is two calls long)."""
+    seen: set[str] = set()
+    frontier: list[ast.AST] = [start]
+    for _ in range(_MAX_HOPS):
+        called = set().union(*(_self_calls(function) for function in frontier)) - seen
+        if target in called:
+            return True
+        seen |= called
+        frontier = [
+            found for name in called
+            if isinstance(found := reader.method(module, class_name, name), (ast.FunctionDef, ast.AsyncFunctionDef))
+        ]
+        if not frontier:
+            return False
+    return False
+
+
+def _is_tokenize_call(node: ast.AST) -> bool:
+    """A call of `tokenize...` or `_tokenize...` (not `detokenize`, not `apply_pre_tokenization`)."""
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    return name.lstrip("_").startswith("tokenize")
+
+
+def _ids_test(test: ast.expr, prompt: str) -> str | None:
+    """What an `if` test says about the prompt's ids: "absent" when it can only be true for a prompt without
+    PROMPT_IDS_KEY (`"prompt_token_ids" not in prompt`, alone or `and`-ed with more), "present" when it is true
+    whenever the prompt holds them (`"prompt_token_ids" in prompt`, alone or `or`-ed), else None; `prompt` names the
+    function's prompt parameter."""
+
+    def key_test(node: ast.expr, operator: type[ast.cmpop]) -> bool:
+        return (
+            isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], operator)
+            and isinstance(node.left, ast.Constant) and node.left.value == PROMPT_IDS_KEY
+            and isinstance(node.comparators[0], ast.Name) and node.comparators[0].id == prompt
+        )
+
+    def operands(node: ast.expr, joiner: type[ast.boolop]) -> list[ast.expr]:
+        return list(node.values) if isinstance(node, ast.BoolOp) and isinstance(node.op, joiner) else [node]
+
+    if any(key_test(node, ast.NotIn) for node in operands(test, ast.And)):
+        return "absent"
+    if any(key_test(node, ast.In) for node in operands(test, ast.Or)):
+        return "present"
+    return None
+
+
+def _exits(block: list[ast.stmt]) -> bool:
+    return bool(block) and isinstance(block[-1], (ast.Return, ast.Raise))
+
+
+def _tokenizes_only_without_ids(function: _Function) -> bool:
+    """Whether the function tokenizes at all, and only where a prompt without PROMPT_IDS_KEY gets to: inside
+    `if "prompt_token_ids" not in prompt:`, in the `else` of `if "prompt_token_ids" in prompt:`, or after such an
+    `if` whose body returns."""
+    names = parameter_names(function)
+    names = names[1:] if names[:1] == ["self"] else names
+    if not names:
+        return False
+    prompt = names[0]  # the prompt, as vLLM names it and passes it first
+    calls = {"guarded": 0, "unguarded": 0}
+
+    def visit_nodes(nodes: Iterable[ast.AST], guarded: bool) -> None:
+        for node in nodes:
+            for child in ast.walk(node):
+                if _is_tokenize_call(child):
+                    calls["guarded" if guarded else "unguarded"] += 1
+
+    def visit_block(block: list[ast.stmt], guarded: bool) -> None:
+        for statement in block:
+            if isinstance(statement, ast.If):
+                visit_nodes([statement.test], guarded)
+                kind = _ids_test(statement.test, prompt)
+                visit_block(statement.body, guarded or kind == "absent")
+                visit_block(statement.orelse, guarded or kind == "present")
+                if kind == "present" and _exits(statement.body):
+                    guarded = True  # the rest of this block runs only for a prompt without ids
+                continue
+            for _, value in ast.iter_fields(statement):  # a compound statement's blocks are opened, nested `if`s too
+                if isinstance(value, list) and value and all(isinstance(item, ast.stmt) for item in value):
+                    visit_block(value, guarded)
+                else:
+                    visit_nodes([item for item in (value if isinstance(value, list) else [value])
+                                 if isinstance(item, ast.AST)], guarded)
+
+    visit_block(function.body, False)
+    return calls["guarded"] > 0 and calls["unguarded"] == 0
+
+
+def _position(node: ast.AST) -> tuple[int, int]:
+    return getattr(node, "lineno", 0), getattr(node, "col_offset", 0)
+
+
+def _parser_after_render(preprocess: _Function) -> bool:
+    """Whether every method call on a parser preprocess_chat builds from its `parser` parameter (`parser(...).m()`,
+    or `p = parser(...)` then `p.m()`), and every `set_prompt_token_ids` call, comes after the first
+    `render_chat_async` call in the source. True when there is no render call (reported on its own)."""
+    renders = [node for node in ast.walk(preprocess) if _is_call_of(node, RENDER_CHAT_METHOD)]
+    if not renders:
+        return True
+    first_render = min(_position(node) for node in renders)
 
     def builds_parser(node: ast.AST) -> bool:
-        return isinstance(node, ast.Call) and is_parameter(node.func)
+        return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == PARSER_PARAMETER
+                and PARSER_PARAMETER in parameter_names(preprocess))
 
-    instances = {
+    built = {
         target.id
-        for node in ast.walk(function) if isinstance(node, ast.Assign) and builds_parser(node.value)
+        for node in ast.walk(preprocess) if isinstance(node, ast.Assign) and builds_parser(node.value)
         for target in node.targets if isinstance(target, ast.Name)
     }
-    methods: set[str] = set()
-    escapes = False
-    for node in ast.walk(function):
-        parent = parents.get(id(node))
-        if is_parameter(node):
-            # The stand-in class answers attribute reads, calls and `is None` tests; anything else (issubclass,
-            # passing it on) would see the stand-in instead of vLLM's class.
-            escapes |= not (
-                (isinstance(parent, ast.Attribute) and parent.value is node)
-                or (isinstance(parent, ast.Call) and parent.func is node)
-                or (isinstance(parent, ast.Compare) and all(isinstance(op, (ast.Is, ast.IsNot)) for op in parent.ops))
-            )
-        elif builds_parser(node) or (isinstance(node, ast.Name) and node.id in instances
-                                     and isinstance(node.ctx, ast.Load)):
-            grandparent = parents.get(id(parent)) if parent is not None else None
-            if (isinstance(parent, ast.Attribute) and parent.value is node and isinstance(grandparent, ast.Call)
-                    and grandparent.func is parent):
-                methods.add(parent.attr)
-            elif not (builds_parser(node) and isinstance(parent, ast.Assign)
-                      and all(isinstance(target, ast.Name) for target in parent.targets)):
-                escapes = True  # a built parser stored elsewhere, passed on, returned, or read without a call
-    return ParserUse(True, PARSER_PROMPT_METHOD in methods, tuple(sorted(methods)), escapes)
+    uses = [
+        node for node in ast.walk(preprocess)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
+            node.func.attr == PARSER_PROMPT_METHOD or builds_parser(node.func.value)
+            or (isinstance(node.func.value, ast.Name) and node.func.value.id in built)
+        )
+    ]
+    return all(_position(node) > first_render for node in uses)
 
 
 def _mentions(node: ast.AST, text: str) -> bool:
@@ -267,14 +437,16 @@ def _mentions(node: ast.AST, text: str) -> bool:
     )
 
 
-def _calls(function: ast.AST, name: str) -> bool:
-    return any(
-        isinstance(node, ast.Call) and (
-            (isinstance(node.func, ast.Name) and node.func.id == name)
-            or (isinstance(node.func, ast.Attribute) and node.func.attr == name)
-        )
-        for node in ast.walk(function)
+def _is_call_of(node: ast.AST, name: str) -> bool:
+    """A call of `name(...)` or `<anything>.name(...)`."""
+    return isinstance(node, ast.Call) and (
+        (isinstance(node.func, ast.Name) and node.func.id == name)
+        or (isinstance(node.func, ast.Attribute) and node.func.attr == name)
     )
+
+
+def _calls(function: ast.AST, name: str) -> bool:
+    return any(_is_call_of(node, name) for node in ast.walk(function))
 
 
 @dataclass
@@ -287,7 +459,7 @@ class ReleaseReport:
     symbols_found: int = 0
     signatures_ok: bool = True
     token_in: bool = False
-    parser: ParserUse | None = None
+    splice_point: SplicePoint | None = None
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -311,7 +483,8 @@ def check_release(sources: ModuleSources, version: str = "", wheel: str = "") ->
         else:
             report.patched_found += 1
     for method, expected in (("preprocess_chat", PREPROCESS_CHAT_PARAMETERS),
-                             ("_make_request_with_harmony", HARMONY_PARAMETERS)):
+                             ("_make_request_with_harmony", HARMONY_PARAMETERS),
+                             (TOKENIZE_METHOD, TOKENIZE_PROMPTS_PARAMETERS)):
         found = methods.get(method)
         if isinstance(found, (ast.FunctionDef, ast.AsyncFunctionDef)):
             present = parameter_names(found)
@@ -336,8 +509,10 @@ def check_release(sources: ModuleSources, version: str = "", wheel: str = "") ->
                 f"preprocess_chat no longer takes kv_transfer_params['prompt_token_ids'] through {TOKEN_IN_FUNCTION}: "
                 "re-check how the hook meets vLLM's token-in path"
             )
-        report.parser = parser_use(preprocess)
-        report.problems.extend(_parser_problems(report.parser))
+    report.splice_point = splice_point(
+        reader, preprocess if isinstance(preprocess, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+    )
+    report.problems.extend(problem for _, problem in report.splice_point.gaps())
     return report
 
 
@@ -347,22 +522,6 @@ def _token_in_path(reader: _Reader, module: str, preprocess: _Function) -> bool:
         return False
     found = reader.top_level(module, TOKEN_IN_FUNCTION)
     return found is not None and all(_mentions(found.node, text) for text in TOKEN_IN_FIELDS)
-
-
-def _parser_problems(use: ParserUse) -> list[str]:
-    """What would break the hook's stand-in parser (hook._DeferredParser), which holds back PARSER_METHODS_HELD."""
-    if not use.has_parameter:
-        # Without the parameter there is no parser to keep in step, unless the parser comes from elsewhere.
-        return []
-    problems = [
-        f"preprocess_chat calls {method}() on its request parser; the hook's stand-in holds back only "
-        f"{', '.join(PARSER_METHODS_HELD)}"
-        for method in use.methods if method not in PARSER_METHODS_HELD
-    ]
-    if use.escapes:
-        problems.append("preprocess_chat uses its request parser otherwise than reading the class, building parsers "
-                        "and calling their methods; the hook's stand-in would leak out of it")
-    return problems
 
 
 def download_wheel(version: str, directory: Path) -> Path:
@@ -390,21 +549,17 @@ def check_wheel(wheel: Path, version: str) -> ReleaseReport:
 def format_reports(reports: list[ReleaseReport]) -> str:
     """The per-release table, then every problem found, release by release."""
     total_patched, total_symbols = len(PATCHED_METHODS), len(USED_SYMBOLS)
-    header = ("vLLM", "patched methods", "signatures", "used symbols", "token-in path", "parser prompt ids", "result")
+    header = ("vLLM", "patched methods", "signatures", "used symbols", "token-in path", "splice point", "result")
     rows = [header]
     for report in reports:
-        if report.parser is None or not report.parser.has_parameter:
-            parser = "no parser parameter"
-        elif report.parser.sets_prompt_ids:
-            parser = "set in preprocess_chat (hook replays spliced ids)"
-        else:
-            parser = "not set in preprocess_chat"
+        gaps = report.splice_point.gaps() if report.splice_point is not None else [("not checked", "")]
+        splice = "; ".join(label for label, _ in gaps) or "ok"
         result = "ok" if report.ok else "INCOMPATIBLE"
         if not report.in_supported_range:
             result += " (outside SUPPORTED_VLLM)"
         rows.append((
             report.version, f"{report.patched_found}/{total_patched}", "ok" if report.signatures_ok else "changed",
-            f"{report.symbols_found}/{total_symbols}", "yes" if report.token_in else "no", parser, result,
+            f"{report.symbols_found}/{total_symbols}", "yes" if report.token_in else "no", splice, result,
         ))
     widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]

@@ -1,12 +1,14 @@
 """The prefix-splice hook inside vLLM's API server: the one module that depends on vLLM internals.
 
-It wraps five methods:
-- `OnlineRenderer.preprocess_chat` (chat templating for `/v1/chat/completions` and `/tokenize`): when the request
-  carries `required_prefix_token_ids` or a bundled assistant message, the engine gets the model's exact prefix
-  ids followed by the template's tail, once the structural check holds (see nemo_gym_tok.splice); the request
-  parser vLLM builds there gets the spliced ids, not the template's (`_DeferredParser`; vLLM 0.33+). On a Harmony
-  model (GPT-OSS) only `/tokenize` comes here, and a request with a prefix is refused (it renders the Hugging Face
-  template, not the Harmony prompt generation uses);
+It wraps six methods:
+- `OnlineRenderer.preprocess_chat` (chat templating for `/v1/chat/completions` and `/tokenize`): reads the request's
+  prefix (`required_prefix_token_ids` or the last bundled assistant message) and times preprocessing
+  (`nemo_gym_tok_preprocess_seconds` on `/metrics`). On a Harmony model (GPT-OSS) only `/tokenize` comes here, and
+  a request with a prefix is refused (it renders the Hugging Face template, not the Harmony prompt generation uses);
+- `BaseRenderer.tokenize_prompts_async` (the tokenization step of vLLM's chat rendering): for a request with a
+  prefix, the template's text is not tokenized; the engine gets the model's exact prefix ids followed by the ids of
+  the template's text after it, once the structural check holds (see nemo_gym_tok.splice). vLLM then goes on as for
+  any tokenized prompt (length checks, the request parser's prompt ids), with the spliced ids;
 - `OnlineRenderer._make_request_with_harmony` (GPT-OSS chat completions, rendered by openai_harmony): the same
   splice, with vLLM's own Harmony rendering as the template (`_HarmonyRenderer`);
 - `OnlineRenderer.warmup` (server start-up): detects the chat template's turn structure and logs what it found;
@@ -20,6 +22,7 @@ It wraps five methods:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib
 import inspect
@@ -27,6 +30,7 @@ import json
 import logging
 import os
 import re
+import time
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -63,18 +67,16 @@ PATCHED_METHODS = (
     ("vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat", "chat_completion_full_generator"),
     ("vllm.renderers.online_renderer", "OnlineRenderer", "_make_request_with_harmony"),
     ("vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat", "chat_completion_stream_generator"),
+    ("vllm.renderers.base", "BaseRenderer", "tokenize_prompts_async"),
 )
 # Other internals the wrappers use.
 # preprocess_chat's parameters the splice reads (by name, as vLLM's callers pass them).
 PREPROCESS_CHAT_PARAMETERS = (
     "request", "messages", "default_template", "default_template_content_format", "default_template_kwargs", "tool_dicts",
 )
-# The request-parser class preprocess_chat takes (optional: a vLLM without it has no parser to keep in step).
-# From vLLM 0.33 on, preprocess_chat hands that parser the prompt ids (`set_prompt_token_ids`) before the splice
-# could replace them; the wrapper defers the parser's prompt and adjust_request until the spliced ids are known.
-PREPROCESS_CHAT_PARSER_PARAMETER = "parser"
-# What a parser built inside preprocess_chat may be asked: the stand-in holds back exactly these two calls.
-PARSER_METHODS_HELD = ("set_prompt_token_ids", "adjust_request")
+# tokenize_prompts_async's parameters: the rendered text prompts and the tokenization parameters. A prompt that
+# already holds `prompt_token_ids` is not tokenized again (the splice relies on that: `ngt vllm-compat` checks it).
+TOKENIZE_PROMPTS_PARAMETERS = ("prompts", "params")
 # _make_request_with_harmony's parameters, and what it returns: (Harmony messages, [{"prompt_token_ids": ...}]).
 HARMONY_PARAMETERS = ("request", "should_include_tools")
 USED_SYMBOLS = (
@@ -102,7 +104,10 @@ def check_internals() -> list[str]:
         owner = _lookup(module_name, class_name)
         if owner is None or not callable(getattr(owner, method, None)):
             missing.append(f"{module_name}.{class_name}.{method}")
-    checked = ((PATCHED_METHODS[0], PREPROCESS_CHAT_PARAMETERS), (PATCHED_METHODS[3], HARMONY_PARAMETERS))
+    checked = (
+        (PATCHED_METHODS[0], PREPROCESS_CHAT_PARAMETERS), (PATCHED_METHODS[3], HARMONY_PARAMETERS),
+        (PATCHED_METHODS[5], TOKENIZE_PROMPTS_PARAMETERS),
+    )
     for patched, expected in checked:
         method = getattr(_lookup(*patched[:2]), patched[2], None)
         if method is not None:
@@ -162,6 +167,7 @@ def install() -> None:
         return
     renderer_cls = _lookup(*PATCHED_METHODS[0][:2])
     serving_cls = _lookup(*PATCHED_METHODS[2][:2])
+    _wrap(_lookup(*PATCHED_METHODS[5][:2]), "tokenize_prompts_async", _tokenize_with_splice)
     _wrap(renderer_cls, "preprocess_chat", _preprocess_chat_with_splice)
     _wrap(renderer_cls, "warmup", _warmup_with_profile)
     _wrap(serving_cls, "chat_completion_full_generator", _full_generator_with_bundle)
@@ -207,90 +213,106 @@ def _warmup_with_profile(original: Any) -> Any:
 
 def _preprocess_chat_with_splice(original: Any) -> Any:
     async def preprocess_chat(self: Any, request: Any, messages: list[Any], *args: Any, **kwargs: Any) -> Any:
-        with _as_400():
-            source, new_segment = _read_prefix(self, request, messages)
-            if source is not None and getattr(self, "use_harmony", False):
-                raise SpliceError(HARMONY_TOKENIZE_REFUSAL)
-        if source is None or new_segment:
-            conversation, engine_inputs = await original(self, request, messages, *args, **kwargs)
-            if source is not None:
-                _remember(request, dict(_NEW_SEGMENT))
-            return conversation, engine_inputs
-        bound = _signature(original).bind(self, request, messages, *args, **kwargs)
-        deferred = _DeferredParser.replacing(bound.arguments)
-        conversation, engine_inputs = await original(*bound.args, **bound.kwargs)
-        with _as_400():
-            result = _splice(self, request, messages, bound.arguments, source, engine_inputs)
-        _apply(request, engine_inputs, result)
-        if deferred is not None:
-            deferred.replay(engine_inputs[0]["prompt_token_ids"])
-        return conversation, engine_inputs
+        from nemo_gym_tok.vllm import metrics
+
+        started = time.perf_counter()
+        path = "refused"
+        try:
+            with _as_400():
+                source, new_segment = _read_prefix(self, request, messages)
+                if source is not None and getattr(self, "use_harmony", False):
+                    raise SpliceError(HARMONY_TOKENIZE_REFUSAL)
+            if source is None or new_segment:
+                answer = await original(self, request, messages, *args, **kwargs)
+                if source is not None:
+                    _remember(request, dict(_NEW_SEGMENT))
+                path = "new_segment" if source is not None else "token_in" if _forwards_ids(request) else "template"
+                return answer
+            if source.message_index < 0:  # a first-turn prefix: the template's own ids must start with it
+                conversation, engine_inputs = await original(self, request, messages, *args, **kwargs)
+                with _as_400():
+                    _check_first_turn(self, engine_inputs, source)
+                _remember(request, {"applied": False, "template_differed": False, "replaced_tokens": 0})
+                path = "template"
+                return conversation, engine_inputs
+            bound = _signature(original).bind(self, request, messages, *args, **kwargs)
+            pending = _PendingSplice(self, request, messages, bound.arguments, source)
+            reset = _pending_splice.set(pending)
+            try:
+                answer = await original(*bound.args, **bound.kwargs)
+            finally:
+                _pending_splice.reset(reset)
+            if pending.result is None:
+                with _as_400():
+                    raise SpliceError(
+                        "the prefix splice needs vLLM to render this request's messages as chat template text (a "
+                        "request that forwards kv_transfer_params.prompt_token_ids, or a tokenizer that templates "
+                        "to ids, takes another path): send the prefix without kv_transfer_params.prompt_token_ids"
+                    )
+            _remember(request, pending.result.telemetry())
+            metrics.spliced(pending.result)
+            path = "spliced"
+            return answer
+        finally:
+            metrics.preprocessed(path, time.perf_counter() - started)
 
     return preprocess_chat
 
 
-class _DeferredParser:
-    """Stands in for vLLM's request-parser class while preprocess_chat renders a request the hook will splice.
-
-    preprocess_chat builds the parser after rendering, hands it the rendered prompt ids (vLLM 0.33+:
-    `set_prompt_token_ids`, which decides e.g. whether the prompt already closes reasoning) and lets it adjust the
-    request (structured outputs for tool calls). Those are the template's ids, not the spliced ones the engine gets.
-    So both calls are held back and replayed on the real parser once the splice is applied. Nothing else moves:
-    the render is done before the parser is built, and preprocess_chat returns without reading the adjusted request
-    (adjust_request changes it in place); `ngt vllm-compat` checks that each release uses the parser only so.
-    """
-
-    def __init__(self, parser_cls: Any) -> None:
-        self._parser_cls = parser_cls
-        self._built: list[_HeldParser] = []
-
-    @classmethod
-    def replacing(cls, arguments: dict[str, Any]) -> _DeferredParser | None:
-        """Put a stand-in in place of the `parser` argument, if the call has a parser; return it."""
-        parser_cls = arguments.get(PREPROCESS_CHAT_PARSER_PARAMETER)
-        if parser_cls is None:
-            return None
-        deferred = arguments[PREPROCESS_CHAT_PARSER_PARAMETER] = cls(parser_cls)
-        return deferred
-
-    def __getattr__(self, name: str) -> Any:
-        # The class attributes vLLM reads before building one (tool_parser_cls, reasoning_parser_cls, ...).
-        return getattr(self._parser_cls, name)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> _HeldParser:
-        held = _HeldParser(self._parser_cls(*args, **kwargs))
-        self._built.append(held)
-        return held
-
-    def replay(self, prompt_token_ids: Any) -> None:
-        """Give every parser vLLM built the final prompt ids, then let it adjust the request, as vLLM would have."""
-        for held in self._built:
-            held.replay(list(prompt_token_ids))
+# The splice a request being preprocessed waits for, until vLLM's tokenization step of that request claims it.
+# A context variable: concurrent requests each see their own, and vLLM's tasks inherit it from preprocess_chat.
+_pending_splice: contextvars.ContextVar[_PendingSplice | None] = contextvars.ContextVar(
+    "nemo_gym_tok_pending_splice", default=None
+)
 
 
-class _HeldParser:
-    """One parser built inside preprocess_chat, its prompt ids and request adjustments held back (_DeferredParser)."""
+class _PendingSplice:
+    """One request's splice, computed when vLLM's chat rendering hands its template text to tokenization."""
 
-    def __init__(self, parser: Any) -> None:
-        self._parser = parser
-        self._prompt_was_set = False
-        self._requests: list[Any] = []
+    def __init__(
+        self, online: Any, request: Any, messages: list[Any], arguments: dict[str, Any], source: PrefixSource
+    ) -> None:
+        self.online, self.request, self.messages, self.arguments, self.source = (
+            online, request, messages, arguments, source
+        )
+        self.claimed = False
+        self.result: SpliceResult | None = None
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._parser, name)
+    def splice(self, prompts: Any) -> list[Any]:
+        """The prompts vLLM is about to tokenize, with the spliced ids in place of tokenizing the template's text."""
+        self.claimed = True
+        prompt = prompts[0] if len(prompts) == 1 else None
+        text = prompt.get("prompt") if isinstance(prompt, dict) else None
+        if not isinstance(text, str) or "prompt_token_ids" in prompt or "prompt_embeds" in prompt:
+            raise SpliceError("the prefix splice supports text-only chats rendered to one token prompt")
+        self.result = _splice(self.online, self.request, self.messages, self.arguments, self.source, text)
+        # The template's text no longer describes these ids; vLLM skips tokenizing a prompt that holds its ids.
+        spliced = {key: value for key, value in prompt.items() if key != "prompt"}
+        spliced["prompt_token_ids"] = self.result.prompt_token_ids
+        return [spliced]
 
-    def set_prompt_token_ids(self, prompt_token_ids: Any) -> None:
-        self._prompt_was_set = True
 
-    def adjust_request(self, request: Any) -> Any:
-        self._requests.append(request)
-        return request
+def _tokenize_with_splice(original: Any) -> Any:
+    async def tokenize_prompts_async(self: Any, prompts: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        pending = _pending_splice.get()
+        if pending is not None and not pending.claimed:
+            with _as_400():
+                prompts = pending.splice(prompts)
+        return await original(self, prompts, params, *args, **kwargs)
 
-    def replay(self, prompt_token_ids: list[int]) -> None:
-        if self._prompt_was_set:
-            self._parser.set_prompt_token_ids(prompt_token_ids)
-        for request in self._requests:
-            self._parser.adjust_request(request=request)
+    return tokenize_prompts_async
+
+
+def _forwards_ids(request: Any) -> bool:
+    """The request hands vLLM its prompt ids (kv_transfer_params.prompt_token_ids: vLLM's token-reuse path)."""
+    forwarded = getattr(request, "kv_transfer_params", None)
+    return isinstance(forwarded, dict) and forwarded.get("prompt_token_ids") is not None
+
+
+def _check_first_turn(online: Any, engine_inputs: list[Any], source: PrefixSource) -> None:
+    if len(engine_inputs) != 1 or "prompt_token_ids" not in engine_inputs[0]:
+        raise SpliceError("the prefix splice supports text-only chats rendered to one token prompt")
+    check_starts_with(list(engine_inputs[0]["prompt_token_ids"]), source.prefix, online.renderer.get_tokenizer().decode)
 
 
 _NEW_SEGMENT = {"applied": False, "template_differed": False, "replaced_tokens": 0, "new_segment": True}
@@ -304,7 +326,7 @@ HARMONY_TOKENIZE_REFUSAL = (
 
 
 def _apply(request: Any, engine_inputs: list[Any], result: SpliceResult | None) -> None:
-    """Give the engine the spliced ids and remember the telemetry for the response."""
+    """Give the engine the spliced ids (Harmony: rendered to ids already) and remember the telemetry."""
     if result is None:  # a first-turn prefix: checked, nothing spliced
         _remember(request, {"applied": False, "template_differed": False, "replaced_tokens": 0})
         return
@@ -375,31 +397,21 @@ def _new_segment_requested(request: Any) -> bool:
 
 
 def _splice(
-    online: Any, request: Any, messages: list[Any], arguments: dict[str, Any], source: PrefixSource,
-    engine_inputs: list[Any],
-) -> SpliceResult | None:
-    if len(engine_inputs) != 1 or "prompt_token_ids" not in engine_inputs[0]:
-        raise SpliceError("the prefix splice supports text-only chats rendered to one token prompt")
-    template_ids = list(engine_inputs[0]["prompt_token_ids"])
-    if source.message_index < 0:
-        check_starts_with(template_ids, source.prefix, online.renderer.get_tokenizer().decode)
-        return None
+    online: Any, request: Any, messages: list[Any], arguments: dict[str, Any], source: PrefixSource, template_text: str
+) -> SpliceResult:
     default_template = arguments.get("default_template")
     content_format = arguments.get("default_template_content_format")
     default_kwargs = arguments.get("default_template_kwargs")
     tool_dicts = arguments.get("tool_dicts")
     renderer = _RequestRenderer(online, request, default_template, content_format, default_kwargs, tool_dicts)
     profile = _profile_for(online, request, default_template, content_format, default_kwargs)
-    template_text = engine_inputs[0].get("prompt")
     truncate = getattr(request, "truncate_prompt_tokens", None)
-    truncate = truncate if isinstance(truncate, int) and truncate >= 0 else None
     return splice_prefix(
         renderer, profile, [_plain_message(m) for m in messages], source,
         add_generation_prompt=bool(getattr(request, "add_generation_prompt", True)),
         continue_final_message=bool(getattr(request, "continue_final_message", False)),
-        truncate_prompt_tokens=truncate,
-        # Truncation cuts the template's ids at the front; compare the tail with them only where they are whole.
-        template_prompt=(template_text, template_ids) if isinstance(template_text, str) and truncate is None else None,
+        truncate_prompt_tokens=truncate if isinstance(truncate, int) and truncate >= 0 else None,
+        template_text=template_text,
     )
 
 
@@ -434,6 +446,8 @@ class _RequestRenderer:
         self._tools = tools
         self.tokenizer = online.renderer.get_tokenizer()
         self.added_tokens, self.special_tokens, self.end_token_ids = _tokenizer_facts(online)
+        self.piece_cache: dict[str, list[int]] = _cache_of(online).setdefault("pieces", {})
+        """Ids of short template pieces (role headers), shared by the server's requests: see splice._fixed_text."""
 
     def render(self, messages: Any, *, add_generation_prompt: bool, continue_final_message: bool = False) -> str:
         return self._render(messages, self._tools, add_generation_prompt, continue_final_message)
@@ -512,7 +526,7 @@ def _splice_harmony(
     # and applies no truncate_prompt_tokens while rendering.
     return splice_prefix(
         renderer, _harmony_profile(online), [_plain_message(m) for m in request.messages], source,
-        add_generation_prompt=True, template_prompt=(renderer.decode(template_ids), template_ids),
+        add_generation_prompt=True, template_text=renderer.decode(template_ids),
     )
 
 

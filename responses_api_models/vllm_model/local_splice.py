@@ -231,7 +231,7 @@ def _splice(
             renderer, template.profile(template_kwargs, request_template), messages, source,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             truncate_prompt_tokens=truncate if isinstance(truncate, int) and truncate >= 0 else None,
-            template_prompt=(text, template_ids),
+            template_text=text,
         )
     except SpliceError as exc:
         raise ApiError(400, str(exc), param=PREFIX_KEY) from None
