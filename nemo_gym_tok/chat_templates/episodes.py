@@ -49,6 +49,8 @@ class Episode:
     messages: list[dict[str, Any]] = field(default_factory=list)
     turns: list[ModelTurn] = field(default_factory=list)
     telemetry: list[dict[str, Any]] = field(default_factory=list)
+    checked_by_text: list[bool] = field(default_factory=list)
+    """Per splice, whether the structural check was proven by text (no tokenization of the history)."""
 
 
 class WrongSplice(AssertionError):
@@ -108,6 +110,7 @@ def play_episode(
         result = splice_prefix(renderer, profile, episode.messages, source, template_text=full_text)
         check_splice(renderer, profile, episode.messages, source, result.prompt_token_ids, result.kept_prefix_length)
         episode.telemetry.append(result.telemetry())
+        episode.checked_by_text.append(result.checked_by_text)
         prompt = result.prompt_token_ids
     return episode
 

@@ -52,6 +52,8 @@ class TemplateResult:
     outcome: str
     reason: str = ""
     splices: int = 0
+    splices_checked_by_text: int = 0
+    """Splices whose structural check the text walk proved (the rest needed the exact walk, which tokenizes)."""
     edits_refused: int = 0
     unrenderable: list[str] = field(default_factory=list)
     """Episode shapes the template itself cannot render (no tool support, strict alternation): not splice outcomes."""
@@ -67,8 +69,12 @@ class SweepReport:
         return part / total if total else 0.0
 
     def format(self, *, listed: int = 40) -> str:
-        lines = [f"{len(self.results)} chat templates; splices judged: {sum(r.splices for r in self.results)}, "
-                 f"edits refused: {sum(r.edits_refused for r in self.results)}"]
+        splices = sum(r.splices for r in self.results)
+        by_text = sum(r.splices_checked_by_text for r in self.results)
+        lines = [f"{len(self.results)} chat templates; splices judged: {splices}, "
+                 f"edits refused: {sum(r.edits_refused for r in self.results)}",
+                 f"splices whose structural check the text walk proved (no tokenization of the history): {by_text} "
+                 f"({by_text / (splices or 1):.1%}); the rest needed the exact id walk"]
         lines.append(f"{'outcome':<16}{'templates':>10}{'by count':>10}{'by downloads':>14}")
         counts = Counter(r.outcome for r in self.results)
         for outcome in OUTCOMES:
@@ -127,6 +133,7 @@ def sweep_template(entry: TemplateEntry, *, episodes_per_shape: int = 2, seed: i
                 continue
             played += 1
             result.splices += len(episode.telemetry)
+            result.splices_checked_by_text += sum(episode.checked_by_text)
             wrong = _edits_are_refused(renderer, profile, episode, result)
             if wrong:
                 return _outcome(result, "wrong", wrong)

@@ -16,8 +16,7 @@ exact walk (`match_fixed_segments`), which tokenizes each segment and reports th
 from __future__ import annotations
 
 import re
-from bisect import bisect_left
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from nemo_gym_tok.splice._structure import Layout, segment_end
 
@@ -43,15 +42,12 @@ class FixedTextMatcher:
         self._pieces = piece_cache if piece_cache is not None else {}
 
     def body_spans(
-        self, ids: Sequence[int], layout: Layout, closer_ids: frozenset[int], end_ids: frozenset[int] = frozenset()
+        self, ids: list[int], layout: Layout, closer_ids: frozenset[int], end_ids: frozenset[int] = frozenset()
     ) -> list[tuple[int, int]] | None:
         """The id spans of the layout's bodies (the last runs to the end of `ids`) when every fixed segment is
         proven to match; None when the fast walk cannot prove it (the exact walk then decides)."""
         if not closer_ids:
             return None  # turns closed by text: a body's end is found by matching text, which needs the exact walk
-        # One pass over the ids: where the added tokens are (text runs end there; closers are among them).
-        added_at = [index for index, token in enumerate(ids) if token in self._added_ids]
-        closers_at = [index for index in added_at if ids[index] in closer_ids]
         runs: list[tuple[int, int, str]] = []
         spans: list[tuple[int, int]] = []
         position = 0
@@ -60,8 +56,8 @@ class FixedTextMatcher:
             if number > 0:
                 if pieces:
                     body_end = segment_end(
-                        ids, position, lambda at: self._walk(ids, at, pieces, added_at, None) is not None,
-                        closer_ids, end_ids, closers_at,
+                        ids, position, lambda at: self._starts_at(ids, at, pieces), closer_ids, end_ids,
+                        next_closer=lambda start: _next_of(ids, start, closer_ids),
                     )
                 else:
                     body_end = len(ids)
@@ -69,7 +65,7 @@ class FixedTextMatcher:
                     return None
                 spans.append((position, body_end))
                 position = body_end
-            after = self._walk(ids, position, pieces, added_at, runs)
+            after = self._walk(ids, position, pieces, runs)
             if after is None:
                 return None
             position = after
@@ -93,23 +89,33 @@ class FixedTextMatcher:
             pieces.append(text[position:])
         return pieces
 
+    def _starts_at(self, ids: list[int], position: int, pieces: list[str | int]) -> bool:
+        """Whether the segment can start at `position` (a closing id inside the model's body is not where the next
+        segment starts): its added tokens and last piece are where they must be, and its first text run reads as
+        the template's (decoded now, not batched: it decides where the body ends)."""
+        first_run: list[tuple[int, int, str]] = []
+        if self._walk(ids, position, pieces, first_run, first_only=True) is None:
+            return False
+        return not first_run or self._decode_batch([list(ids[first_run[0][0] : first_run[0][1]])])[0] == first_run[0][2]
+
     def _walk(
-        self, ids: Sequence[int], position: int, pieces: list[str | int], added_at: list[int],
-        runs: list[tuple[int, int, str]] | None,
+        self, ids: list[int], position: int, pieces: list[str | int], runs: list[tuple[int, int, str]],
+        *, first_only: bool = False,
     ) -> int | None:
-        """Where the pieces end when they match at `position` (text runs between added tokens are queued in `runs`
-        for the batched decode, or not checked when `runs` is None); None when they cannot match."""
+        """Where the pieces end when they match at `position`, their text runs between added tokens queued in
+        `runs` for the batched decode (only the first with `first_only`); None when they cannot match."""
         for number, piece in enumerate(pieces):
             if isinstance(piece, int):
                 if position >= len(ids) or ids[position] != piece:
                     return None
                 position += 1
-            elif number + 1 < len(pieces):  # an added token follows: the run ends at the next added id
-                next_added = bisect_left(added_at, position)
-                if next_added == len(added_at) or added_at[next_added] == position:
+            elif number + 1 < len(pieces):  # an added token follows: the run ends where its id first comes
+                # (list.index scans in C; a run that holds another added id decodes to that token's text, which the
+                # template's run cannot hold, so it fails the text comparison)
+                run_end = _next_of(ids, position, (pieces[number + 1],))
+                if run_end is None or run_end == position:
                     return None
-                run_end = added_at[next_added]
-                if runs is not None:
+                if not (first_only and runs):
                     runs.append((position, run_end, piece))
                 position = run_end
             else:  # the segment's last piece, followed by a body or the end: its own tokenization
@@ -128,6 +134,17 @@ class FixedTextMatcher:
                 self._pieces.clear()
             cached = self._pieces[piece] = self._encode(piece)
         return cached
+
+
+def _next_of(ids: list[int], start: int, wanted: Iterable[int]) -> int | None:
+    """The first index at or after `start` holding one of `wanted` (a few ids), or None."""
+    found = None
+    for token in wanted:
+        try:
+            found = ids.index(token, start, len(ids) if found is None else found)
+        except ValueError:
+            continue
+    return found
 
 
 _patterns: dict[tuple[str, ...], re.Pattern[str]] = {}

@@ -67,6 +67,9 @@ class SpliceResult:
     repaired_turns: tuple[RepairedTurn, ...] | None
     """The prefix's own turn when it was repaired (empty when it was not); None where the template's text for the
     turn was not known (no template text given, or it could not be aligned)."""
+    checked_by_text: bool = False
+    """The structural check was proven by the template's text (the fast walk, _fixed_text); False where the exact
+    id-by-id walk, which tokenizes the history's fixed text, had to decide."""
 
     def telemetry(self) -> dict[str, Any]:
         telemetry: dict[str, Any] = {
@@ -118,7 +121,7 @@ def splice_prefix(
             continue_final_message=continue_final_message, what="the messages",
         )
     full_layout = Layout(full_text, find(full_text, [*earlier, a], a if continue_final_message else None))
-    bodies = _check_prefix(renderer, profile, neutral, earlier, find, source)
+    bodies, checked_by_text = _check_prefix(renderer, profile, neutral, earlier, find, source)
     tail_text, tail = _template_tail(
         renderer, profile, messages, neutral, [*earlier, a], find, full_layout, source, add_generation_prompt,
         continue_final_message, template_text,
@@ -137,17 +140,17 @@ def splice_prefix(
     differed, replaced, repaired = _new_turn_repair(renderer, full_layout, tail_text, template_text, generation, a)
     return SpliceResult(
         prompt_token_ids=spliced, kept_prefix_length=kept, template_differed=differed, replaced_tokens=replaced,
-        end_token_replaced=end_replaced, repaired_turns=repaired,
+        end_token_replaced=end_replaced, repaired_turns=repaired, checked_by_text=checked_by_text,
     )
 
 
 def _check_prefix(
     renderer: ChatRenderer, profile: TemplateProfile, neutral: list[dict[str, Any]], earlier: list[int], find: Any,
     source: PrefixSource,
-) -> list[tuple[int, int]]:
+) -> tuple[list[tuple[int, int]], bool]:
     """The structural check: the prefix is what the template renders for messages[:a] (with a generation prompt)
     outside the model's bodies, then a non-empty generation with no end token inside. Returns the bodies' id spans
-    (the generation last). Checked by text first (_fixed_text), id by id where that cannot prove it."""
+    (the generation last) and whether the text walk proved it (_fixed_text; id by id where it could not)."""
     a, prefix = source.message_index, source.prefix
     closer_ids = profile.closer_ids()
     matcher = FixedTextMatcher(
@@ -156,13 +159,17 @@ def _check_prefix(
     prompt_text = _render(renderer, neutral[:a], add_generation_prompt=True, what="the messages before the prefix's turn")
     prompt_layout = Layout(prompt_text, find(prompt_text, earlier, None))
     bodies = matcher.body_spans(prefix, prompt_layout, closer_ids, profile.end_token_ids)
+    # Templates that move text between turns (Mistral v0.3 puts the system prompt in the last user turn; Kimi
+    # renders an earlier turn's thinking block otherwise than its generation prompt did) render the history
+    # differently once more messages follow; the prefix then holds each turn's prompt as it was.
+    turn_layout = None
+    if bodies is None and earlier:
+        turn_layout = _turn_by_turn_layout(renderer, neutral, [*earlier, a], find)
+        bodies = matcher.body_spans(prefix, turn_layout, closer_ids, profile.end_token_ids)
+    checked_by_text = bodies is not None
     if bodies is None:
         bodies, mismatch = match_fixed_segments(prefix, prompt_layout, renderer.encode, closer_ids, profile.end_token_ids)
-        if mismatch is not None and earlier:
-            # Templates that move text between turns (Mistral v0.3 puts the system prompt in the last user turn)
-            # render the history differently once more messages follow; the prefix then holds each turn's prompt
-            # as it was.
-            turn_layout = _turn_by_turn_layout(renderer, neutral, [*earlier, a], find)
+        if mismatch is not None and turn_layout is not None:
             turn_bodies, turn_mismatch = match_fixed_segments(
                 prefix, turn_layout, renderer.encode, closer_ids, profile.end_token_ids
             )
@@ -191,7 +198,7 @@ def _check_prefix(
             "belong to these messages",
             message_index=a,
         )
-    return bodies
+    return bodies, checked_by_text
 
 
 def _template_tail(

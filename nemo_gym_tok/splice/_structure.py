@@ -10,7 +10,6 @@ and never past an end id, where generation stops).
 from __future__ import annotations
 
 import re
-from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -149,14 +148,14 @@ def match_fixed_segments(
 
 def segment_end(
     ids: Sequence[int], start: int, matches_at: Callable[[int], bool], closer_ids: frozenset[int],
-    end_ids: frozenset[int], closer_positions: Sequence[int] | None = None,
+    end_ids: frozenset[int], next_closer: Callable[[int], int | None] | None = None,
 ) -> int | None:
     """Where the body that starts at `start` ends: the first closing id at which the next fixed segment matches.
 
     Without a match, the first closing id (so the mismatch is reported there); None when there is no closing id.
     Without closing ids (turns closed by text), the first place the segment matches, and never past the model's
     first end token (generation stopped there, so the template's text follows it at the latest).
-    `closer_positions`, when given, are the ascending indices of every closing id in `ids` (saves the scan).
+    `next_closer(i)`, when given, finds the first closing id at or after i faster than scanning id by id.
     """
     if not closer_ids:
         for index in range(start, len(ids) + 1):
@@ -165,14 +164,16 @@ def segment_end(
             if index < len(ids) and ids[index] in end_ids:
                 return index + 1
         return None
-    if closer_positions is None:
-        closer_positions = [index for index in range(start, len(ids)) if ids[index] in closer_ids]
+    if next_closer is None:
+        next_closer = lambda at: next((i for i in range(at, len(ids)) if ids[i] in closer_ids), None)  # noqa: E731
     first = None
-    for index in closer_positions[bisect_left(closer_positions, start) :]:
+    index = next_closer(start)
+    while index is not None:
         if first is None:
             first = index
         if matches_at(index) or ids[index] in end_ids:
             return index
+        index = next_closer(index + 1)
     return first
 
 
