@@ -77,6 +77,9 @@ def check_token_ids(ids: Any, field: str, vocab_size: int | None = None) -> list
     """`ids` as a list of non-negative ints (bools, floats and strings rejected), below `vocab_size` if given."""
     if not isinstance(ids, list):
         raise InvalidTokenIdsError(f"{field} must be a list of token ids, got {type(ids).__name__}")
+    # The common case checked at C speed (a prefix holds thousands of ids); the loop below names the first bad one.
+    if not ids or (set(map(type, ids)) == {int} and min(ids) >= 0 and (vocab_size is None or max(ids) < vocab_size)):
+        return list(ids)
     for position, value in enumerate(ids):
         if type(value) is not int:
             raise InvalidTokenIdsError(f"{field}[{position}] must be an int token id, got {value!r}")
