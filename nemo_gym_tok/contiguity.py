@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nemo_gym_tok.rollout_record import MalformedRecordError, UnknownSchemaVersionError, full_output
 from nemo_gym_tok.token_sources import PrefixMismatchError, check_prefix
 
 Decode = Callable[[Sequence[int]], str]
@@ -55,8 +56,12 @@ class NotContiguousError(ValueError):
 
 
 def bundled_turns(record: dict[str, Any]) -> list[BundledTurn]:
-    """The bundled items of `record["response"]["output"]`, in order."""
-    output = (record.get("response") or {}).get("output") or []
+    """The bundled items of `record["response"]["output"]`, in order, with full prompt ids (schema version 1 or 2).
+
+    Raises UnknownSchemaVersionError for a record of a version this nemo_gym_tok does not read, and
+    MalformedRecordError for a version 2 record whose prompts cannot be rebuilt (nemo_gym_tok.rollout_record).
+    """
+    output = full_output(record)
     turns = []
     for index, item in enumerate(output):
         if item.get("prompt_token_ids") is None:
@@ -122,6 +127,8 @@ class ContiguityReport:
     new_segments: int = 0
     without_bundles: int = 0
     unreadable_lines: int = 0
+    unreadable_records: int = 0
+    """Records of a schema_version this nemo_gym_tok does not read, or whose packed prompts cannot be rebuilt."""
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -141,6 +148,8 @@ class ContiguityReport:
             lines.append(f"rollouts without token bundles: {self.without_bundles}")
         if self.unreadable_lines:
             lines.append(f"unreadable lines: {self.unreadable_lines}")
+        if self.unreadable_records:
+            lines.append(f"records of an unknown schema_version or malformed: {self.unreadable_records}")
         lines += [f"  {failure}" for failure in self.failures]
         return "\n".join(lines)
 
@@ -159,7 +168,13 @@ def check_file(path: str | Path, decode: Decode | None = None, max_failures: int
                 continue
             report.rollouts += 1
             label = f"line {number}" + (f" (rollout {record['rollout_id']})" if "rollout_id" in record else "")
-            turns = bundled_turns(record)
+            try:
+                turns = bundled_turns(record)
+            except (UnknownSchemaVersionError, MalformedRecordError) as exc:
+                report.unreadable_records += 1
+                if len(report.failures) < max_failures:
+                    report.failures.append(f"{label}: {exc}")
+                continue
             report.turns += len(turns)
             report.multi_turn += len(turns) > 1
             report.repaired_turns += sum(turn.repaired for turn in turns)

@@ -54,6 +54,8 @@ def items_to_chat_messages(items: list[ResponseItem], instructions: str | None =
 
     for item in items:
         if item.is_model_output:
+            if pending and _opens_next_call(pending[-1], item):
+                flush()
             pending.append(item)
             if item.has_bundle:  # the bundle closes its model call
                 flush()
@@ -98,6 +100,18 @@ def chat_message_to_items(message: dict[str, Any]) -> list[ResponseItem]:
         last = items[-1]
         items[-1] = ResponseItem.model_validate({**last.model_dump(exclude_none=True), **bundle})
     return items
+
+
+_ORDER_IN_A_CALL = {"reasoning": 0, "message": 1, "function_call": 2}
+"""A model call's items come in this order (chat_message_to_items), with at most one assistant message."""
+
+
+def _opens_next_call(previous: ResponseItem, item: ResponseItem) -> bool:
+    """`item` cannot follow `previous` within one model call, so it starts the next one. Calls whose bundles were left
+    off (a harness sends only the latest call's) must not merge into one assistant message: the template rendered
+    them as two turns."""
+    before, now = _ORDER_IN_A_CALL[previous.type], _ORDER_IN_A_CALL[item.type]
+    return now < before or now == before == _ORDER_IN_A_CALL["message"]
 
 
 def _assistant_message(items: list[ResponseItem]) -> dict[str, Any]:

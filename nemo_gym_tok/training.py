@@ -52,7 +52,11 @@ def rollout_to_training_sequence(record: dict[str, Any], decode: Decode | None =
 
 
 def rollout_to_training_sequences(record: dict[str, Any], decode: Decode | None = None) -> list[TrainingSequence]:
-    """One sequence per token segment of the episode (one for an episode that never restarted its ids)."""
+    """One sequence per token segment of the episode (one for an episode that never restarted its ids).
+
+    Reads records of schema_version 1 and 2 alike (2 stores prompts packed; see nemo_gym_tok.rollout_record) and
+    raises UnknownSchemaVersionError, naming the version, for any other.
+    """
     turns = bundled_turns(record)
     if not turns:
         raise NoTokenBundlesError(

@@ -95,6 +95,36 @@ def test_bundle_closes_its_call_so_back_to_back_calls_stay_apart() -> None:
     assert messages[1]["prompt_token_ids"] == list(range(7))
 
 
+def test_back_to_back_calls_stay_apart_when_only_the_latest_carries_its_bundle() -> None:
+    """What the agent sends since lean payloads: earlier calls' items without bundles, the latest call's with it."""
+    def unbundled(message: dict) -> list[ResponseItem]:
+        return [ResponseItem.model_validate(item.model_dump(exclude={"prompt_token_ids", "generation_token_ids",
+                                                                      "generation_log_probs", "prefix_splice"}))
+                for item in chat_message_to_items(message)]
+
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    items = [
+        *unbundled({"role": "assistant", "content": "one", "reasoning_content": "r1"}),
+        *unbundled({"role": "assistant", "content": "two", "tool_calls": [call, {**call, "id": "c2"}]}),
+        *unbundled({"role": "assistant", "content": "three"}),
+        *unbundled({"role": "assistant", "content": "four", "reasoning_content": "r4"}),
+        *chat_message_to_items({"role": "assistant", "content": "five", **bundle(9, 2)}),
+    ]
+    messages = items_to_chat_messages(items)
+    assert [m["content"] for m in messages] == ["one", "two", "three", "four", "five"]
+    assert [m.get("reasoning_content") for m in messages] == ["r1", None, None, "r4", None]
+    assert [len(m.get("tool_calls", [])) for m in messages] == [0, 2, 0, 0, 0]  # parallel calls stay together
+    assert [m.get("prompt_token_ids") for m in messages] == [None] * 4 + [list(range(9))]
+
+
+def test_a_tool_only_call_right_after_a_text_only_call_reads_as_one_call_without_bundles() -> None:
+    """The one order items alone cannot split (docs/token-contract.md): a call's text may precede its tool calls."""
+    text = chat_message_to_items({"role": "assistant", "content": "one"})
+    tools = chat_message_to_items({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]})
+    assert [m["content"] for m in items_to_chat_messages([*text, *tools])] == ["one"]
+
+
 def test_responses_request_to_chat_request_translates_and_passes_extras_through() -> None:
     request = ResponsesRequest.model_validate({
         "model": "m", "input": "hello", "instructions": "sys", "max_output_tokens": 9, "temperature": 0.5,

@@ -20,6 +20,7 @@ from nemo_gym_tok.servers.client import ServerClient
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from nemo_gym_tok.servers.registry import validate_instance
 from nemo_gym_tok.training import rollout_to_training_sequence
+from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 from nemo_gym_tok.vllm.server import VLLMServer
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 from responses_api_models.vllm_model.tests.conftest import RecordingProxy, recording_proxy_app
@@ -39,6 +40,8 @@ class GymUnderTest:
     urls: dict[str, str]
     proxy: RecordingProxy
     """Between the adapter and vLLM: shows what vLLM received."""
+    model_requests: RecordingProxy
+    """Between the agents and the adapter: shows what the agents sent the model."""
 
     def __getitem__(self, name: str) -> str:
         return self.urls[name]
@@ -53,7 +56,10 @@ def gym(vllm_server: VLLMServer) -> Iterator[GymUnderTest]:
         proxy.url = stack.enter_context(serve_in_thread(recording_proxy_app(vllm_server.base_url, proxy)))
         adapter = VLLMModel("policy_model", VLLMModelConfig(
             base_url=proxy.url, model=vllm_server.served_model_name, return_token_id_information=True))
-        urls = {"policy_model": stack.enter_context(serve_in_thread(adapter.build_app()))}
+        adapter_url = stack.enter_context(serve_in_thread(adapter.build_app()))
+        model_requests = RecordingProxy(url="")
+        model_requests.url = stack.enter_context(serve_in_thread(recording_proxy_app(adapter_url, model_requests)))
+        urls = {"policy_model": model_requests.url}
         for environment in ENVIRONMENTS:
             server_class, config = validate_instance(ServerInstance(environment, "resources_servers", environment, {}, {}))
             urls[environment] = stack.enter_context(serve_in_thread(server_class(environment, config).build_app()))
@@ -63,7 +69,7 @@ def gym(vllm_server: VLLMServer) -> Iterator[GymUnderTest]:
                                            send_token_bundles=send)
                 agent = SimpleAgent(f"{environment}_agent{suffix}", config, ServerClient(dict(urls)))
                 urls[f"{environment}_agent{suffix}"] = stack.enter_context(serve_in_thread(agent.build_app()))
-        yield GymUnderTest(urls, proxy)
+        yield GymUnderTest(urls, proxy, model_requests)
 
 
 def run_rollouts(gym: GymUnderTest, agent: str, environment: str) -> list[dict]:
@@ -76,11 +82,19 @@ def run_rollouts(gym: GymUnderTest, agent: str, environment: str) -> list[dict]:
 
 @pytest.mark.parametrize("environment", ENVIRONMENTS)
 def test_agent_episodes_are_token_exact_training_data(gym, environment: str) -> None:
+    already_sent = len(gym.model_requests.bodies("/v1/responses"))
     records = run_rollouts(gym, f"{environment}_agent", environment)
+    requests = iter(gym.model_requests.bodies("/v1/responses")[already_sent:])  # the rollouts ran one after another
     repaired = 0
     for record in records:
         assert isinstance(record["reward"], float | int)
+        assert record["schema_version"] == 2
         turns = bundled_turns(record)
+        for number in range(len(turns)):
+            # Each call carries the previous call's bundle, and no other: the hook takes its prefix from it alone.
+            bundled = [item for item in next(requests)["input"] if any(key in item for key in BUNDLE_FIELDS)]
+            expected = [turns[number - 1].prompt_token_ids] if number else []
+            assert [item["prompt_token_ids"] for item in bundled] == expected
         assert len(turns) >= 3, f"only {len(turns)} model calls"
         assert record["response"]["model_calls"] == len(turns)
         repaired += sum(turn.repaired for turn in turns)

@@ -15,7 +15,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Walk every rollout record of FILE: a rollout is token-contiguous when each model call's prompt ids start "
             "with all prompt+generation ids before it. Prints rollouts, model calls, contiguous rollouts, turns the "
-            "prefix splice repaired, and the first failures. Exit status 0 when every rollout is contiguous, else 1."
+            "prefix splice repaired, and the first failures. Reads records of schema_version 1 and 2; a record of "
+            "any other version is a failure naming it. Exit status 0 when every rollout is contiguous, else 1."
         ),
     )
     parser.add_argument("file", metavar="FILE", help="rollouts JSONL (from ngt collect)")

@@ -10,8 +10,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_tok.collect.errors import CollectError
+from nemo_gym_tok.collect.errors import CollectError, ResumeError
 from nemo_gym_tok.collect.identity import RolloutId, RolloutKey
+from nemo_gym_tok.rollout_record import UnknownSchemaVersionError, record_schema_version
 
 FAILURES_SUFFIX = ".failures.jsonl"
 
@@ -39,6 +40,9 @@ def repair_output(output_path: str | os.PathLike[str]) -> tuple[list[RolloutId],
                 return ids, True
             try:
                 ids.append(_record_id(raw))
+            except UnknownSchemaVersionError as exc:
+                raise ResumeError(f"{path}:{line_number}: {exc}; resume it with the nemo_gym_tok that wrote it, or "
+                                  "collect into another --output") from None
             except ValueError as exc:
                 raise CollectError(f"{path}:{line_number}: {exc}; the output file was edited or written by something "
                                    "else: fix or remove that line") from None
@@ -53,6 +57,7 @@ def _record_id(raw: bytes) -> RolloutId:
         raise ValueError(f"not valid JSON ({exc})") from None
     if not isinstance(record, dict) or "rollout_id" not in record:
         raise ValueError("not a rollout record (no rollout_id)")
+    record_schema_version(record)  # a version this collector cannot read back must not be appended to
     return RolloutId.from_json(record["rollout_id"])
 
 

@@ -21,7 +21,9 @@ from nemo_gym_tok.collect.files import (
 from nemo_gym_tok.collect.identity import InputRow, InputRows, RolloutKey, read_input
 from nemo_gym_tok.collect.resume import belongs, done_keys
 from nemo_gym_tok.http_errors import error_message
+from nemo_gym_tok.rollout_record import UnknownSchemaVersionError, record_schema_version
 from nemo_gym_tok.servers.client import SESSION_HEADER, auth_headers
+from nemo_gym_tok.servers.http_pool import DEFAULT_MAX_CONNECTIONS, pool_limits
 
 _SHOWN_FAILURES = 3  # failures echoed to stderr while running; the rest are only in the failures file
 
@@ -77,6 +79,11 @@ async def _run_one(
     if "response" not in record:
         keys = ", ".join(sorted(record)) or "none"
         raise _RolloutFailed(f"agent answered HTTP 200 with an object that has no `response` field (keys: {keys})")
+    try:
+        record_schema_version(record)
+    except UnknownSchemaVersionError as exc:
+        # Written, it would stop every later resume of this output (which reads each record back): fail it instead.
+        raise _RolloutFailed(f"agent answered a record this ngt collect cannot read back: {exc}") from None
     return record
 
 
@@ -185,7 +192,8 @@ class _Run:
         self._failure_log: AppendLog | None = None  # opened on the first failure: a clean run never creates the file
         self._bar = tqdm(total=total, initial=already_done, desc="rollouts", unit="rollout", file=sys.stderr,
                          disable=None if progress else True, dynamic_ncols=True)
-        limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
+        # The gym's pool (http_pool), never below --concurrency: no rollout waits for a connection to the agent.
+        limits = pool_limits(max(self.concurrency, DEFAULT_MAX_CONNECTIONS))
         tasks: set[asyncio.Task[None]] = set()
         try:
             async with httpx.AsyncClient(timeout=httpx.Timeout(self.timeout), limits=limits,

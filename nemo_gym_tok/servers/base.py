@@ -7,6 +7,7 @@ from contextlib import asynccontextmanager
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -18,6 +19,13 @@ from nemo_gym_tok.servers.bodies import DEFAULT_MAX_BODY_BYTES, MAX_BODY_STATE_K
 from nemo_gym_tok.servers.client import SESSION_HEADER, ServerClient
 from nemo_gym_tok.servers.errors import (
     ApiError, UnexpectedErrorMiddleware, api_error_handler, error_response, http_error_handler, validation_message,
+)
+from nemo_gym_tok.servers.http_pool import (
+    DEFAULT_CONNECT_TIMEOUT_SECONDS,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_REQUEST_TIMEOUT_SECONDS,
+    call_timeout,
+    pool_limits,
 )
 from nemo_gym_tok.servers.openapi import (
     ANY_OBJECT, JsonSchema, SeedSessionRequest, StepRequest, VerifyRequest, install_components, json_body,
@@ -34,6 +42,23 @@ class BaseServerConfig(BaseModel):
     """0 lets `ngt run` pick a free port."""
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, gt=0)
     """Largest request body the server reads (64 MiB by default); a larger one is refused with 413."""
+    max_connections: int = Field(DEFAULT_MAX_CONNECTIONS, gt=0)
+    """Connections the server's HTTP client holds open at most (to the other gym servers; the adapter's to vLLM too):
+    the most calls it has in flight at once. Keep it at least `ngt collect --concurrency` (http_pool)."""
+    max_keepalive_connections: int | None = Field(None, ge=0)
+    """Idle connections kept open for the next call; unset, as many as max_connections."""
+    connect_timeout_seconds: float = Field(DEFAULT_CONNECT_TIMEOUT_SECONDS, gt=0)
+    """Longest wait to open a connection to another server (or vLLM): a host that does not answer is down."""
+    request_timeout_seconds: float = Field(DEFAULT_REQUEST_TIMEOUT_SECONDS, gt=0)
+    """Longest wait for the answer to one call to another server (or, in the adapter, one vLLM call)."""
+
+    def http_limits(self) -> httpx.Limits:
+        """The connection pool of this server's HTTP clients."""
+        return pool_limits(self.max_connections, self.max_keepalive_connections)
+
+    def http_timeout(self) -> httpx.Timeout:
+        """The timeouts of this server's HTTP clients."""
+        return call_timeout(self.request_timeout_seconds, self.connect_timeout_seconds)
 
 
 class BaseServer:

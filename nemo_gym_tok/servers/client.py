@@ -6,6 +6,9 @@ from typing import Any
 
 import httpx
 
+from nemo_gym_tok.servers.fast_json import JSON_MEDIA_TYPE, dumps
+from nemo_gym_tok.servers.http_pool import call_timeout, pool_limits
+
 
 SESSION_HEADER = "x-session-id"
 """Names the conversation / episode on every call: the adapter keeps it on one vLLM URL, environments key state by it."""
@@ -28,7 +31,8 @@ class ServerClient:
     """Resolves instance names to base URLs (given, or fetched once from the head server) and sends requests.
 
     `auth_token` is the gym's bearer token: sent on every request, and required by the server that owns this client
-    (BaseServer.build_app), so one value configures both sides.
+    (BaseServer.build_app), so one value configures both sides. `timeout` and `limits` default to the gym's
+    (http_pool); a server passes its config's (`BaseServerConfig.http_timeout()`, `http_limits()`).
     """
 
     def __init__(
@@ -36,13 +40,17 @@ class ServerClient:
         servers: dict[str, str] | None = None,
         *,
         head_url: str | None = None,
-        timeout: float | None = 600.0,
+        timeout: float | httpx.Timeout | None = None,
         auth_token: str | None = None,
+        limits: httpx.Limits | None = None,
     ) -> None:
         self._servers = dict(servers or {})
         self._head_url = head_url.rstrip("/") if head_url else None
         self.auth_token = auth_token or None
-        self._http = httpx.AsyncClient(timeout=timeout, headers=auth_headers(self.auth_token))
+        self._http = httpx.AsyncClient(
+            timeout=call_timeout() if timeout is None else timeout, limits=limits or pool_limits(),
+            headers=auth_headers(self.auth_token),
+        )
 
     async def base_url(self, name: str) -> str:
         if name not in self._servers and self._head_url:
@@ -56,9 +64,14 @@ class ServerClient:
             raise UnknownServerError(f"no server named {name!r} (known: {known})") from None
 
     async def post(self, name: str, path: str, json: Any = None, **kwargs: Any) -> httpx.Response:
-        """POST `json` to `path` on the server called `name`."""
+        """POST `json` to `path` on the server called `name`. The body is written by orjson (fast_json): histories
+        carry thousands of token ids, which the stdlib encoder httpx uses takes a millisecond and more to write."""
         url = f"{await self.base_url(name)}/{path.lstrip('/')}"
-        return await self._http.post(url, json=json, **kwargs)
+        if json is None or "content" in kwargs:
+            return await self._http.post(url, json=json, **kwargs)
+        headers = httpx.Headers(kwargs.pop("headers", None))
+        headers.setdefault("content-type", JSON_MEDIA_TYPE)
+        return await self._http.post(url, content=dumps(json), headers=headers, **kwargs)
 
     async def get(self, name: str, path: str, **kwargs: Any) -> httpx.Response:
         url = f"{await self.base_url(name)}/{path.lstrip('/')}"

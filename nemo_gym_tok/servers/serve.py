@@ -46,7 +46,10 @@ def main() -> int:
         print(f"ngt: {exc}", file=sys.stderr)
         return 2
     # The launcher hands the gym's token over in the environment (set, or removed when the gym has none).
-    client = ServerClient(spec["servers"], head_url=spec.get("head_url"), auth_token=os.environ.get(AUTH_TOKEN_ENV))
+    client = ServerClient(
+        spec["servers"], head_url=spec.get("head_url"), auth_token=os.environ.get(AUTH_TOKEN_ENV),
+        timeout=config.http_timeout(), limits=config.http_limits(),
+    )
     server = server_class(instance.name, config, client)
     listen_fd = spec.get("listen_fd")
     if listen_fd is None:

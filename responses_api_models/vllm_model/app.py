@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from fastapi.responses import Response as HTTPResponse
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
@@ -18,6 +18,7 @@ from nemo_gym_tok.servers.base import BaseServerConfig, ModelServer
 from nemo_gym_tok.servers.bodies import json_object
 from nemo_gym_tok.http_errors import error_message, error_param
 from nemo_gym_tok.servers.errors import ApiError, validation_message
+from nemo_gym_tok.servers.json_response import JSONBytesResponse
 from nemo_gym_tok.servers.openapi import json_body
 from nemo_gym_tok.splice import PREFIX_KEY
 from nemo_gym_tok.types import ChatCompletionRequest, Response, ResponsesRequest, ResponseUsage
@@ -31,7 +32,7 @@ from responses_api_models.vllm_model.token_capture import (
 )
 from responses_api_models.vllm_model.local_splice import AdapterSplicer
 from responses_api_models.vllm_model.streaming import chat_sse, open_chat_stream, responses_sse
-from responses_api_models.vllm_model.upstream import VLLMUpstream, is_context_overflow
+from responses_api_models.vllm_model.upstream import VLLMUpstream, answer_json, is_context_overflow
 
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -77,7 +78,6 @@ class VLLMModelConfig(BaseServerConfig):
     forwarded_fields: list[str] | None = None
     """Top-level request fields a caller may send, forwarded to vLLM; None forwards every field. A field outside the
     list is a 400 naming it. The fields the adapter itself reads (ADAPTER_FIELDS) are always allowed."""
-    request_timeout_seconds: float = 600.0
     max_attempts: int = 3
     """Attempts per vLLM call while vLLM is unreachable or answers 429, 502, 503 or 504 (upstream.RETRYABLE_STATUSES);
     any other 5xx is the request's own error and is not retried."""
@@ -115,6 +115,49 @@ class VLLMModelConfig(BaseServerConfig):
         return [self.base_url] if isinstance(self.base_url, str) else list(self.base_url)
 
 
+@dataclass(frozen=True)
+class ChatCall:
+    """A chat request validated once: the body to forward and what the adapter reads from the validated model."""
+
+    body: dict[str, Any]
+    """The caller's body as received (the same dict, id lists not copied), as the validated model reads it: see
+    `forwarded_body`."""
+    required_prefix: list[int] | None
+    """The explicit required prefix, else the last bundled assistant message's prompt + generation ids."""
+    n: int | None
+    stream: bool
+
+    @classmethod
+    def validated(cls, body: dict[str, Any]) -> ChatCall:
+        """`body` checked against ChatCompletionRequest (400 naming the field), once: what is forwarded is `body`
+        itself, not the model dumped again (which rebuilt every message and copied every id list)."""
+        chat = _parse(ChatCompletionRequest, body)
+        return cls(forwarded_body(body, chat), chat.required_prefix(), chat.n, bool(chat.stream))
+
+
+def forwarded_body(body: dict[str, Any], chat: ChatCompletionRequest) -> dict[str, Any]:
+    """`body` as its validated model `chat` reads it, with no copy where they agree: the top-level fields the model
+    declares and coerces (`"stream": "true"` is true) take the model's values, and a message's `reasoning` becomes
+    `reasoning_content` as ChatMessage renames it (vLLM reads either; the adapter's local template reads the latter).
+    Every other field, extra ones included, is forwarded as sent."""
+    forwarded = dict(body)
+    for name in ("model", "n", "stream"):
+        if name in forwarded:
+            forwarded[name] = getattr(chat, name)
+    messages = body.get("messages")
+    if isinstance(messages, list) and any(_renames_reasoning(message) for message in messages):
+        forwarded["messages"] = [
+            {**{key: value for key, value in message.items() if key != "reasoning"},
+             "reasoning_content": message["reasoning"]} if _renames_reasoning(message) else message
+            for message in messages
+        ]
+    return forwarded
+
+
+def _renames_reasoning(message: Any) -> bool:
+    return isinstance(message, dict) and "reasoning" in message and message.get("reasoning_content") is None
+
+
 @dataclass
 class PreparedCall:
     """One chat call as the adapter sends it to vLLM, with what it needs to finish the answer."""
@@ -142,7 +185,8 @@ class VLLMModel(ModelServer):
         app.add_api_route("/routing", self.router.report, methods=["GET"])
         self.upstream = VLLMUpstream(
             api_key=self.config.api_key,
-            timeout=self.config.request_timeout_seconds,
+            timeout=self.config.http_timeout(),
+            limits=self.config.http_limits(),
             max_attempts=self.config.max_attempts,
             backoff_seconds=self.config.retry_backoff_seconds,
         )
@@ -158,11 +202,11 @@ class VLLMModel(ModelServer):
         async def chat_completions(request: Request) -> HTTPResponse:
             body = await json_object(request)
             self._check_forwarded(body)
-            chat = _parse(ChatCompletionRequest, body)
+            chat = ChatCall.validated(body)
             key = self.router.key_for(request, body)
             if chat.stream:
                 return await self.router.call(key, lambda url: self.stream(chat, url))
-            return JSONResponse(await self.router.call(key, lambda url: self.complete(chat, url)))
+            return JSONBytesResponse(await self.router.call(key, lambda url: self.complete(chat, url)))
 
         @app.post("/v1/responses", openapi_extra=json_body(ResponsesRequest, session="optional"))
         async def responses(request: Request) -> HTTPResponse:
@@ -175,13 +219,15 @@ class VLLMModel(ModelServer):
                 param = getattr(exc, "param", "input")  # ConversionError names the item and part
                 message = str(exc) if param != "input" else f"input: {exc}"
                 raise ApiError(400, message, param=param) from None
-            chat = _parse(ChatCompletionRequest, chat_body)
+            # Validated as a chat body too: the conversion can give a message that an item allowed and a chat message
+            # does not (a bundle on a user message), and the 400 must come before vLLM is called.
+            chat = ChatCall.validated(chat_body)
             key = self.router.key_for(request, raw)
             if chat.stream:  # `stream` is not a Responses-only field: the chat body carries it
                 return await self.router.call(key, lambda url: self.stream(chat, url, as_responses=True))
             result = await self.router.call(key, lambda url: self.complete(chat, url))
             response = _chat_result_to_response(result, self.config.model)
-            return JSONResponse(response.model_dump(exclude_none=True))
+            return JSONBytesResponse(response.model_dump(exclude_none=True))
 
     def _check_forwarded(self, body: dict[str, Any], *, responses_api: bool = False) -> None:
         """400 naming the first top-level field outside `forwarded_fields` (when set): refused, never dropped
@@ -199,7 +245,7 @@ class VLLMModel(ModelServer):
                 f"{listed}; plus the fields the adapter reads itself)", param=name,
             )
 
-    async def complete(self, chat: ChatCompletionRequest, url: str) -> dict[str, Any]:
+    async def complete(self, chat: ChatCall, url: str) -> dict[str, Any]:
         """One chat completion against vLLM at `url`, with bundles resolved, prefix checked and errors mapped."""
         if chat.stream:
             raise ApiError(400, "stream: true goes through stream(), not complete()", param="stream")
@@ -212,9 +258,9 @@ class VLLMModel(ModelServer):
                 response.status_code, error_message(response), param=error_param(response),  # e.g. the hook's field
                 error_type="upstream_invalid_request",
             )
-        return await self.finish(call, response.json(), url)
+        return await self.finish(call, answer_json(response, f"vLLM at {url}"), url)
 
-    async def stream(self, chat: ChatCompletionRequest, url: str, *, as_responses: bool = False) -> StreamingResponse:
+    async def stream(self, chat: ChatCall, url: str, *, as_responses: bool = False) -> StreamingResponse:
         """`chat` streamed from vLLM at `url` as server-sent events (chat chunks, or Responses events). Every refusal
         (prepare's, vLLM's status, the prefix check on the first chunk) comes before the first byte (streaming.py)."""
         call = await self.prepare(chat, url)
@@ -230,17 +276,17 @@ class VLLMModel(ModelServer):
             return responses_sse(stream, to_response=lambda result: _chat_result_to_response(result, self.config.model))
         return chat_sse(stream, call)
 
-    async def prepare(self, chat: ChatCompletionRequest, url: str) -> PreparedCall:
+    async def prepare(self, chat: ChatCall, url: str) -> PreparedCall:
         """The body to send vLLM at `url` for `chat`: sampling overrides, token capture fields, and (where the adapter
         splices) the spliced prompt as token-in ids. Every refusal of the request happens here, before any answer."""
-        required_prefix = chat.required_prefix()
+        required_prefix = chat.required_prefix
         capture = self.config.return_token_id_information
         needs_ids = capture or required_prefix is not None
         if needs_ids and (chat.n or 1) > 1:
             raise ApiError(400, "n > 1 is not supported with token ids (one bundle per call); send n: 1", param="n")
 
-        caller_body = chat.model_dump(exclude_unset=True)
-        body = {**caller_body, **self.config.sampling_overrides}
+        caller_body = chat.body
+        body = {**caller_body, **self.config.sampling_overrides}  # a new top level; messages and ids shared, not copied
         body["model"] = self.config.model
         if needs_ids:
             body.update(capture_request_fields(body, use_return_token_ids=self.config.use_return_token_ids))
@@ -306,7 +352,7 @@ class VLLMModel(ModelServer):
         response = await self.upstream.post(url, "/tokenize", body)
         if response.status_code >= 400:
             raise ApiError(502, f"vLLM /tokenize fallback failed with HTTP {response.status_code}: {error_message(response)}")
-        return list(response.json()["tokens"])
+        return list(answer_json(response, f"vLLM /tokenize at {url}")["tokens"])
 
 
 def _parse(model: type[Model], body: dict[str, Any]) -> Model:

@@ -33,6 +33,7 @@ from nemo_gym_tok.splice import (
     splice_prefix,
 )
 from nemo_gym_tok.token_sources import first_difference
+from responses_api_models.vllm_model.upstream import answer_json
 
 TOKEN_FIELDS = (*BUNDLE_KEYS, "generation_log_probs")
 """Fields the adapter reads and a stock vLLM must not be relied on to ignore: stripped before the token-in call."""
@@ -255,7 +256,7 @@ async def _server_template_ids(post: Post, tokenize_body: dict[str, Any]) -> lis
         # `post` raises for every 5xx itself; a 4xx is the server refusing the prompt (a bad message, an unknown tool
         # choice): the caller's to fix.
         raise ApiError(response.status_code, error_message(response), error_type="upstream_invalid_request")
-    return [int(token) for token in response.json()["tokens"]]
+    return [int(token) for token in answer_json(response, "vLLM /tokenize")["tokens"]]
 
 
 async def _served_model_root(get: Callable[[str], Awaitable[Any]]) -> str:

@@ -10,7 +10,6 @@ bundle from it, and it goes out in one final chunk (chat) or on the last output 
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,6 +21,7 @@ from starlette.background import BackgroundTask
 
 from nemo_gym_tok.http_errors import error_message
 from nemo_gym_tok.servers.errors import ApiError
+from nemo_gym_tok.servers.fast_json import dumps, loads
 from nemo_gym_tok.types import BUNDLE_FIELDS, Response, bundle_of
 from responses_api_models.vllm_model.token_capture import check_required_prefix
 from responses_api_models.vllm_model.upstream import is_context_overflow
@@ -154,7 +154,7 @@ async def sse_json(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
         if payload == "[DONE]":
             return
         try:
-            data = json.loads(payload)
+            data = loads(payload)  # the first chunk carries the prompt's ids, the hook's last one the bundle
         except ValueError:
             raise ApiError(502, f"vLLM streamed an event that is not JSON: {payload[:200]!r}") from None
         if isinstance(data, dict):
@@ -359,7 +359,7 @@ def _stream_error(chunk: dict[str, Any], url: str) -> ApiError:
 
 
 def _sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    return f"data: {dumps(data).decode()}\n\n"
 
 
 def responses_sse(stream: ChatStream, *, to_response: Callable[[dict[str, Any]], Response]) -> StreamingResponse:
@@ -538,7 +538,7 @@ class ResponsesEvents:
     def _event(self, kind: str, **fields: Any) -> str:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
+        return f"event: {kind}\ndata: {dumps(data).decode()}\n\n"
 
 
 def _output_text(text: str) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from nemo_gym_tok.servers.errors import ApiError
@@ -83,7 +84,7 @@ async def attach_bundles(
         message = choice.setdefault("message", {})
         # Precedence order: the hook's bundle, vLLM's return_token_ids, /tokenize (only when nothing else has
         # prompt ids), then logprobs for generation ids and log probs.
-        present = [source for source in (_message_source(message), _returned_source(result, choice)) if source]
+        present = _distinct_sources(_message_source(message), _returned_source(result, choice))
         if all(source.prompt_token_ids is None for source in present):
             if tokenized is None:
                 tokenized = await tokenize(tokenize_request(
@@ -114,6 +115,8 @@ def check_required_prefix(
         return
     # The hook may give the model's final end token way to the template's closing (GPT-OSS <|return|>).
     expected = required_prefix[:-1] if telemetry.get("end_token_replaced") else required_prefix
+    if prompt_ids[:len(expected)] == expected:
+        return  # compared at C speed; check_prefix walks id by id in Python, so it runs only to say where they differ
     try:
         check_prefix(prompt_ids, expected)
     except PrefixMismatchError as exc:
@@ -127,16 +130,30 @@ def check_required_prefix(
 
 
 def _message_source(message: dict[str, Any]) -> PartialBundle | None:
+    # The lists of vLLM's parsed answer, not copies: resolve_bundle copies what it picks.
     if not all(message.get(field) is not None for field in BUNDLE_FIELDS):
         return None
-    return PartialBundle(TokenSource.MESSAGE, *(list(message[field]) for field in BUNDLE_FIELDS))
+    return PartialBundle(TokenSource.MESSAGE, *(message[field] for field in BUNDLE_FIELDS))
 
 
 def _returned_source(result: dict[str, Any], choice: dict[str, Any]) -> PartialBundle | None:
     prompt, generation = result.get("prompt_token_ids"), choice.get("token_ids")
     if prompt is None or generation is None:
         return None
-    return PartialBundle(TokenSource.RETURN_TOKEN_IDS, prompt_token_ids=list(prompt), generation_token_ids=list(generation))
+    return PartialBundle(TokenSource.RETURN_TOKEN_IDS, prompt_token_ids=prompt, generation_token_ids=generation)
+
+
+def _distinct_sources(first: PartialBundle | None, later: PartialBundle | None) -> list[PartialBundle]:
+    """The sources present, `later` without the id lists that equal `first`'s. The hook's bundle and vLLM's
+    return_token_ids carry the same prompt ids; comparing them with `==` (C speed) spares resolve_bundle's Python
+    walk over thousands of ids. Lists that differ stay, so resolve_bundle still refuses them, naming the position."""
+    if first is None or later is None:
+        return [source for source in (first, later) if source is not None]
+    agreeing = {
+        field: None for field in ("prompt_token_ids", "generation_token_ids")
+        if getattr(later, field) is not None and getattr(later, field) == getattr(first, field)
+    }
+    return [first, replace(later, **agreeing) if agreeing else later]
 
 
 def drop_unrequested(result: dict[str, Any], caller_body: dict[str, Any], *, bundle_returned: bool) -> None:

@@ -10,6 +10,8 @@ from tenacity import AsyncRetrying, RetryError, retry_if_exception, stop_after_a
 
 from nemo_gym_tok.http_errors import error_message
 from nemo_gym_tok.servers.errors import ApiError
+from nemo_gym_tok.servers.fast_json import JSON_HEADERS, dumps, loads
+from nemo_gym_tok.servers.http_pool import call_timeout, pool_limits
 
 _CONTEXT_OVERFLOW = re.compile(r"maximum context length|longer than the maximum model length", re.IGNORECASE)
 
@@ -46,11 +48,30 @@ def is_context_overflow(response: httpx.Response) -> bool:
     return response.status_code == 400 and bool(_CONTEXT_OVERFLOW.search(response.text))
 
 
+def answer_json(response: httpx.Response, what: str) -> Any:
+    """The JSON of vLLM's answer, read by orjson (an answer carries the prompt's ids twice: the stdlib takes
+    milliseconds for them); a body that is not JSON (a proxy's error page) is a 502 naming `what` answered it."""
+    try:
+        return loads(response.content)
+    except ValueError:
+        raise ApiError(
+            502, f"{what} answered HTTP {response.status_code} with a body that is not JSON: {response.text[:200]!r}",
+        ) from None
+
+
 class VLLMUpstream:
     """Calls a vLLM server (POST JSON, GET); raises ApiError for anything the caller must see as an error."""
 
-    def __init__(self, *, api_key: str, timeout: float, max_attempts: int, backoff_seconds: float) -> None:
-        self._http = httpx.AsyncClient(timeout=timeout, headers={"Authorization": f"Bearer {api_key}"})
+    def __init__(
+        self, *, api_key: str, timeout: float | httpx.Timeout, max_attempts: int, backoff_seconds: float,
+        limits: httpx.Limits | None = None,
+    ) -> None:
+        """`timeout` and `limits`: the adapter's config (BaseServerConfig.http_timeout(), http_limits()); a bare
+        number of seconds times the whole call, with the gym's connect timeout."""
+        self._http = httpx.AsyncClient(
+            timeout=timeout if isinstance(timeout, httpx.Timeout) else call_timeout(timeout),
+            limits=limits or pool_limits(), headers={"Authorization": f"Bearer {api_key}"},
+        )
         self._max_attempts = max_attempts
         self._backoff_seconds = backoff_seconds
 
@@ -72,6 +93,8 @@ class VLLMUpstream:
         self, method: str, base_url: str, path: str, body: dict[str, Any] | None, *, stream: bool = False
     ) -> httpx.Response:
         url = f"{root_url(base_url)}{path}"
+        # Written once, by orjson, for every attempt: the body carries the history's ids.
+        content, headers = (None, None) if body is None else (dumps(body), JSON_HEADERS)
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self._max_attempts),
             wait=wait_exponential(multiplier=self._backoff_seconds, max=10),
@@ -81,9 +104,10 @@ class VLLMUpstream:
             async for attempt in retrying:
                 with attempt:
                     if stream:
-                        response = await self._http.send(self._http.build_request(method, url, json=body), stream=True)
+                        request = self._http.build_request(method, url, content=content, headers=headers)
+                        response = await self._http.send(request, stream=True)
                     else:
-                        response = await self._http.request(method, url, json=body)
+                        response = await self._http.request(method, url, content=content, headers=headers)
                     if response.status_code >= 500 or response.status_code in RETRYABLE_STATUSES:
                         if stream:  # read the error text for the message, and give the connection back
                             await response.aread()

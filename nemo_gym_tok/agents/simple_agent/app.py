@@ -16,6 +16,7 @@ from nemo_gym_tok.servers.base import RESERVED_PATHS, Agent, BaseServerConfig
 from nemo_gym_tok.servers.bodies import json_object
 from nemo_gym_tok.servers.client import SESSION_HEADER
 from nemo_gym_tok.http_errors import error_message, error_param
+from nemo_gym_tok.rollout_record import RECORD_SCHEMA_VERSION, SCHEMA_VERSION_KEY, PromptPacker
 from nemo_gym_tok.servers.errors import ApiError
 from nemo_gym_tok.servers.openapi import AgentRunRequest, json_body
 from nemo_gym_tok.types.responses import Response, ResponsesRequest, ResponseUsage
@@ -35,8 +36,8 @@ class SimpleAgentConfig(BaseServerConfig):
     request_overrides: dict[str, Any] = {}
     """Responses fields set on every model call, over the row's (e.g. temperature: 1.0)."""
     send_token_bundles: bool = True
-    """Send each call's token bundle back with the history (the hook keeps the episode token-exact). False
-    strips them: stock re-tokenization, for ablations."""
+    """Send the latest call's token bundle back with the history (the hook takes the next prompt's prefix from it,
+    which keeps the episode token-exact). False strips every bundle: stock re-tokenization, for ablations."""
 
 
 class SimpleAgent(Agent):
@@ -66,7 +67,8 @@ class SimpleAgent(Agent):
             return JSONResponse(status_code=answer.status_code, content=_answer_json(self.config.model_server, answer))
 
     async def run_episode(self, row: dict[str, Any], session: str) -> dict[str, Any]:
-        """One rollout record: the row's fields, `response` (every item of the episode), `reward`, verifier extras."""
+        """One rollout record (schema_version 2): the row's fields, `response` (every item of the episode, each model
+        call's bundle packed once), `reward`, verifier extras."""
         params = row.get(ROW_PARAMS_KEY)
         if not isinstance(params, dict) or "input" not in params:
             raise ApiError(
@@ -77,38 +79,36 @@ class SimpleAgent(Agent):
         request_base = {k: v for k, v in params.items() if k != "input"} | self.config.request_overrides
         offered = _offered_tool_names(request_base.get("tools"))
         await self._call(env, "/seed_session", row, session, row_param=_same_field)
-        output: list[dict[str, Any]] = []
+        episode = _Episode()
         responses: list[dict[str, Any]] = []
         for step in range(self.config.max_steps):
-            body = {**request_base, "input": first_input + self._history(output)}
+            body = {**request_base, "input": first_input + episode.for_model(self.config.send_token_bundles)}
             if step == 0 and PREFIX_KEY in row:  # a harness's prefix for the episode's first call
                 body[PREFIX_KEY] = row[PREFIX_KEY]
             # Only the first call is the row's as sent; a refusal later is about the episode the gym built.
             response = await self._call(model, "/v1/responses", body, session, row_param=_row_field if step == 0 else None)
             responses.append(response)
             items = response.get("output") or []
-            output.extend(items)
+            episode.add_call(items)
             calls = [item for item in items if item.get("type") == "function_call"]
             if calls:
                 for call in calls:
-                    output.append(await self._run_tool(env, call, session, offered))
+                    episode.add(await self._run_tool(env, call, session, offered))
                 continue
             if any(item.get("context_overflow") for item in items):
                 break  # the history no longer fits the model: the episode ends here
-            step_result = await self._call(env, "/step", {"output": output}, session)
+            # Environments judge text and tool calls: token ids are none of their business, and most of the bytes.
+            step_result = await self._call(env, "/step", {"output": episode.items}, session)
             if step_result.get("user_message") is not None:
-                output.append({"type": "message", "role": "user", "content": str(step_result["user_message"])})
+                episode.add({"type": "message", "role": "user", "content": str(step_result["user_message"])})
             if step_result.get("done", True):
                 break  # a user_message that comes with done is the environment's last word, recorded as is
-        episode = _episode_response(responses, output)
-        verdict = await self._call(env, "/verify", {**row, "response": episode}, session, row_param=_row_field_of_verify)
-        return {**row, "response": episode, **verdict}
-
-    def _history(self, output: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        if self.config.send_token_bundles:
-            return output
-        stripped = set(BUNDLE_FIELDS) | set(TELEMETRY_FIELDS)
-        return [{k: v for k, v in item.items() if k not in stripped} for item in output]
+        summary = _episode_response(responses, episode.items)
+        verdict = await self._call(env, "/verify", {**row, "response": summary}, session, row_param=_row_field_of_verify)
+        recorded = {**summary, "output": episode.recorded()}
+        record = {SCHEMA_VERSION_KEY: RECORD_SCHEMA_VERSION, **row, "response": recorded, **verdict}
+        record[SCHEMA_VERSION_KEY] = RECORD_SCHEMA_VERSION  # ours, even over a row or verifier field of that name
+        return record
 
     async def _run_tool(self, env: str, call: dict[str, Any], session: str, offered: set[str]) -> dict[str, Any]:
         """The tool's answer as a function_call_output item; the model's own mistakes become text it can read."""
@@ -253,6 +253,73 @@ def _as_items(value: Any) -> list[dict[str, Any]]:
 
 def _tool_output(call: dict[str, Any], text: str) -> dict[str, Any]:
     return {"type": "function_call_output", "call_id": call.get("call_id"), "output": text}
+
+
+_TOKEN_FIELDS = frozenset((*BUNDLE_FIELDS, *TELEMETRY_FIELDS))
+
+
+class _Episode:
+    """The episode's items, kept once, and what each party gets of them: the model, the environment, the record.
+
+    Items are stored without their token fields. Each model call's bundle is kept apart, packed as a version 2
+    rollout record stores it; only the latest call's bundle is kept whole, because the adapter takes the next
+    prompt's prefix from the last bundled item and nothing else reads the earlier ones (resending them made every
+    request as large as the whole episode's ids, turn after turn). One exception: a call that starts with a function
+    call right after a call that ended on its text (no item between, as when /step continues without a user turn)
+    would read as one call to the adapter, so the earlier call keeps its bundle, which closes it (conversion.py).
+    """
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        """Every item after the input, without bundle or telemetry fields: what environments get."""
+        self._packed: dict[int, dict[str, Any]] = {}
+        """Item index -> the token fields it came with, its prompt packed (prefix length + suffix) for the record."""
+        self._latest: tuple[int, dict[str, Any]] | None = None
+        """The latest bundled item's index and its token fields as the model server returned them."""
+        self._separators: dict[int, dict[str, Any]] = {}
+        """Earlier bundled items whose bundle is still sent: it is all that tells their call from the next (above)."""
+        self._packer = PromptPacker()
+
+    def add_call(self, items: list[dict[str, Any]]) -> None:
+        """Append one model call's output items."""
+        latest = self._latest
+        if (items and latest is not None and latest[0] == len(self.items) - 1 and _is_type(items[0], "function_call")
+                and _is_type(self.items[-1], "message")):
+            self._separators[latest[0]] = latest[1]
+        for item in items:
+            self.add(item)
+
+    def add(self, item: dict[str, Any]) -> None:
+        """Append an item of the episode (a model output item, a tool result, a user turn)."""
+        token_fields = {k: v for k, v in item.items() if k in _TOKEN_FIELDS} if isinstance(item, dict) else {}
+        if token_fields:
+            item = {k: v for k, v in item.items() if k not in _TOKEN_FIELDS}
+        index = len(self.items)
+        self.items.append(item)
+        if not token_fields:
+            return
+        if token_fields.get("prompt_token_ids") is not None:
+            self._packed[index] = self._packer.pack(token_fields)
+            self._latest = (index, token_fields)
+        else:
+            self._packed[index] = token_fields  # telemetry without a bundle: recorded as it came
+
+    def for_model(self, send_bundle: bool) -> list[dict[str, Any]]:
+        """The history for the next model call: the items, the latest call's bundle back on its item (if sent)."""
+        if not send_bundle or self._latest is None:
+            return list(self.items)
+        history = list(self.items)
+        for index, token_fields in [*self._separators.items(), self._latest]:
+            history[index] = {**history[index], **token_fields}
+        return history
+
+    def recorded(self) -> list[dict[str, Any]]:
+        """The items as the rollout record (schema_version 2) holds them: each call's packed bundle on its item."""
+        return [{**item, **self._packed[i]} if i in self._packed else item for i, item in enumerate(self.items)]
+
+
+def _is_type(item: Any, kind: str) -> bool:
+    return isinstance(item, dict) and item.get("type", "message") == kind
 
 
 def _episode_response(responses: list[dict[str, Any]], output: list[dict[str, Any]]) -> dict[str, Any]:

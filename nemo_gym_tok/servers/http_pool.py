@@ -1,0 +1,40 @@
+"""Connection pools and timeouts of the gym's HTTP clients (collector to agent, agent to servers, adapter to vLLM)."""
+
+from __future__ import annotations
+
+import httpx
+
+DEFAULT_MAX_CONNECTIONS = 512
+"""Connections one client holds open at most, in the collector, in every server's client and in the adapter's client
+to vLLM alike. A call past it waits for a free connection, so it caps the calls in flight per process; httpx's own
+default (100) did that below the concurrency a collection asks for. 512 is far above `ngt collect --concurrency`'s
+default (8) and `ngt demo`'s (4); a larger --concurrency needs `max_connections` raised to match on the agent and
+the adapter (the collector sizes its own pool to it)."""
+DEFAULT_KEEPALIVE_EXPIRY_SECONDS = 4.0
+"""An idle connection is dropped after this: under the 5 s an idle connection stays open on uvicorn (every gym server)
+and on vLLM (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so a client never sends on a connection that the server is closing."""
+DEFAULT_CONNECT_TIMEOUT_SECONDS = 10.0
+"""Opening a connection takes milliseconds on a working network; a host that does not answer within this is down, and
+the call fails (and, in the adapter, is retried or fails over) in seconds rather than after the whole call's timeout."""
+DEFAULT_REQUEST_TIMEOUT_SECONDS = 600.0
+"""Longest wait for one call's answer (httpx's read, write and pool timeouts): a long generation fits in it."""
+
+
+def pool_limits(
+    max_connections: int = DEFAULT_MAX_CONNECTIONS, max_keepalive_connections: int | None = None,
+) -> httpx.Limits:
+    """httpx limits of a gym client: `max_connections` in all, as many kept alive unless `max_keepalive_connections`
+    says fewer (a connection closed after each call costs a new TCP handshake on the next)."""
+    keepalive = max_connections if max_keepalive_connections is None else max_keepalive_connections
+    return httpx.Limits(
+        max_connections=max_connections, max_keepalive_connections=keepalive,
+        keepalive_expiry=DEFAULT_KEEPALIVE_EXPIRY_SECONDS,
+    )
+
+
+def call_timeout(
+    request_seconds: float = DEFAULT_REQUEST_TIMEOUT_SECONDS, connect_seconds: float = DEFAULT_CONNECT_TIMEOUT_SECONDS,
+) -> httpx.Timeout:
+    """httpx timeouts of a gym client: `connect_seconds` to open a connection, `request_seconds` for the rest (each
+    read and write, and the wait for a free connection from the pool)."""
+    return httpx.Timeout(request_seconds, connect=min(connect_seconds, request_seconds))
