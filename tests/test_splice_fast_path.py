@@ -163,3 +163,36 @@ def test_parity_with_the_full_render_splice_on_real_templates(name: str) -> None
             by_text += sum(episode.checked_by_text)
     assert splices > 0, f"{name}: no episode shape renders or splices on this template"
     assert by_text == splices, f"{name}: {splices - by_text} of {splices} splices needed the exact id walk"
+
+
+def test_the_next_turn_reuses_this_turns_rendering(renderer) -> None:
+    """With a render memo, the next turn's structural check renders nothing this turn already rendered, and the
+    splice is the same as without it."""
+    from nemo_gym_tok.splice import RenderMemo
+
+    profile = detect_profile(renderer)
+    remembering = HFChatRenderer(renderer.tokenizer, extra_end_token_ids=[ENDOFTEXT_ID])
+    remembering.render_memo, remembering.render_scope = RenderMemo(), "tiny"
+    messages = [{"role": "user", "content": "Where is Paris?"}]
+    prompt = renderer.encode(renderer.render(messages, add_generation_prompt=True))
+    results = []
+    for turn, answer in enumerate(["In France.", "In Italy.", "In Spain."]):
+        generation = renderer.encode(answer) + [IM_END_ID]
+        for message in messages:  # only the last call's bundle travels (lean payloads)
+            for key in ("prompt_token_ids", "generation_token_ids", "generation_log_probs"):
+                message.pop(key, None)
+        messages += [
+            {"role": "assistant", "content": answer, "prompt_token_ids": prompt, "generation_token_ids": generation,
+             "generation_log_probs": [0.0] * len(generation)},
+            {"role": "user", "content": f"And city {turn}?"},
+        ]
+        source = find_prefix_source(messages)
+        plain_result = splice_prefix(renderer, profile, messages, source)
+        hits_before = remembering.render_memo.hits
+        result = splice_prefix(remembering, profile, messages, source)
+        assert result == plain_result
+        if turn > 0:  # the prompt before this turn's prefix is the last turn's full rendering
+            assert remembering.render_memo.hits > hits_before
+        results.append(result)
+        prompt = result.prompt_token_ids
+    assert remembering.render_memo.misses > 0

@@ -21,6 +21,7 @@ from nemo_gym_tok.splice._ids import (
     check_token_ids,
     find_prefix_source,
 )
+from nemo_gym_tok.splice._memo import RenderMemo
 from nemo_gym_tok.splice._profile import Header, TemplateProfile, detect_profile
 from nemo_gym_tok.splice._render import ChatRenderer, HFChatRenderer, added_token_maps
 from nemo_gym_tok.splice._splice import RepairedTurn, SpliceResult, splice_prefix
@@ -36,6 +37,7 @@ __all__ = [
     "InvalidTokenIdsError",
     "NoAssistantTurnsError",
     "PrefixSource",
+    "RenderMemo",
     "RepairedTurn",
     "SpliceError",
     "SpliceResult",

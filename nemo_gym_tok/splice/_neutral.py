@@ -12,6 +12,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from nemo_gym_tok.splice._ids import BUNDLE_KEYS
+
 PLACEHOLDER = re.compile(r"ngt(?:body|think|arg)(\d+)q")
 """Placeholder text: letters and digits only, so templates that trim, split or escape content leave it whole."""
 
@@ -19,6 +21,8 @@ PLACEHOLDER = re.compile(r"ngt(?:body|think|arg)(\d+)q")
 def placeholder(kind: str, message_index: int) -> str:
     return f"ngt{kind}{message_index}q"
 
+
+_TOKEN_FIELDS = frozenset((*BUNDLE_KEYS, "generation_log_probs"))
 
 MESSAGE_PLACEHOLDER = re.compile(r"ngtmsg(\d+)q")
 """Placeholder text of a non-assistant message, in the rendering that checks no turn holds another message."""
@@ -39,7 +43,9 @@ def neutralize(
     """
     neutral = []
     for index, message in enumerate(messages):
-        plain = _plain(message)
+        # Token fields are not template input; left out, the neutral messages are the same whichever call carries
+        # the bundle (the render memo relies on that) and carry no id lists into the template.
+        plain = {key: value for key, value in _plain(message).items() if key not in _TOKEN_FIELDS}
         if index <= up_to and plain.get("role") == "assistant":
             plain = _neutral_assistant(plain, index, index in force_content, drop_call_text)
         elif others and plain.get("role") != "assistant" and isinstance(plain.get("content"), str) and plain["content"]:

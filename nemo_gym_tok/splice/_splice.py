@@ -30,6 +30,7 @@ from nemo_gym_tok.splice._errors import (
 )
 from nemo_gym_tok.splice._fixed_text import FixedTextMatcher
 from nemo_gym_tok.splice._ids import PREFIX_KEY, PrefixSource, _get
+from nemo_gym_tok.splice._memo import RenderMemo
 from nemo_gym_tok.splice._neutral import MESSAGE_PLACEHOLDER, neutralize, placeholder_spans
 from nemo_gym_tok.splice._profile import TemplateProfile
 from nemo_gym_tok.splice._render import ChatRenderer, batch_decoder
@@ -281,8 +282,12 @@ def _body_finder(profile: TemplateProfile, messages: Sequence[Any]) -> Any:
 
 
 def _render(renderer: ChatRenderer, messages: list[dict[str, Any]], *, what: str, **kwargs: Any) -> str:
+    """The template's text for neutral `messages`, from the renderer's memo (see _memo) when it keeps one."""
+    memo: RenderMemo | None = getattr(renderer, "render_memo", None)
     try:
-        return renderer.render(messages, **kwargs)
+        if memo is None:
+            return renderer.render(messages, **kwargs)
+        return memo.render(renderer.render_scope, messages, kwargs, lambda: renderer.render(messages, **kwargs))
     except Exception as exc:  # noqa: BLE001 - a template raising on a message shape is the caller's input problem
         raise UnsupportedTemplateError(f"the chat template cannot render {what}: {exc}") from None
 

@@ -37,6 +37,7 @@ from typing import Any
 
 from nemo_gym_tok.splice import (
     NEW_SEGMENT_KEY,
+    RenderMemo,
     PREFIX_KEY,
     PrefixSource,
     SpliceError,
@@ -223,10 +224,12 @@ def _preprocess_chat_with_splice(original: Any) -> Any:
                 if source is not None and getattr(self, "use_harmony", False):
                     raise SpliceError(HARMONY_TOKENIZE_REFUSAL)
             if source is None or new_segment:
+                # Read before vLLM runs: its token-reuse path pops the forwarded ids from the request.
+                unspliced_path = "new_segment" if source is not None else "token_in" if _forwards_ids(request) else "template"
                 answer = await original(self, request, messages, *args, **kwargs)
                 if source is not None:
                     _remember(request, dict(_NEW_SEGMENT))
-                path = "new_segment" if source is not None else "token_in" if _forwards_ids(request) else "template"
+                path = unspliced_path
                 return answer
             if source.message_index < 0:  # a first-turn prefix: the template's own ids must start with it
                 conversation, engine_inputs = await original(self, request, messages, *args, **kwargs)
@@ -448,6 +451,12 @@ class _RequestRenderer:
         self.added_tokens, self.special_tokens, self.end_token_ids = _tokenizer_facts(online)
         self.piece_cache: dict[str, list[int]] = _cache_of(online).setdefault("pieces", {})
         """Ids of short template pieces (role headers), shared by the server's requests: see splice._fixed_text."""
+        self.render_memo: RenderMemo = _cache_of(online).setdefault("renders", RenderMemo())
+        """Neutral renderings shared by the server's requests: the next turn renders this turn's again (splice._memo)."""
+        # Everything a rendering depends on but the messages and flags: the request's own template arguments
+        # (chat_template_kwargs, reasoning effort, ...) as vLLM's chat params hold them, the defaults and the tools.
+        params = request.build_chat_params(self.template, self.content_format)
+        self.render_scope = repr((params, self._kwargs, _tools_key(tools)))
 
     def render(self, messages: Any, *, add_generation_prompt: bool, continue_final_message: bool = False) -> str:
         return self._render(messages, self._tools, add_generation_prompt, continue_final_message)
@@ -475,6 +484,13 @@ class _RequestRenderer:
         if not isinstance(text, str):
             raise UnsupportedTemplateError("this model's renderer does not produce prompt text, which the splice needs")
         return text
+
+
+def _tools_key(tools: Any) -> str:
+    try:
+        return json.dumps(tools, sort_keys=True, default=repr)
+    except (TypeError, ValueError):
+        return repr(tools)
 
 
 def _cache_of(online: Any) -> dict[Any, Any]:
