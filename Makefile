@@ -27,7 +27,7 @@ DESELECT_030 := --deselect tests/test_hook_vllm.py::test_tool_call_conversations
 	--deselect tests/test_hook_streaming.py::test_streamed_conversation_gives_the_same_text_and_ids_as_unstreamed \
 	--deselect responses_api_models/vllm_model/tests/test_real_vllm.py::test_stock_vllm_is_detected_as_not_splicing
 
-.PHONY: setup test test-gpt-oss demo clean test-families template-sweep vllm-compat test-vllm-0.30
+.PHONY: setup test test-gpt-oss demo clean test-families template-sweep vllm-compat test-vllm-0.30 bench
 
 setup: $(NGT_STAMP)
 
@@ -63,6 +63,12 @@ template-sweep: setup
 
 demo: setup
 	$(VENV)/bin/ngt demo
+
+# The benchmarks (bench/README.md): every figure on one long-context bench server (the tiny model built with a
+# 32,768-position limit), then docs/performance.md and docs/performance.png regenerated. 9 to 11 minutes on 2 cores.
+bench: setup
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) install --quiet -e '.[bench]'
+	$(PY) bench/report.py
 
 # The hook against the stock vLLM wheels of every supported release (docs/vllm-versions.md): downloads each wheel
 # once (cached, never installed) and reads what the hook wraps from its source. Exits 1 on any incompatibility.

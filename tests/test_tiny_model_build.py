@@ -152,3 +152,27 @@ def test_loads_with_transformers(built: Path) -> None:
         logits = model(torch.tensor([list(ids)])).logits
     assert logits.shape == (1, len(ids), VOCAB_SIZE)
     assert torch.isfinite(logits).all()
+
+
+def test_position_limit_option_is_a_separate_build(
+    built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # bench/ serves a 32768-position build; the default (test) build, its spec and its cache entry stay as they are.
+    monkeypatch.setenv("NGT_CACHE_DIR", str(tmp_path / "cache"))
+    assert spec_hash(8192) == spec_hash() and default_tiny_model_dir(8192) == default_tiny_model_dir()
+    assert spec_hash(32768) != spec_hash()
+    assert default_tiny_model_dir(32768).name.startswith("qwen3-tiny-ctx32768-")
+    assert default_tiny_model_dir(32768) != default_tiny_model_dir()
+    long = build_tiny_model(max_position_embeddings=32768)
+    assert long == default_tiny_model_dir(32768)
+    assert is_complete(long, 32768) and not is_complete(long) and not is_complete(built, 32768)
+    config = json.loads((long / "config.json").read_text())
+    default = json.loads((built / "config.json").read_text())
+    assert config["max_position_embeddings"] == 32768
+    assert {k: v for k, v in config.items() if k != "max_position_embeddings"} == {
+        k: v for k, v in default.items() if k != "max_position_embeddings"}  # rope and shapes untouched
+    assert json.loads((long / "tokenizer_config.json").read_text())["model_max_length"] == 32768
+    assert (long / "model.safetensors").read_bytes() == (built / "model.safetensors").read_bytes()
+    assert not default_tiny_model_dir().exists()  # asking for the long build built nothing else
+    with pytest.raises(ValueError):
+        build_tiny_model(tmp_path / "bad", max_position_embeddings=0)

@@ -18,6 +18,7 @@ tokenized. The cost per request is a few renderings of the messages and one deco
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -122,7 +123,7 @@ def splice_prefix(
             continue_final_message=continue_final_message, what="the messages",
         )
     full_layout = Layout(full_text, find(full_text, [*earlier, a], a if continue_final_message else None))
-    bodies, checked_by_text = _check_prefix(renderer, profile, neutral, earlier, find, source)
+    bodies, checked_by_text, prompt_end = _check_prefix(renderer, profile, neutral, earlier, find, source)
     tail_text, tail = _template_tail(
         renderer, profile, messages, neutral, [*earlier, a], find, full_layout, source, add_generation_prompt,
         continue_final_message, template_text,
@@ -138,7 +139,9 @@ def splice_prefix(
     if profile.moves_call_text and _get(messages[a], "tool_calls") and _get(messages[a], "content"):
         template_text = None  # the server's rendering holds the model's text after the results; ours leaves it out
     generation = prefix[bodies[-1][0] : kept]
-    differed, replaced, repaired = _new_turn_repair(renderer, full_layout, tail_text, template_text, generation, a)
+    differed, replaced, repaired = _new_turn_repair(
+        renderer, full_layout, tail_text, template_text, prompt_end, generation, a
+    )
     return SpliceResult(
         prompt_token_ids=spliced, kept_prefix_length=kept, template_differed=differed, replaced_tokens=replaced,
         end_token_replaced=end_replaced, repaired_turns=repaired, checked_by_text=checked_by_text,
@@ -148,10 +151,11 @@ def splice_prefix(
 def _check_prefix(
     renderer: ChatRenderer, profile: TemplateProfile, neutral: list[dict[str, Any]], earlier: list[int], find: Any,
     source: PrefixSource,
-) -> tuple[list[tuple[int, int]], bool]:
+) -> tuple[list[tuple[int, int]], bool, str]:
     """The structural check: the prefix is what the template renders for messages[:a] (with a generation prompt)
     outside the model's bodies, then a non-empty generation with no end token inside. Returns the bodies' id spans
-    (the generation last) and whether the text walk proved it (_fixed_text; id by id where it could not)."""
+    (the generation last), whether the text walk proved it (_fixed_text; id by id where it could not), and the
+    prompt's fixed text after its last earlier body (it ends with the generation prompt)."""
     a, prefix = source.message_index, source.prefix
     closer_ids = profile.closer_ids()
     matcher = FixedTextMatcher(
@@ -199,7 +203,8 @@ def _check_prefix(
             "belong to these messages",
             message_index=a,
         )
-    return bodies, checked_by_text
+    used = turn_layout if checked_by_text and turn_layout is not None else prompt_layout
+    return bodies, checked_by_text, used.text[used.bodies[-1].end if used.bodies else 0 :]
 
 
 def _template_tail(
@@ -339,13 +344,17 @@ def _kept_prefix(
 
 
 def _new_turn_repair(
-    renderer: ChatRenderer, full: Layout, tail_text: str, template_text: str | None, generation: list[int], a: int
+    renderer: ChatRenderer, full: Layout, tail_text: str, template_text: str | None, prompt_end: str,
+    generation: list[int], a: int,
 ) -> tuple[bool, int, tuple[RepairedTurn, ...] | None]:
-    """Whether the template's ids for messages[a]'s body differ from the model's, and from where.
+    """Whether the template's ids for messages[a]'s turn differ from the model's, and from where.
 
-    The template's text for that body is read from the server's rendering: it ends where the tail starts and begins
-    after the fixed text that opens it in the neutral rendering (its last occurrence, so model text that happens to
-    spell it is not mistaken for it). The body's text is tokenized on its own.
+    The turn starts where the prompt the model saw ends: after the generation prompt. In the history the template
+    may open the turn with more (Harmony's `<|channel|>final<|message|>`) or less; both sides are compared from the
+    first character where the history's opening of the turn and the prompt's end part. The template's side is read
+    from the server's rendering: it ends where the tail starts and begins after the fixed text that opens the turn
+    in the neutral rendering (its last occurrence, so model text that happens to spell it is not mistaken for it);
+    each side's text is tokenized on its own.
     """
     if template_text is None:
         return False, 0, None
@@ -355,7 +364,10 @@ def _new_turn_repair(
     start = template_text.rfind(opening, 0, end)
     if start < 0 or (len(full.bodies) == 1 and start != 0):
         return False, 0, None
-    template_ids = renderer.encode(template_text[start + len(opening) : end])
+    shared = len(os.path.commonprefix([opening, prompt_end]))
+    template_ids = renderer.encode(template_text[start + shared : end])
+    if shared < len(prompt_end):  # the generation prompt wrote more than the history's opening of the turn
+        generation = renderer.encode(prompt_end[shared:]) + generation
     difference = first_difference(template_ids, generation)
     if difference is None:
         return False, 0, ()

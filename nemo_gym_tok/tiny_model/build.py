@@ -44,6 +44,7 @@ __all__ = [
     "cache_root",
     "default_tiny_model_dir",
     "is_complete",
+    "model_config_for",
     "spec_hash",
     "write_random_qwen3",
 ]
@@ -87,13 +88,33 @@ REQUIRED_FILES = (
 )
 
 
-@lru_cache(maxsize=1)
-def build_spec() -> dict[str, Any]:
-    """Everything that determines the build's bytes; its hash names the cache dir, so any change rebuilds."""
+def model_config_for(max_position_embeddings: int | None = None) -> dict[str, Any]:
+    """`MODEL_CONFIG`, with another position limit when `max_position_embeddings` is given (rope and the rest as is)."""
+    if max_position_embeddings is None or max_position_embeddings == MODEL_MAX_LENGTH:
+        return MODEL_CONFIG
+    if type(max_position_embeddings) is not int or max_position_embeddings < 1:
+        raise ValueError(f"max_position_embeddings must be a positive int, got {max_position_embeddings!r}")
+    return {**MODEL_CONFIG, "max_position_embeddings": max_position_embeddings}
+
+
+def _limit(max_position_embeddings: int | None) -> int | None:
+    """None for the default position limit (one cache entry, one spec, whichever way it is asked for)."""
+    model_config_for(max_position_embeddings)  # validates
+    return None if max_position_embeddings in (None, MODEL_MAX_LENGTH) else max_position_embeddings
+
+
+@lru_cache(maxsize=8)
+def build_spec(max_position_embeddings: int | None = None) -> dict[str, Any]:
+    """Everything that determines the build's bytes; its hash names the cache dir, so any change rebuilds.
+
+    `max_position_embeddings` (default: the test build's 8192) raises the model's position limit, and the
+    tokenizer's `model_max_length` with it: a separate build (e.g. 32768 for the long-context benchmarks in bench/),
+    otherwise the same weights' shapes, seed, tokenizer and template. The default spec is unchanged by the option.
+    """
     return {
         "build_format": BUILD_FORMAT,
         "seed": SEED,
-        "model_config": MODEL_CONFIG,
+        "model_config": model_config_for(_limit(max_position_embeddings)),
         "added_tokens": [list(t) for t in QWEN_ADDED_TOKENS],
         "ranks_sha256": file_sha256(qwen_ranks_file()),
         "pattern": QWEN_PAT_STR,
@@ -101,19 +122,21 @@ def build_spec() -> dict[str, Any]:
     }
 
 
-def spec_hash() -> str:
+def spec_hash(max_position_embeddings: int | None = None) -> str:
     """Short, stable hash of `build_spec()`."""
-    return hash_spec(build_spec())
+    return hash_spec(build_spec(_limit(max_position_embeddings)))
 
 
-def default_tiny_model_dir() -> Path:
-    """Cache location of the current build spec (it may not be built yet)."""
-    return cache_root() / f"qwen3-tiny-{spec_hash()}"
+def default_tiny_model_dir(max_position_embeddings: int | None = None) -> Path:
+    """Cache location of the current build spec (it may not be built yet); a raised position limit is its own entry."""
+    limit = _limit(max_position_embeddings)
+    name = "qwen3-tiny" if limit is None else f"qwen3-tiny-ctx{limit}"
+    return cache_root() / f"{name}-{spec_hash(limit)}"
 
 
-def is_complete(directory: Path) -> bool:
-    """True if `directory` holds a finished build of the current spec."""
-    return _is_complete(directory, spec_hash(), REQUIRED_FILES)
+def is_complete(directory: Path, max_position_embeddings: int | None = None) -> bool:
+    """True if `directory` holds a finished build of the current spec (of that position limit)."""
+    return _is_complete(directory, spec_hash(max_position_embeddings), REQUIRED_FILES)
 
 
 def write_random_qwen3(
@@ -153,23 +176,35 @@ def write_random_qwen3(
         path.chmod(0o644)
 
 
-def _write_build(out: Path) -> None:
+def _write_build(out: Path, max_position_embeddings: int | None = None) -> None:
     """Write model weights, configs and tokenizer into `out` (an existing empty directory)."""
+    limit = _limit(max_position_embeddings)
+    tokenizer = build_tokenizer()
+    if limit is not None:
+        tokenizer.model_max_length = limit
     # Only <|im_end|> ends a turn; listing <|endoftext|> too would let a turn end on a token the template never writes.
     write_random_qwen3(
-        out, MODEL_CONFIG, seed=SEED, tokenizer=build_tokenizer(), chat_template_text=chat_template(),
+        out, model_config_for(limit), seed=SEED, tokenizer=tokenizer, chat_template_text=chat_template(),
         eos_token_id=IM_END_ID, pad_token_id=ENDOFTEXT_ID, bos_token_id=None,
     )
-    write_marker(out, spec_hash(), build_spec())
+    write_marker(out, spec_hash(limit), build_spec(limit))
 
 
-def build_tiny_model(dest: Path | None = None, *, force: bool = False) -> Path:
+def build_tiny_model(
+    dest: Path | None = None, *, force: bool = False, max_position_embeddings: int | None = None,
+) -> Path:
     """Return a directory holding the tiny Qwen3 model (weights, configs, tokenizer), building it if needed.
 
-    `dest` None means the cache (`default_tiny_model_dir()`). A complete build of the current spec is
-    returned immediately unless `force`. Builds go to a temp dir next to `dest` and are renamed into place,
+    `dest` None means the cache (`default_tiny_model_dir(max_position_embeddings)`). A complete build of the current
+    spec is returned immediately unless `force`. Builds go to a temp dir next to `dest` and are renamed into place,
     so a killed build never leaves a directory that looks complete. Same spec -> byte-identical files.
+    `max_position_embeddings` (default 8192, the test build) builds a separate model with that position limit
+    (bench/ serves a 32768 one with `--max-model-len 32768`).
     Raises FileExistsError if `dest` is a non-empty directory that is not one of our builds.
     """
-    target = Path(dest).expanduser().absolute() if dest is not None else default_tiny_model_dir()
-    return build_cached(target, force=force, complete=is_complete, write=_write_build, what="tiny-model")
+    limit = _limit(max_position_embeddings)
+    target = Path(dest).expanduser().absolute() if dest is not None else default_tiny_model_dir(limit)
+    return build_cached(
+        target, force=force, complete=lambda directory: is_complete(directory, limit),
+        write=lambda out: _write_build(out, limit), what="tiny-model",
+    )

@@ -1,0 +1,224 @@
+"""P2: preprocessing cost of the hook vs stock templating vs token-in, by history size and over one growing episode.
+
+    .venv/bin/python bench/p2_preprocess.py                 # starts the hooked bench vLLM (32k context, ~60 s)
+    .venv/bin/python bench/p2_preprocess.py --vllm-url URL  # or uses one serving the bench model as tiny-qwen3
+
+One synthetic episode of up to 128 model calls (232 random model ids per assistant turn, mostly plain words, about
+253 prompt ids a turn, so call 128 holds about 32.3k ids). At every call the same request is sent three ways,
+interleaved, as a 1-token chat completion:
+  hook      the history with the previous call's bundle on the last assistant message (the hook splices);
+  stock     the same messages without a bundle (vLLM templates and tokenizes the text);
+  token_in  the same messages without a bundle plus the spliced ids as `kv_transfer_params.prompt_token_ids` (vLLM's
+            own token-reuse path: no templating).
+Each variant is sent once untimed first (warm-up). Every request, timed or not, ends its last user message with
+" (round N)": a request the server has not seen, as every real turn is. The hook keeps the neutral renderings it made
+(splice._memo), and only what a real next turn finds is there: the previous call's rendering (made while the episode
+was built), never this request's own. The prefix cache holds the history for every variant alike; only the last
+few ids (the varied message) are computed again, so the difference is preprocessing. Reported: end-to-end median
+latency, and the median of the hook's server-side timer (`nemo_gym_tok_preprocess_seconds` on /metrics, paths
+`spliced`, `template`, `token_in`; /metrics is read between consecutive requests, so each request's time is its
+own) where the server has it, else "n/a". At the calls nearest the --sizes, more repeats
+and `/tokenize` with a bundle vs stock `/tokenize` as well. Then the slope (ms per 1k history ids) of each variant over
+the episode (Theil-Sen: the median of the slopes between every two calls, which load spikes do not tilt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+from transformers import AutoTokenizer
+
+import _common as c
+
+VARIANTS = ("stock", "hook", "token_in")
+TIMER_PATH = {"stock": "template", "hook": "spliced", "token_in": "token_in"}
+"""The server-side timer's `path` label each variant should be counted under."""
+EPISODE_ROWS = (2, 4, 8, 16, 32, 64, 96, 128)
+"""Calls shown in the episode table (every measured call is in the plot)."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vllm-url", help=f"a hooked vLLM serving the bench model as {c.MODEL!r} (else one is started)")
+    p.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 7168, 16384, 32768],
+                   help="history sizes (ids) of the size table: the episode's calls nearest to them")
+    p.add_argument("--calls", type=int, default=128, help="model calls in the episode (default 128)")
+    p.add_argument("--repeats", type=int, default=7, help="timed repeats per variant at the size-table calls")
+    p.add_argument("--episode-repeats", type=int, default=3, help="timed repeats per variant at the other calls")
+    p.add_argument("--episode-step", type=int, default=1, help="measure every Nth call of the episode (default 1)")
+    return p
+
+
+@dataclass
+class Measured:
+    e2e: dict[str, list[float]] = field(default_factory=dict)
+    """Per variant, each timed request's client wall milliseconds."""
+    server: dict[str, list[float]] = field(default_factory=dict)
+    """Per variant, each timed request's server-side preprocessing milliseconds (empty without the timer)."""
+    paths: dict[str, Counter] = field(default_factory=dict)
+    """Per variant, the timer's `path` labels its requests were counted under."""
+
+    def e2e_median(self, variant: str) -> float:
+        return c.median(self.e2e.get(variant, []))
+
+    def server_median(self, variant: str) -> float:
+        return c.median(self.server.get(variant, []))
+
+
+def measure(
+    http: httpx.Client, url: str, path: str, bodies: dict[str, Callable[[int], bytes]], repeats: int
+) -> Measured:
+    """Warm up each variant once, then `repeats` interleaved rounds (order rotated each round); `bodies` give each
+    variant's request of a round (round -1: the warm-up), each round's a request the server has not seen. /metrics is
+    read between consecutive requests, so each request's server-side time is its own, whatever label it gets."""
+    for body in bodies.values():
+        c.post_ms(http, path, body(-1))
+    result = Measured({v: [] for v in bodies}, {v: [] for v in bodies}, {v: Counter() for v in bodies})
+    names = list(bodies)
+    before = c.scrape(url, http)
+    for round_ in range(repeats):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            result.e2e[name].append(c.post_ms(http, path, bodies[name](round_)))
+            after = c.scrape(url, http)
+            timed = c.preprocess_delta(before, after)
+            before = after
+            if timed is not None and timed[0] == 1:
+                result.server[name].append(timed[1] * 1000)
+                result.paths[name].update(timed[2])
+    return result
+
+
+def _varied_body(call: c.Call, tokenizer: Any, variant: str) -> Callable[[int], bytes]:
+    return lambda round_: orjson.dumps(call.varied(tokenizer, round_).chat(variant, max_tokens=1))
+
+
+def _varied_tokenize_body(call: c.Call, tokenizer: Any, variant: str) -> Callable[[int], bytes]:
+    def body(round_: int) -> bytes:
+        varied = call.varied(tokenizer, 1000 + round_)  # not the chat rounds' requests
+        return orjson.dumps({"model": c.MODEL, "messages": varied.bundled if variant == "hook" else varied.plain,
+                             "add_generation_prompt": True})
+
+    return body
+
+
+def _check_varied_ids(url: str, call: c.Call, tokenizer: Any) -> None:
+    """The token-in variant's ids for a varied request are the hook's own for it (checked on a round never timed)."""
+    probe = call.varied(tokenizer, -1000)
+    with httpx.Client(base_url=url, timeout=600) as http:
+        if c.tokenize(http, probe.bundled) != probe.prompt_ids:
+            raise c.BenchError("the varied request's token-in ids are not the hook's spliced ids for it")
+
+
+def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> c.Figure:
+    started = time.monotonic()
+    c.note(f"P2: building a {args.calls}-call episode on {url} ...")
+    episode = c.build_episode(url, args.calls)
+    tokenizer = AutoTokenizer.from_pretrained(c.bench_model())
+    _check_varied_ids(url, episode[len(episode) // 2], tokenizer)
+    checkpoints = {call.number: size for call, size in zip(c.nearest_calls(episode, args.sizes), args.sizes)}
+    timer = c.has_preprocess_timer(c.scrape(url))
+    calls: list[dict[str, Any]] = []
+    sizes: list[dict[str, Any]] = []
+    labels: dict[str, Counter] = {v: Counter() for v in VARIANTS}
+    with httpx.Client(base_url=url, timeout=600) as http:
+        for call in episode[1:]:  # call 1 has no earlier turn: nothing to splice
+            checkpoint = call.number in checkpoints
+            if not checkpoint and (call.number - 2) % args.episode_step and call.number != episode[-1].number:
+                continue
+            chat = {v: _varied_body(call, tokenizer, v) for v in VARIANTS}
+            measured = measure(http, url, "/v1/chat/completions", chat,
+                               args.repeats if checkpoint else args.episode_repeats)
+            row = {"call": call.number, "ids": call.history_ids,
+                   "e2e": {v: measured.e2e_median(v) for v in VARIANTS},
+                   "server": {v: measured.server_median(v) for v in VARIANTS}}
+            calls.append(row)
+            for v in VARIANTS:
+                labels[v].update(measured.paths[v])
+            if checkpoint:
+                tokenize = {v: _varied_tokenize_body(call, tokenizer, v) for v in ("stock", "hook")}
+                t_measured = measure(http, url, "/tokenize", tokenize, args.repeats)
+                sizes.append({**row, "size": checkpoints[call.number],
+                              "tokenize_e2e": {v: t_measured.e2e_median(v) for v in tokenize},
+                              "tokenize_server": {v: t_measured.server_median(v) for v in tokenize}})
+            if call.number % 16 == 0:
+                c.note(f"P2: call {call.number}, {call.history_ids} ids: e2e ms " + ", ".join(
+                    f"{v} {row['e2e'][v]:.1f}" for v in VARIANTS))
+    figure = c.Figure("P2", "Preprocessing: hook vs stock templating vs token-in", c.command("p2_preprocess.py", argv))
+    unavailable = "" if timer else " (server-side timer unavailable: this server's /metrics has no " \
+                                   f"{c.PREPROCESS_METRIC})"
+
+    table = c.Table(f"By history size: 1-token chat completion and /tokenize, ms{unavailable}",
+                    ["size", "history ids", "request", "measure", "stock", "hook", "token-in", "hook/stock",
+                     "token-in/stock"])
+    for row in sizes:
+        label = f"{row['size'] / 1024:g}k"
+        for measure_name, key in (("e2e median", "e2e"), ("server-side median", "server")):
+            values = row[key]
+            table.add(label, row["ids"], "chat, 1 token", measure_name, values["stock"], values["hook"],
+                      values["token_in"], c.ratio(values["hook"], values["stock"]),
+                      c.ratio(values["token_in"], values["stock"]), digits=2)
+        for measure_name, key in (("e2e median", "tokenize_e2e"), ("server-side median", "tokenize_server")):
+            values = row[key]
+            table.add(label, row["ids"], "/tokenize", measure_name, values["stock"], values["hook"], "-",
+                      c.ratio(values["hook"], values["stock"]), "-", digits=2)
+    figure.tables.append(table)
+
+    growth = c.Table(f"One episode growing to {episode[-1].number} calls (bundle of the last call each turn), ms",
+                     ["call", "history ids", "e2e stock", "e2e hook", "e2e token-in", "server stock", "server hook",
+                      "server token-in", "hook/stock e2e", "hook/stock server"])
+    for row in calls:
+        if row["call"] in EPISODE_ROWS or row["call"] == calls[-1]["call"]:
+            e2e, server = row["e2e"], row["server"]
+            growth.add(row["call"], row["ids"], e2e["stock"], e2e["hook"], e2e["token_in"], server["stock"],
+                       server["hook"], server["token_in"], c.ratio(e2e["hook"], e2e["stock"]),
+                       c.ratio(server["hook"], server["stock"]), digits=2)
+    figure.tables.append(growth)
+
+    slopes = c.Table("Slope over the episode (Theil-Sen linear fit): ms per 1k history ids",
+                     ["variant", "server-side ms/1k ids", "vs stock", "e2e ms/1k ids", "vs stock"])
+    xs = [row["ids"] / 1000 for row in calls]
+    fitted = {v: (c.slope(xs, [row["server"][v] for row in calls]), c.slope(xs, [row["e2e"][v] for row in calls]))
+              for v in VARIANTS}
+    for v in VARIANTS:
+        slopes.add(v, fitted[v][0], c.ratio(fitted[v][0], fitted["stock"][0]), fitted[v][1],
+                   c.ratio(fitted[v][1], fitted["stock"][1]), digits=3)
+    figure.tables.append(slopes)
+    hook_ratio = c.ratio(fitted["hook"][0], fitted["stock"][0])
+    figure.notes.append(
+        f"Server-side slope hook/stock: {c.fmt(hook_ratio, 3)} (target <= 0.3)" if timer else
+        "Server-side slope hook/stock: unavailable (no preprocessing timer on this server's /metrics); "
+        f"end-to-end slope hook/stock: {c.fmt(c.ratio(fitted['hook'][1], fitted['stock'][1]), 3)}")
+    mislabelled = {v: dict(labels[v]) for v in VARIANTS if set(labels[v]) - {TIMER_PATH[v]}}
+    if mislabelled:
+        figure.notes.append("The server's timer labelled requests otherwise than expected (variant: {path: requests}): "
+                            f"{mislabelled}; the figures above are per request and do not depend on the label.")
+    figure.notes.append(
+        f"{args.repeats} timed repeats per variant at the size-table calls, {args.episode_repeats} at the other calls, "
+        "after one untimed warm-up each; variants interleaved, order rotated each round. e2e: client wall time of the "
+        "request, answer read. Server-side: the hook's timer (nemo_gym_tok_preprocess_seconds), one request at a time: "
+        "/metrics is read between consecutive requests and each request's sum delta is its own; medians. "
+        "Prefix caching is on: repeated prompts hit the cache for all three variants alike.")
+    figure.data = {"calls": calls, "sizes": sizes, "timer": timer, "slopes": fitted}
+    figure.seconds = time.monotonic() - started
+    return figure
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = c.standalone_argv(argv)
+    args = parser().parse_args(argv)
+    with c.vllm_server(args.vllm_url) as url:
+        figure = run(url, args, argv)
+    print(figure.text())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""Runs every bench/ figure (P1 to P5) on one bench server build and regenerates docs/performance.md and .png.
+
+    .venv/bin/python bench/report.py            # what `make bench` runs (9 to 11 minutes on 2 cores)
+    .venv/bin/python bench/report.py --quick    # a short smoke run (fewer calls and repeats; writes the docs too)
+
+Starts the hooked bench vLLM once (the tiny model built with a 32,768-position limit, --max-model-len 32768) and
+keeps it for every figure; a stock vLLM (hook off) joins for the figures that compare against it (P1's adapter
+splice, P3). Each figure's section in the doc names the standalone command that reproduces it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import _common as c
+import p1_adapter
+import p2_preprocess
+import p3_upstream_calls
+import p4_collect
+import p5_request_bytes
+
+FULL: dict[str, list[str]] = {"P1": [], "P2": [], "P3": [], "P4": [], "P5": []}
+QUICK: dict[str, list[str]] = {
+    "P1": ["--sizes", "1024", "7168", "--repeats", "5"],
+    "P2": ["--calls", "24", "--sizes", "1024", "4096", "--repeats", "3", "--episode-repeats", "2",
+           "--episode-step", "4"],
+    "P3": ["--turns", "4"],
+    "P4": ["--rollouts", "32", "--concurrency", "16", "--runs", "1"],
+    "P5": ["--turns", "10", "--report", "1", "5", "10"],
+}
+MODULES = {"P1": p1_adapter, "P2": p2_preprocess, "P3": p3_upstream_calls, "P4": p4_collect, "P5": p5_request_bytes}
+SCRIPTS = {"P1": "p1_adapter.py", "P2": "p2_preprocess.py", "P3": "p3_upstream_calls.py", "P4": "p4_collect.py",
+           "P5": "p5_request_bytes.py"}
+ORDER = ("P2", "P5", "P4", "P1", "P3")
+"""The hooked-only figures first; then the stock server joins for P1 and P3."""
+NEEDS_STOCK = ("P1", "P3")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="short smoke run: fewer calls, sizes and repeats")
+    p.add_argument("--only", nargs="+", choices=list(MODULES), help="run these figures only")
+    p.add_argument("--vllm-url", help="use this hooked bench vLLM instead of starting one")
+    p.add_argument("--stock-url", help="use this stock bench vLLM instead of starting one")
+    p.add_argument("--docs", type=Path, default=c.REPO / "docs",
+                   help="where performance.md and .png go (default docs/)")
+    p.add_argument("--no-docs", action="store_true", help="print the tables only")
+    return p
+
+
+def run_figure(key: str, url: str, stock: str | None, argv: list[str]) -> list[c.Figure]:
+    module = MODULES[key]
+    args = module.parser().parse_args(argv)
+    result = module.run(url, args, argv, stock_url=stock) if key in NEEDS_STOCK else module.run(url, args, argv)
+    return result if isinstance(result, list) else [result]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    started = time.monotonic()
+    plan = QUICK if args.quick else FULL
+    keys = [k for k in ORDER if not args.only or k in args.only]
+    figures: dict[str, c.Figure] = {}
+    load_before = c.machine_facts()["load"]
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(c.vllm_server(args.vllm_url))
+        facts = c.machine_facts(url)
+        facts["load"] = load_before
+        stock: str | None = None
+        for key in keys:
+            if key in NEEDS_STOCK and stock is None:
+                stock = stack.enter_context(c.vllm_server(args.stock_url, hook=False))
+            for figure in run_figure(key, url, stock, plan[key]):
+                figures[figure.key] = figure
+                print(figure.text() + "\n", flush=True)
+    total = time.monotonic() - started
+    print(f"report: {len(figures)} figures in {total / 60:.1f} min; command: {c.command('report.py', sys.argv[1:])}")
+    if not args.no_docs:
+        args.docs.mkdir(parents=True, exist_ok=True)
+        plotted = plot(figures.get("P2"), args.docs / "performance.png")
+        (args.docs / "performance.md").write_text(document(figures, facts, total, args, plotted))
+        written = [args.docs / "performance.md"] + ([args.docs / "performance.png"] if plotted else [])
+        print(f"report: wrote {' and '.join(map(str, written))}")
+    return 0
+
+
+def plot(figure: c.Figure | None, path: Path) -> bool:
+    """Per-call cost against history length for stock, hook and token-in (P2's episode): end-to-end latency, and the
+    hook's server-side preprocessing timer where the server has it."""
+    if figure is None or not figure.data.get("calls"):
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    calls = figure.data["calls"]
+    ids = [row["ids"] for row in calls]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    labels = {"stock": "stock (vLLM templating)", "hook": "hook (bundle spliced)",
+              "token_in": "token-in (kv_transfer_params ids)"}
+    for ax, key, title in ((axes[0], "e2e", "1-token chat completion, end to end (median)"),
+                           (axes[1], "server", "server-side preprocessing (hook's timer, median)")):
+        plotted = False
+        for variant, style in (("stock", "o-"), ("hook", "s-"), ("token_in", "^-")):
+            ys = [row[key][variant] for row in calls]
+            if any(y == y for y in ys):
+                ax.plot(ids, ys, style, markersize=3, linewidth=1, label=labels[variant])
+                plotted = True
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("history ids (prompt length)")
+        ax.set_ylabel("ms")
+        ax.grid(True, alpha=0.3)
+        if plotted:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "unavailable: no nemo_gym_tok_preprocess_seconds\non this server's /metrics",
+                    ha="center", va="center", transform=ax.transAxes, fontsize=9)
+    fig.suptitle("Per-call cost as one episode grows (bench/p2_preprocess.py)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def document(figures: dict[str, c.Figure], facts: dict[str, str], total: float, args: argparse.Namespace,
+             plotted: bool) -> str:
+    run_command = "make bench" if not args.quick else c.command("report.py", ["--quick"])
+    lines = [
+        "# Performance",
+        "",
+        f"Generated by `{run_command}` ([bench/report.py](../bench/report.py)); do not edit by hand. "
+        "Every figure is a ratio measured side by side in one run, on one server; absolute times move with the "
+        "machine's load, the ratios much less.",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| date | {facts['date']} |",
+        f"| machine | {facts['cpu']}, {facts['memory']} RAM, shared (load average {facts['load']} at the start) |",
+        f"| vLLM | {facts['vllm']} (CPU build), Python {facts['python']} |",
+        "| model | the embedded tiny random Qwen3 (2 layers, hidden 128) built with `max_position_embeddings` 32768 "
+        "(`build_tiny_model(max_position_embeddings=32768)`, its own cache entry; the test build keeps 8192) |",
+        "| server | `ngt vllm-serve` (hook on) with `" + " ".join(c.BENCH_ARGS) + "`; a stock vLLM (hook off) with the "
+        "same flags for the stock comparisons; prefix caching on (vLLM's default) |",
+        f"| run time | {total / 60:.1f} min in all, server start-ups included |",
+        "",
+        "Method: requests of the variants compared are interleaved (order rotated each round) after untimed warm-up "
+        "requests; medians (and p95 where given). Prefix caching is on, so repeated identical prompts hit the cache "
+        "for every variant alike: after the warm-up the engine recomputes only the last block, and what differs "
+        "between variants is preprocessing (templating, tokenization, the splice) and what the hops add. A 1-token "
+        "completion is the worst case for any per-request overhead; real turns generate many tokens and amortize it.",
+        "",
+    ]
+    headline = headlines(figures)
+    if headline:
+        lines += ["## Summary", "", "| figure | measured |", "| --- | --- |", *headline, ""]
+    for key in ("P1", "P1a", "P2", "P3", "P4", "P5"):
+        figure = figures.get(key)
+        if figure is None:
+            continue
+        lines += [f"## {key}: {figure.title}", "", "```bash", figure.command, "```", ""]
+        if key == "P2" and plotted:
+            lines += ["![Per-call cost against history length: stock, hook, token-in](performance.png)", ""]
+        for table in figure.tables:
+            lines += [table.markdown(), ""]
+        lines += [note + "\n" for note in figure.notes]
+        lines += [f"({figure.seconds:.0f} s)", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def headlines(figures: dict[str, c.Figure]) -> list[str]:
+    """One line per figure with its main ratio."""
+    lines: list[str] = []
+    if (p1 := figures.get("P1")) and p1.data.get("hook"):
+        for row in p1.data["hook"]:
+            lines.append(f"| P1 | adapter (splice: hook) / direct vLLM at {row['ids']} history ids: p50 "
+                         f"{c.fmt(c.ratio(row['adapter'][0], row['direct'][0]), 2)}, p95 "
+                         f"{c.fmt(c.ratio(row['adapter'][1], row['direct'][1]), 2)} (target at 7k: <= 1.05, <= 1.10) |")
+    if (p1a := figures.get("P1a")) and p1a.data.get("adapter"):
+        last = p1a.data["adapter"][-1]
+        lines.append(f"| P1a | adapter (splice: adapter, stock vLLM) at {last['ids']} history ids, p50: "
+                     f"{c.fmt(c.ratio(last['adapter'][0], last['direct stock'][0]), 2)} x direct stock, "
+                     f"{c.fmt(c.ratio(last['adapter'][0], last['direct token-in'][0]), 2)} x direct token-in |")
+    if (p2 := figures.get("P2")) and p2.data.get("slopes"):
+        slopes: dict[str, Any] = p2.data["slopes"]
+        server = c.ratio(slopes["hook"][0], slopes["stock"][0])
+        e2e = c.ratio(slopes["hook"][1], slopes["stock"][1])
+        lines.append(f"| P2 | preprocessing slope hook / stock: server-side {c.fmt(server, 2)} (target <= 0.3), "
+                     f"end to end {c.fmt(e2e, 2)} |")
+        for row in p2.data.get("sizes", []):
+            e2e_row, tokenize = row["e2e"], row["tokenize_e2e"]
+            lines.append(
+                f"| P2 | at {row['ids']} history ids, 1-token chat end to end: hook / stock "
+                f"{c.fmt(c.ratio(e2e_row['hook'], e2e_row['stock']), 2)} (target at 7k: <= 0.8), hook / token-in "
+                f"{c.fmt(c.ratio(e2e_row['hook'], e2e_row['token_in']), 2)} (target <= 1.15); /tokenize hook / stock "
+                f"{c.fmt(c.ratio(tokenize['hook'], tokenize['stock']), 2)} (target <= 1) |"
+            )
+    if (p3 := figures.get("P3")) and p3.data:
+        hook = [n for k, totals in p3.data.items() if k.startswith("hook") for n in totals]
+        lines.append(f"| P3 | vLLM requests per model call through the adapter in hook mode: "
+                     f"{c.fmt(sum(hook) / len(hook), 2)} (expected 1) |")
+    if (p4 := figures.get("P4")) and p4.data.get("gym"):
+        gym, bare = p4.data["gym"], p4.data["bare"]
+        speed = c.ratio(c.median([r["rollouts"] / r["seconds"] for r in gym]),
+                        c.median([r["rollouts"] / r["seconds"] for r in bare]))
+        cpu = c.median([c.ratio(r["cpu_ms"], r["calls"]) for r in gym])
+        lines.append(f"| P4 | `ngt collect` rollouts/s over a bare asyncio loop: {c.fmt(speed, 2)}; gym CPU "
+                     f"{c.fmt(cpu, 1)} ms per model call |")
+    if (p5 := figures.get("P5")) and p5.data.get("turns"):
+        rows = p5.data["turns"]
+        last = rows[-1]
+        lines.append(f"| P5 | agent -> adapter request at turn {last['turn']}: {last['agent_bytes']} bytes "
+                     f"({c.fmt(c.ratio(last['agent_bytes'], last['prompt_ids']), 1)} per prompt id, "
+                     f"{last['bundles']} bundle(s)) |")
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())
