@@ -116,6 +116,29 @@ def test_metrics_count_splices_repairs_and_rejections(vllm_server: VLLMServer) -
     assert after[names[3]] - before[names[3]] == 1
 
 
+def preprocess_counts(server: VLLMServer) -> dict[str, float]:
+    text = httpx.get(f"{server.base_url}/metrics").text
+    return {path: float(count) for path, count in re.findall(
+        r'^nemo_gym_tok_preprocess_seconds_count\{path="(\w+)"\} (\S+)$', text, re.MULTILINE)}
+
+
+def test_metrics_time_preprocessing_by_path(vllm_server: VLLMServer) -> None:
+    """The histogram counts each chat request once, under the path it took: spliced, stock templating, vLLM's
+    token-reuse path, or refused."""
+    before = preprocess_counts(vllm_server)
+    (conversation,) = play(vllm_server, [56], mode="bundles", turns=3)  # 1 templated, 2 spliced
+    bundle_keys = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+    plain = [{k: v for k, v in m.items() if k not in bundle_keys} for m in conversation.messages]
+    url, model = f"{vllm_server.base_url}/v1/chat/completions", vllm_server.served_model_name
+    token_in = httpx.post(url, json={"model": model, "messages": plain, "max_tokens": 1, "kv_transfer_params": {
+        "prompt_token_ids": conversation.turns[-1].prompt_token_ids}})
+    refused = httpx.post(url, json={"model": model, "messages": conversation.messages, "required_prefix_token_ids": [-1]})
+    assert token_in.status_code == 200 and refused.status_code == 400
+    after = preprocess_counts(vllm_server)
+    grown = {path: after.get(path, 0.0) - before.get(path, 0.0) for path in after}
+    assert grown == {**{path: 0.0 for path in grown}, "template": 1, "spliced": 2, "token_in": 1, "refused": 1}
+
+
 @pytest.fixture(scope="module")
 def two_turns(vllm_server: VLLMServer) -> Conversation:
     (conversation,) = play(vllm_server, [3], mode="bundles", turns=2)
