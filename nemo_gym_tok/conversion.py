@@ -41,7 +41,7 @@ def items_to_chat_messages(items: list[ResponseItem], instructions: str | None =
     """Chat history from Responses items: one assistant message per model call, with that call's bundle."""
     for index, item in enumerate(items):
         for field in ("content", "summary", "output"):
-            _check_text_parts(getattr(item, field, None), f"input.{index}.{field}")
+            _check_text_parts(getattr(item, field, None), f"input[{index}].{field}")
     messages: list[dict[str, Any]] = []
     if instructions:
         messages.append({"role": "system", "content": instructions})
@@ -147,7 +147,7 @@ def _check_text_parts(parts: Any, where: str) -> None:
     for index, part in enumerate(parts):
         if isinstance(part, dict) and "text" in part and not isinstance(part["text"], str):
             got = type(part["text"]).__name__
-            raise ConversionError(f"{where}.{index}.text must be a string, got {got}", param=f"{where}.{index}.text")
+            raise ConversionError(f"{where}[{index}].text must be a string, got {got}", param=f"{where}[{index}].text")
 
 
 def _text_of(parts: Any) -> str:

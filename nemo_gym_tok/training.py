@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from nemo_gym_tok.constrained import CONSTRAINED_BY_KEY, FORCED_MASK_KEY
 from nemo_gym_tok.contiguity import BundledTurn, Decode, bundled_turns, check_contiguous, segments
 
 
@@ -15,6 +16,9 @@ class TrainingSequence:
     `loss_mask[i]` is 1 where `token_ids[i]` was sampled by the model, 0 for everything the prompt supplied
     (system/user turns, tool results, template text, and the terminator a template adds after a turn cut by
     max_tokens). `log_probs[i]` is the sampling log prob where the mask is 1 and 0.0 elsewhere.
+
+    A turn decoded under a grammar (`constrained_by` non-empty) reports log probs of the grammar-masked distribution,
+    not of the model's: see docs/training.md before using them in importance ratios.
     """
 
     token_ids: list[int]
@@ -23,6 +27,12 @@ class TrainingSequence:
     turns: list[tuple[int, int]]
     """[start, end) of each model call's generated ids in `token_ids`."""
     reward: float | None
+    constrained_by: list[list[str] | None] = field(default_factory=list)
+    """Per turn (as `turns`): what constrained its decoding (`["tool_choice:required"]`, ...), [] for a free turn,
+    None where the record does not say (written before the field existed): unknown, not free."""
+    forced_mask: list[int] | None = None
+    """1 where `token_ids[i]` was generated in a constrained turn and forced by its grammar (log prob exactly 0.0),
+    0 elsewhere (prompt ids included); None when a turn of the sequence has no mask (an older record)."""
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -65,18 +75,32 @@ def rollout_to_training_sequences(record: dict[str, Any], decode: Decode | None 
         )
     check_contiguous(turns, decode)
     reward = record.get("reward")
-    return [_sequence(segment, float(reward) if reward is not None else None) for segment in segments(turns)]
+    output = (record.get("response") or {}).get("output") or []
+    return [
+        _sequence(segment, float(reward) if reward is not None else None, output) for segment in segments(turns)
+    ]
 
 
-def _sequence(turns: list[BundledTurn], reward: float | None) -> TrainingSequence:
+def _sequence(turns: list[BundledTurn], reward: float | None, output: list[Any]) -> TrainingSequence:
     # A call whose splice replaced the previous final end token (GPT-OSS <|return|>) was conditioned on the
     # template's closing at that position; the sequence keeps the sampled id there, with its log prob.
     token_ids: list[int] = []
     loss_mask: list[int] = []
     log_probs: list[float] = []
     spans: list[tuple[int, int]] = []
+    constraints: list[list[str] | None] = []
+    forced: list[int] | None = []
     for turn in turns:
+        # The constraint fields stay on the bundled item as written (version 2 packing leaves them alone), at the
+        # same output index as the full-prompt item bundled_turns read.
+        item = output[turn.item_index]
+        labels, mask = item.get(CONSTRAINED_BY_KEY), item.get(FORCED_MASK_KEY)
+        constraints.append(list(labels) if isinstance(labels, list) else None)
         supplied = turn.prompt_token_ids[len(token_ids):]
+        if forced is not None and isinstance(mask, list) and len(mask) == len(turn.generation_token_ids):
+            forced += [0] * len(supplied) + [int(flag) for flag in mask]
+        else:
+            forced = None  # one turn that does not say makes the whole sequence's mask unknown
         token_ids += supplied
         loss_mask += [0] * len(supplied)
         log_probs += [0.0] * len(supplied)
@@ -85,4 +109,4 @@ def _sequence(turns: list[BundledTurn], reward: float | None) -> TrainingSequenc
         loss_mask += [1] * len(turn.generation_token_ids)
         log_probs += turn.generation_log_probs
         spans.append((start, len(token_ids)))
-    return TrainingSequence(token_ids, loss_mask, log_probs, spans, reward)
+    return TrainingSequence(token_ids, loss_mask, log_probs, spans, reward, constraints, forced)

@@ -80,7 +80,8 @@ def test_final_chunk_carries_the_streamed_bundle_and_telemetry() -> None:
     assert final["choices"] == [{
         "index": 0, "logprobs": None, "finish_reason": None,
         "delta": {"prompt_token_ids": [1, 2, 3], "generation_token_ids": [10, 11, 12, 13],
-                  "generation_log_probs": [-0.5, -1.0, -1.5, -2.0]},
+                  "generation_log_probs": [-0.5, -1.0, -1.5, -2.0], "constrained_by": [],
+                  "generation_forced_mask": [0, 0, 0, 0]},
     }]
     assert data(chunks[0])["prefix_splice"] == TELEMETRY  # known before the first token: on the first chunk too
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from nemo_gym_tok.servers.client import SESSION_HEADER, auth_headers
 from nemo_gym_tok.servers.http_pool import DEFAULT_MAX_CONNECTIONS, pool_limits
 
 _SHOWN_FAILURES = 3  # failures echoed to stderr while running; the rest are only in the failures file
+PROGRESS_LINE_SECONDS = 30.0
+"""Without a terminal, a progress line at least this often while rollouts finish (and at every tenth of the run)."""
 
 
 @dataclass(frozen=True)
@@ -190,8 +193,7 @@ class _Run:
         semaphore = asyncio.Semaphore(self.concurrency)
         log = AppendLog(self.output)
         self._failure_log: AppendLog | None = None  # opened on the first failure: a clean run never creates the file
-        self._bar = tqdm(total=total, initial=already_done, desc="rollouts", unit="rollout", file=sys.stderr,
-                         disable=None if progress else True, dynamic_ncols=True)
+        self._progress = _Progress(enabled=progress, total=total, already_done=already_done)
         # The gym's pool (http_pool), never below --concurrency: no rollout waits for a connection to the agent.
         limits = pool_limits(max(self.concurrency, DEFAULT_MAX_CONNECTIONS))
         tasks: set[asyncio.Task[None]] = set()
@@ -216,7 +218,7 @@ class _Run:
                         task.cancel()
                     await asyncio.gather(*unfinished, return_exceptions=True)
         finally:
-            self._bar.close()
+            self._progress.close()
             if self._failure_log is not None:
                 self._failure_log.close()
             log.close()
@@ -242,7 +244,7 @@ class _Run:
             self.done.add(key)
             self.failures.pop(key, None)
             self.done_now += 1
-            self._bar.update(1)
+            self._progress.finished(failed=False)
         finally:
             # A cancelled rollout (CancelledError passes through) is written nowhere: the next run runs it.
             semaphore.release()
@@ -256,10 +258,73 @@ class _Run:
         self._failure_log.append(json_line(entry))
         if len(self.failed_now) <= _SHOWN_FAILURES:
             row_id = entry["rollout_id"]
-            self._bar.write(f"ngt collect: rollout row={row_id['row']} repeat={row_id['repeat']} failed: {exc}",
-                            file=sys.stderr)
+            self._progress.write(f"ngt collect: rollout row={row_id['row']} repeat={row_id['repeat']} failed: {exc}")
             if len(self.failed_now) == _SHOWN_FAILURES:
-                self._bar.write(f"ngt collect: any further failures are reported only in {self.failures_file}",
-                                file=sys.stderr)
-        self._bar.update(1)
-        self._bar.set_postfix(failed=len(self.failed_now), refresh=False)
+                self._progress.write(f"ngt collect: any further failures are reported only in {self.failures_file}")
+        self._progress.finished(failed=True)
+
+
+class _Progress:
+    """Progress on stderr: tqdm's bar on a terminal; plain lines otherwise, since a log shows a bar as nothing at all.
+
+    Lines come at each tenth of the run and at least every PROGRESS_LINE_SECONDS while rollouts finish, plus one at
+    the start and one at the end, so `ngt collect ... 2>collect.log` can be followed with `tail -f`.
+    """
+
+    def __init__(self, *, enabled: bool, total: int, already_done: int) -> None:
+        self.total = total
+        self.finished_count = already_done  # counts failed rollouts too: they are finished for this run
+        self.finished_now = 0
+        self.failed = 0
+        self.started = self.last_line_at = time.monotonic()
+        self.lines = enabled and not _is_terminal(sys.stderr)
+        self.bar = tqdm(total=total, initial=already_done, desc="rollouts", unit="rollout", file=sys.stderr,
+                        disable=not enabled or self.lines, dynamic_ncols=True)
+        self.tenth = self._tenth()
+        self.shown = already_done
+        if self.lines:
+            print(f"ngt collect: {total - already_done} rollouts to run ({already_done} of {total} already done)",
+                  file=sys.stderr, flush=True)
+
+    def _tenth(self) -> int:
+        return self.finished_count * 10 // self.total if self.total else 10
+
+    def finished(self, *, failed: bool) -> None:
+        """One rollout finished (written to the output, or to the failures file when `failed`)."""
+        self.finished_count += 1
+        self.finished_now += 1
+        self.bar.update(1)
+        if failed:
+            self.failed += 1
+            self.bar.set_postfix(failed=self.failed, refresh=False)
+        if self.lines:
+            tenth = self._tenth()
+            if tenth > self.tenth or time.monotonic() - self.last_line_at >= PROGRESS_LINE_SECONDS:
+                self.tenth = tenth
+                self._line()
+
+    def write(self, text: str) -> None:
+        """A message on its own line, without breaking the bar."""
+        self.bar.write(text, file=sys.stderr)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.lines and self.shown != self.finished_count:
+            self._line()
+
+    def _line(self) -> None:
+        now = time.monotonic()
+        elapsed = now - self.started
+        rate = self.finished_now / elapsed if elapsed > 0 else 0.0
+        percent = 100 * self.finished_count // self.total if self.total else 100
+        print(f"ngt collect: {self.finished_count}/{self.total} rollouts finished ({percent}%), {self.failed} failed, "
+              f"{rate:.2f} rollouts/s, {elapsed:.0f}s elapsed", file=sys.stderr, flush=True)
+        self.last_line_at = now
+        self.shown = self.finished_count
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream: not a terminal
+        return False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from fastapi import Request
@@ -85,7 +86,7 @@ def _one_line(text: str, limit: int = 300) -> str:
 
 
 def validation_message(errors: list[dict[str, Any]], skip: tuple[str, ...] = ("body",)) -> tuple[str, str | None]:
-    """One line from a pydantic error list: `dotted.field: what is wrong`, and the dotted field.
+    """One line from a pydantic error list: `messages[1].content: what is wrong`, and that field's path.
 
     For a union field (e.g. `input: str | list[...]`) pydantic reports one error per branch; a plain type mismatch
     is the least useful of them, so an error from the branch the value really matched is preferred.
@@ -94,9 +95,24 @@ def validation_message(errors: list[dict[str, Any]], skip: tuple[str, ...] = ("b
         return "invalid request", None
     # Among equals, the deepest location: the branch that got furthest into the value (a list, for a list value).
     first = min(errors, key=lambda error: (str(error.get("type", "")).endswith("_type"), -len(error.get("loc", ()))))
-    location = ".".join(str(part) for part in first.get("loc", ()) if part not in skip and not _is_union_tag(part))
+    location = field_path(part for part in first.get("loc", ()) if part not in skip and not _is_union_tag(part))
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return (f"{location}: {message}" if location else message), (location or None)
+
+
+def field_path(parts: Iterable[str | int]) -> str:
+    """A field path the way every gym error writes it: names dotted, list positions bracketed (`messages[1].content`).
+
+    pydantic's `loc` holds positions as ints; the splice's own errors already say `required_prefix_token_ids[9]`,
+    so both kinds of error name a field the same way.
+    """
+    text = ""
+    for part in parts:
+        if isinstance(part, int) and not isinstance(part, bool):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else str(part)
+    return text
 
 
 def _is_union_tag(part: Any) -> bool:

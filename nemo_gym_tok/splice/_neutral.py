@@ -22,7 +22,10 @@ def placeholder(kind: str, message_index: int) -> str:
     return f"ngt{kind}{message_index}q"
 
 
-_TOKEN_FIELDS = frozenset((*BUNDLE_KEYS, "generation_log_probs"))
+_TOKEN_FIELDS = frozenset(
+    (*BUNDLE_KEYS, "prefix_splice", "token_source", "constrained_by", "generation_forced_mask", "spliced_by")
+)
+"""What the gym adds to a message beside the template's input (the bundle, its telemetry): never rendered."""
 
 MESSAGE_PLACEHOLDER = re.compile(r"ngtmsg(\d+)q")
 """Placeholder text of a non-assistant message, in the rendering that checks no turn holds another message."""

@@ -12,7 +12,10 @@ TokenIds = list[TokenId]
 LogProb = Annotated[float, Field(allow_inf_nan=True)]
 
 BUNDLE_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
-TELEMETRY_FIELDS = ("prefix_splice", "token_source")
+TELEMETRY_FIELDS = ("prefix_splice", "token_source", "constrained_by", "generation_forced_mask")
+"""Fields that travel with a bundle: kept on the output item that carries it, left out of what environments get."""
+# 1 where the grammar left the sampler one token (nemo_gym_tok.constrained.forced_mask), else 0.
+ForcedFlag = Annotated[int, Strict(), Field(ge=0, le=1)]
 
 
 class PrefixSplice(BaseModel):
@@ -36,6 +39,11 @@ class TokenBundleMixin(BaseModel):
     prefix_splice: PrefixSplice | None = None
     token_source: str | None = None
     """Which source the adapter took the prompt ids from: message, return_token_ids or tokenize."""
+    constrained_by: list[str] | None = None
+    """What put a grammar over this call's sampling (`tool_choice:required`, `response_format:json_schema`, ...);
+    [] for a free call, None where unknown (records written before the field existed)."""
+    generation_forced_mask: list[ForcedFlag] | None = None
+    """Per generated id: 1 where the call was constrained and the reported log prob is exactly 0.0 (forced)."""
 
     @model_validator(mode="after")
     def _bundle_is_all_or_none(self) -> TokenBundleMixin:
@@ -49,6 +57,12 @@ class TokenBundleMixin(BaseModel):
             raise ValueError(
                 f"generation_token_ids ({len(self.generation_token_ids or ())}) and generation_log_probs "
                 f"({len(self.generation_log_probs or ())}) must have the same length"
+            )
+        mask, generation = self.generation_forced_mask, self.generation_token_ids
+        if mask is not None and generation is not None and len(mask) != len(generation):
+            raise ValueError(
+                f"generation_forced_mask ({len(mask)}) and generation_token_ids ({len(generation)}) must have the "
+                "same length"
             )
         return self
 

@@ -35,6 +35,7 @@ import weakref
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from nemo_gym_tok.constrained import CONSTRAINED_BY_KEY, FORCED_MASK_KEY, constrained_by, forced_mask
 from nemo_gym_tok.splice import (
     NEW_SEGMENT_KEY,
     RenderMemo,
@@ -698,25 +699,29 @@ def _full_generator_with_bundle(original: Any) -> Any:
         if telemetry is not None:
             response.prefix_splice = telemetry
         if wants_bundle and outputs:
-            _attach_bundles(response, outputs[0])
+            _attach_bundles(response, outputs[0], request)
         return response
 
     return chat_completion_full_generator
 
 
-def _attach_bundles(response: Any, final: Any) -> None:
+def _attach_bundles(response: Any, final: Any, request: Any) -> None:
+    """Each choice's bundle on its message, with what constrained the call: `request` is the one vLLM sampled
+    with, after its tool parser moved any tool grammar into `structured_outputs` (nemo_gym_tok.constrained)."""
     prompt_ids = list(final.prompt_token_ids or [])
     by_index = {output.index: output for output in final.outputs}
+    labels = constrained_by(request)
     for choice in response.choices:
         output = by_index.get(choice.index)
         if output is None or output.logprobs is None:
             continue
         generation_ids = list(output.token_ids)
+        log_probs = [float(step[token].logprob) for token, step in zip(generation_ids, output.logprobs)]
         choice.message.prompt_token_ids = prompt_ids
         choice.message.generation_token_ids = generation_ids
-        choice.message.generation_log_probs = [
-            float(step[token].logprob) for token, step in zip(generation_ids, output.logprobs)
-        ]
+        choice.message.generation_log_probs = log_probs
+        setattr(choice.message, CONSTRAINED_BY_KEY, list(labels))
+        setattr(choice.message, FORCED_MASK_KEY, forced_mask(labels, log_probs))
 
 
 _SSE_DATA = "data: "
@@ -739,7 +744,7 @@ def _stream_generator_with_bundle(original: Any) -> Any:
         wants_bundle = final_asked and bool(getattr(request, "logprobs", False))
         if telemetry is None and not wants_bundle:
             return original(self, request, result_generator, *args, **kwargs)
-        record = _StreamRecord(keep_ids=wants_bundle)
+        record = _StreamRecord(keep_ids=wants_bundle, constrained_by=constrained_by(request) if wants_bundle else [])
         source = record.watch(result_generator) if final_asked else result_generator
         chunks = original(self, request, source, *args, **kwargs)
         return _with_splice_chunks(chunks, telemetry, record if final_asked else None)
@@ -771,8 +776,10 @@ class _StreamRecord:
     """What a streamed request's engine outputs add up to. vLLM streams deltas (RequestOutputKind.DELTA): each
     output holds only the ids and log probs generated since the previous one."""
 
-    def __init__(self, *, keep_ids: bool) -> None:
+    def __init__(self, *, keep_ids: bool, constrained_by: list[str]) -> None:
         self.keep_ids = keep_ids
+        self.constrained_by = constrained_by
+        """What constrained the request's sampling (nemo_gym_tok.constrained), put on each bundle."""
         self.complete = False
         """The engine's outputs ran to their end (not cut by an error or a disconnect)."""
         self.prompt_token_ids: list[int] = []
@@ -811,6 +818,8 @@ class _StreamRecord:
                     "prompt_token_ids": self.prompt_token_ids,
                     "generation_token_ids": ids,
                     "generation_log_probs": self.log_probs.get(index, []),
+                    CONSTRAINED_BY_KEY: list(self.constrained_by),
+                    FORCED_MASK_KEY: forced_mask(self.constrained_by, self.log_probs.get(index, [])),
                 },
                 "logprobs": None,
                 "finish_reason": None,

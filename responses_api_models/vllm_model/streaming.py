@@ -19,6 +19,7 @@ import httpx
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
+from nemo_gym_tok.constrained import CONSTRAINED_BY_KEY, FORCED_MASK_KEY
 from nemo_gym_tok.http_errors import error_message
 from nemo_gym_tok.servers.errors import ApiError
 from nemo_gym_tok.servers.fast_json import dumps, loads
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from responses_api_models.vllm_model.app import PreparedCall
 
 SSE_MEDIA_TYPE = "text/event-stream"
-FINAL_CHUNK_FIELDS = (*BUNDLE_FIELDS, "token_source", "prefix_splice")
+FINAL_CHUNK_FIELDS = (*BUNDLE_FIELDS, "token_source", "prefix_splice", CONSTRAINED_BY_KEY, FORCED_MASK_KEY)
 """What the final chunk's `choices[0].delta` may carry: what `choice.message` carries without streaming."""
 _DONE = "data: [DONE]\n\n"
 

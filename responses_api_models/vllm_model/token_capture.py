@@ -6,6 +6,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
+from nemo_gym_tok.constrained import CONSTRAINED_BY_KEY, FORCED_MASK_KEY, constrained_by, forced_mask, valid_fields
 from nemo_gym_tok.servers.errors import ApiError
 from nemo_gym_tok.token_sources import (
     PartialBundle,
@@ -103,6 +104,20 @@ async def attach_bundles(
             message["token_source"] = bundle.source.value
             if isinstance(result.get("prefix_splice"), dict):
                 message["prefix_splice"] = result["prefix_splice"]
+            message.update(_constraint_fields(message, bundle.generation_log_probs, generation_body))
+
+
+def _constraint_fields(
+    message: dict[str, Any], log_probs: list[float], generation_body: dict[str, Any]
+) -> dict[str, Any]:
+    """`constrained_by` and `generation_forced_mask` for the bundle: the hook's, when it sent well-formed ones for
+    these ids (it saw the request after vLLM's tool parser, so it also knows grammars vLLM added itself), else
+    derived from the body the adapter sent vLLM (a stock vLLM, or the adapter's own splice)."""
+    labels, mask = message.get(CONSTRAINED_BY_KEY), message.get(FORCED_MASK_KEY)
+    if not valid_fields(labels, mask, len(log_probs)):
+        labels = constrained_by(generation_body)
+        mask = forced_mask(labels, log_probs)
+    return {CONSTRAINED_BY_KEY: labels, FORCED_MASK_KEY: mask}
 
 
 def check_required_prefix(
@@ -166,5 +181,5 @@ def drop_unrequested(result: dict[str, Any], caller_body: dict[str, Any], *, bun
         if not caller_body.get("logprobs"):
             choice.pop("logprobs", None)
         if not bundle_returned:
-            for field in BUNDLE_FIELDS:
+            for field in (*BUNDLE_FIELDS, CONSTRAINED_BY_KEY, FORCED_MASK_KEY):  # the hook adds these with a bundle
                 choice.get("message", {}).pop(field, None)

@@ -47,26 +47,26 @@ def test_both_routes_refuse_the_bad_body(adapter: str, route: str, case) -> None
 
 RESPONSES_CASES = [
     # (kind, body, param the error must name)
-    ("content_part_text_int", {"input": [{"role": "user", "content": [{"text": 5}]}]}, "input.0.content.0.text"),
+    ("content_part_text_int", {"input": [{"role": "user", "content": [{"text": 5}]}]}, "input[0].content[0].text"),
     ("content_part_text_list", {"input": [USER, {"role": "user", "content": [{"type": "input_text", "text": [1]}]}]},
-     "input.1.content.0.text"),
+     "input[1].content[0].text"),
     ("summary_text_object", {"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": {}}]}]},
-     "input.0.summary.0.text"),
+     "input[0].summary[0].text"),
     ("tool_output_part_text_null", {"input": [{"type": "function_call_output", "call_id": "c", "output": [{"text": None}]}]},
-     "input.0.output.0.text"),
+     "input[0].output[0].text"),
     ("input_number", {"input": 5}, "input"),
-    ("input_item_string", {"input": ["hi"]}, "input.0"),
-    ("message_without_role", {"input": [{"type": "message", "content": "hi"}]}, "input.0"),
-    ("function_call_without_call_id", {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input.0"),
+    ("input_item_string", {"input": ["hi"]}, "input[0]"),
+    ("message_without_role", {"input": [{"type": "message", "content": "hi"}]}, "input[0]"),
+    ("function_call_without_call_id", {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0]"),
     ("item_without_chat_equivalent", {"input": [{"type": "web_search_call"}]}, "input"),
     ("tools_string", {"input": "hi", "tools": "abc"}, "tools"),
-    ("tools_of_numbers", {"input": "hi", "tools": [1]}, "tools.0"),
+    ("tools_of_numbers", {"input": "hi", "tools": [1]}, "tools[0]"),
     ("max_output_tokens_string", {"input": "hi", "max_output_tokens": "x"}, "max_output_tokens"),
     ("temperature_string", {"input": "hi", "temperature": "hot"}, "temperature"),
     ("stream_string", {"input": "hi", "stream": "sometimes"}, "stream"),
     ("prefix_string", {"input": "hi", "required_prefix_token_ids": "1,2"}, "required_prefix_token_ids"),
-    ("prefix_negative", {"input": "hi", "required_prefix_token_ids": [-1]}, "required_prefix_token_ids.0"),
-    ("prefix_bool", {"input": "hi", "required_prefix_token_ids": [True]}, "required_prefix_token_ids.0"),
+    ("prefix_negative", {"input": "hi", "required_prefix_token_ids": [-1]}, "required_prefix_token_ids[0]"),
+    ("prefix_bool", {"input": "hi", "required_prefix_token_ids": [True]}, "required_prefix_token_ids[0]"),
 ]
 
 
@@ -78,9 +78,9 @@ def test_bad_responses_fields_are_400_naming_them(adapter: str, body: dict, para
 BUNDLE = {"prompt_token_ids": [1], "generation_token_ids": [2], "generation_log_probs": [-0.1]}
 CHAT_CASES = [
     ("messages_object", {"messages": USER}, "messages"),
-    ("bundle_partial", {"messages": [USER, {"role": "assistant", "content": "x", "prompt_token_ids": [1]}]}, "messages.1"),
+    ("bundle_partial", {"messages": [USER, {"role": "assistant", "content": "x", "prompt_token_ids": [1]}]}, "messages[1]"),
     ("bundle_ids_strings", {"messages": [USER, {"role": "assistant", "content": "x", **BUNDLE, "prompt_token_ids": ["1"]}]},
-     "messages.1.prompt_token_ids.0"),
+     "messages[1].prompt_token_ids[0]"),
     ("n_two_with_ids", {"messages": [USER], "n": 2}, "n"),
 ]
 

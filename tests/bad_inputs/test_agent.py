@@ -82,11 +82,11 @@ ROW_CASES = [
     # (kind, row, param the 400 names): the agent's own checks, before anything is sent on
     ("tools_string", params_with(tools="abc"), TOOLS),
     ("tools_number", params_with(tools=7), TOOLS),
-    ("tools_of_numbers", params_with(tools=[1]), f"{TOOLS}.0"),
-    ("tool_name_list", params_with(tools=[{"type": "function", "name": ["x"]}]), f"{TOOLS}.0.name"),
-    ("tool_without_name", params_with(tools=[{"type": "function", "parameters": {}}]), f"{TOOLS}.0.name"),
-    ("chat_tool_function_number", params_with(tools=[{"type": "function", "function": 5}]), f"{TOOLS}.0.function"),
-    ("chat_tool_name_number", params_with(tools=[{"type": "function", "function": {"name": 5}}]), f"{TOOLS}.0.function.name"),
+    ("tools_of_numbers", params_with(tools=[1]), f"{TOOLS}[0]"),
+    ("tool_name_list", params_with(tools=[{"type": "function", "name": ["x"]}]), f"{TOOLS}[0].name"),
+    ("tool_without_name", params_with(tools=[{"type": "function", "parameters": {}}]), f"{TOOLS}[0].name"),
+    ("chat_tool_function_number", params_with(tools=[{"type": "function", "function": 5}]), f"{TOOLS}[0].function"),
+    ("chat_tool_name_number", params_with(tools=[{"type": "function", "function": {"name": 5}}]), f"{TOOLS}[0].function.name"),
     ("no_params", {"secret": 50}, "responses_create_params"),
     ("input_number", params_with(input=5), "responses_create_params.input"),
     ("input_of_numbers", params_with(input=[1]), "responses_create_params.input"),
@@ -95,12 +95,13 @@ ROW_CASES = [
     ("env_refuses_missing_secret", {"responses_create_params": ROW["responses_create_params"]}, "secret"),
     # refused by the model on the first call: named as the row field it came from
     ("model_refuses_content_part", params_with(input=[{"role": "user", "content": [{"text": 5}]}]),
-     "responses_create_params.input.0.content.0.text"),
+     "responses_create_params.input[0].content[0].text"),
     ("model_refuses_max_output_tokens", params_with(max_output_tokens="x"), "responses_create_params.max_output_tokens"),
     ("model_refuses_temperature", params_with(temperature="hot"), "responses_create_params.temperature"),
     ("model_refuses_prefix", {**ROW, "required_prefix_token_ids": "1,2"}, "required_prefix_token_ids"),
+    ("model_refuses_prefix_id", {**ROW, "required_prefix_token_ids": [1, -2]}, "required_prefix_token_ids[1]"),
     ("model_refuses_message_without_role", params_with(input=[{"type": "message", "content": "x"}]),
-     "responses_create_params.input.0"),
+     "responses_create_params.input[0]"),
 ]
 
 
@@ -141,7 +142,7 @@ def test_a_declared_tool_is_still_called() -> None:
 
 def test_responses_hop_passes_the_models_400_as_json(agent: str) -> None:
     answer = httpx.post(f"{agent}/v1/responses", json={"input": [{"role": "user", "content": [{"text": 5}]}]})
-    assert_refused(answer, 400, "input.0.content.0.text", param="input.0.content.0.text")
+    assert_refused(answer, 400, "input[0].content[0].text", param="input[0].content[0].text")
 
 
 def test_a_models_plain_text_500_is_a_json_502() -> None:

@@ -199,7 +199,7 @@ def _row_field(param: str | None) -> str:
     """The row field behind a field of the first model call's body (the row's responses_create_params)."""
     if param is None:
         return ROW_PARAMS_KEY
-    if param.split(".")[0] == PREFIX_KEY:
+    if param.split(".")[0].split("[")[0] == PREFIX_KEY:  # `required_prefix_token_ids[9]` too
         return param  # a top-level row field, copied onto the first call
     if param.startswith("messages"):
         return f"{ROW_PARAMS_KEY}.input"  # vLLM names its chat messages; the row's are its input items
@@ -209,7 +209,7 @@ def _row_field(param: str | None) -> str:
 
 def _row_field_of_verify(param: str | None) -> str | None:
     """verify's body is the row plus the episode the agent built: a refused `response` is the agent's fault."""
-    if param is not None and param.split(".")[0] == "response":
+    if param is not None and param.split(".")[0].split("[")[0] == "response":
         return None
     return _same_field(param)
 
@@ -224,14 +224,14 @@ def _offered_tool_names(tools: Any) -> set[str]:
     names: set[str] = set()
     for index, tool in enumerate(tools):
         if not isinstance(tool, dict):
-            raise ApiError(400, f"{where}.{index} must be a tool object, got {type(tool).__name__}", param=f"{where}.{index}")
+            raise ApiError(400, f"{where}[{index}] must be a tool object, got {type(tool).__name__}", param=f"{where}[{index}]")
         if "function" in tool and "name" not in tool:  # chat-style {"type": "function", "function": {"name": ...}}
             function = tool["function"]
             if not isinstance(function, dict):
-                raise ApiError(400, f"{where}.{index}.function must be an object", param=f"{where}.{index}.function")
-            name, field = function.get("name"), f"{where}.{index}.function.name"
+                raise ApiError(400, f"{where}[{index}].function must be an object", param=f"{where}[{index}].function")
+            name, field = function.get("name"), f"{where}[{index}].function.name"
         else:
-            name, field = tool.get("name"), f"{where}.{index}.name"
+            name, field = tool.get("name"), f"{where}[{index}].name"
         if (tool.get("type", "function") == "function" or name is not None) and not isinstance(name, str):
             raise ApiError(400, f"{field}: a function tool needs a name, as a string", param=field)
         if isinstance(name, str):

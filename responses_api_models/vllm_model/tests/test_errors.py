@@ -39,17 +39,17 @@ def capture_adapter(upstream) -> Iterator[str]:
 
 
 MALFORMED = [
-    ({"messages": [USER, assistant(prompt_token_ids=[1])]}, "messages.1: Value error, token bundle is all or none"),
+    ({"messages": [USER, assistant(prompt_token_ids=[1])]}, "messages[1]: Value error, token bundle is all or none"),
     ({"messages": [USER, assistant(prompt_token_ids=[1], generation_token_ids=[2])]}, "without generation_log_probs"),
     ({"messages": [USER, assistant(**{**BUNDLE, "generation_log_probs": [-1.0, -2.0]})]},
      "generation_token_ids (1) and generation_log_probs (2) must have the same length"),
-    ({"messages": [USER, assistant(**{**BUNDLE, "prompt_token_ids": ["1", 2]})]}, "messages.1.prompt_token_ids.0: Input should be a valid integer"),
-    ({"messages": [USER, assistant(**{**BUNDLE, "prompt_token_ids": [1.0, 2]})]}, "messages.1.prompt_token_ids.0: Input should be a valid integer"),
-    ({"messages": [USER, assistant(**{**BUNDLE, "generation_token_ids": [-3]})]}, "messages.1.generation_token_ids.0: Input should be greater than or equal to 0"),
-    ({"messages": [USER, assistant(**{**BUNDLE, "prompt_token_ids": [True, 2]})]}, "messages.1.prompt_token_ids.0: Input should be a valid integer"),
+    ({"messages": [USER, assistant(**{**BUNDLE, "prompt_token_ids": ["1", 2]})]}, "messages[1].prompt_token_ids[0]: Input should be a valid integer"),
+    ({"messages": [USER, assistant(**{**BUNDLE, "prompt_token_ids": [1.0, 2]})]}, "messages[1].prompt_token_ids[0]: Input should be a valid integer"),
+    ({"messages": [USER, assistant(**{**BUNDLE, "generation_token_ids": [-3]})]}, "messages[1].generation_token_ids[0]: Input should be greater than or equal to 0"),
+    ({"messages": [USER, assistant(**{**BUNDLE, "prompt_token_ids": [True, 2]})]}, "messages[1].prompt_token_ids[0]: Input should be a valid integer"),
     ({"messages": [USER], "required_prefix_token_ids": "1,2"}, "required_prefix_token_ids: Input should be a valid list"),
-    ({"messages": [USER], "required_prefix_token_ids": [1, -2]}, "required_prefix_token_ids.1: Input should be greater than or equal to 0"),
-    ({"messages": [USER], "required_prefix_token_ids": [1, 2.5]}, "required_prefix_token_ids.1: Input should be a valid integer"),
+    ({"messages": [USER], "required_prefix_token_ids": [1, -2]}, "required_prefix_token_ids[1]: Input should be greater than or equal to 0"),
+    ({"messages": [USER], "required_prefix_token_ids": [1, 2.5]}, "required_prefix_token_ids[1]: Input should be a valid integer"),
     ({"messages": [USER], "n": 2}, "n > 1 is not supported with token ids"),
     ({"messages": {"role": "user", "content": "hi"}}, "messages: Input should be a valid list"),
     ({"messages": "hi"}, "messages: Input should be a valid list"),
@@ -61,7 +61,7 @@ MALFORMED = [
 def test_malformed_chat_requests_are_400_naming_the_field(capture_adapter: str, upstream, body, message) -> None:
     answer = httpx.post(f"{capture_adapter}/v1/chat/completions", json=body)
     assert answer.status_code == 400, answer.text
-    assert message.removeprefix("messages.1: Value error, ") in answer.json()["error"]["message"]
+    assert message.removeprefix("messages[1]: Value error, ") in answer.json()["error"]["message"]
     assert answer.json()["error"]["type"] == "invalid_request_error"
     assert upstream[1].requests == []  # nothing reached vLLM
 
@@ -77,7 +77,7 @@ def test_body_that_is_not_a_json_object(capture_adapter: str, raw: bytes) -> Non
     "body, message",
     [
         ({"input": [{"type": "function_call", "name": "f"}]}, "function_call item needs call_id"),
-        ({"input": "hi", "required_prefix_token_ids": [-1]}, "required_prefix_token_ids.0"),
+        ({"input": "hi", "required_prefix_token_ids": [-1]}, "required_prefix_token_ids[0]"),
         ({"input": [{"type": "web_search_call"}]}, "has no chat equivalent"),
     ],
 )

@@ -24,7 +24,8 @@ from tests.conversations import MOVE_TOOL
 from tests.sdk_streams import contiguous, converse
 
 USER = {"role": "user", "content": "Name three rivers."}
-FINAL_DELTA = {"prompt_token_ids", "generation_token_ids", "generation_log_probs", "token_source", "prefix_splice"}
+FINAL_DELTA = {"prompt_token_ids", "generation_token_ids", "generation_log_probs", "token_source", "prefix_splice",
+               "constrained_by", "generation_forced_mask"}
 
 
 @pytest.fixture(scope="module")
