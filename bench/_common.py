@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import platform
@@ -447,6 +448,18 @@ class Figure:
 def command(script: str, argv: Sequence[str]) -> str:
     """The shell command that runs `script` (bench/NAME.py) with `argv`."""
     return shlex.join([PYTHON, f"bench/{script}", *argv])
+
+
+def run_standalone(
+    make_parser: Callable[[], argparse.ArgumentParser], run: Callable[..., Figure | list[Figure]],
+    argv: Sequence[str] | None, *, with_stock: bool = False,
+) -> None:
+    """A figure's script run on its own: parse its arguments, start (or reuse) the server, print its tables."""
+    argv = standalone_argv(argv)
+    args = make_parser().parse_args(argv)
+    with vllm_server(args.vllm_url) as url:
+        figures = run(url, args, argv, stock_url=args.stock_url) if with_stock else run(url, args, argv)
+    print("\n\n".join(figure.text() for figure in (figures if isinstance(figures, list) else [figures])))
 
 
 def standalone_argv(argv: Sequence[str] | None) -> list[str]:

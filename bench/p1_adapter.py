@@ -156,11 +156,7 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    argv = c.standalone_argv(argv)
-    args = parser().parse_args(argv)
-    with c.vllm_server(args.vllm_url) as url:
-        figures = run(url, args, argv, stock_url=args.stock_url)
-    print("\n\n".join(figure.text() for figure in figures))
+    c.run_standalone(parser, run, argv, with_stock=True)
 
 
 if __name__ == "__main__":

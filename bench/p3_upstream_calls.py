@@ -96,11 +96,7 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    argv = c.standalone_argv(argv)
-    args = parser().parse_args(argv)
-    with c.vllm_server(args.vllm_url) as url:
-        figure = run(url, args, argv, stock_url=args.stock_url)
-    print(figure.text())
+    c.run_standalone(parser, run, argv, with_stock=True)
 
 
 if __name__ == "__main__":

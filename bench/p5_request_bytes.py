@@ -121,11 +121,7 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> c.Figure:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    argv = c.standalone_argv(argv)
-    args = parser().parse_args(argv)
-    with c.vllm_server(args.vllm_url) as url:
-        figure = run(url, args, argv)
-    print(figure.text())
+    c.run_standalone(parser, run, argv)
 
 
 if __name__ == "__main__":

@@ -15,20 +15,13 @@ import pytest
 
 from nemo_gym_tok.collect import collect, runner
 from nemo_gym_tok.servers.inprocess import serve_in_thread
-from tests.fixtures.collect_agent import AgentBehaviour, create_agent_app, create_head_app
+from tests.fixtures.collect_agent import (  # noqa: F401 - fixtures used by name
+    AgentBehaviour, agent_url, behaviour, create_agent_app, create_head_app,
+)
 
 LINE = re.compile(r"^ngt collect: (\d+)/(\d+) rollouts finished \((\d+)%\), (\d+) failed, [\d.]+ rollouts/s, \d+s elapsed$")
 
 
-@pytest.fixture
-def behaviour() -> AgentBehaviour:
-    return AgentBehaviour()
-
-
-@pytest.fixture
-def agent_url(behaviour: AgentBehaviour) -> Iterator[str]:
-    with serve_in_thread(create_agent_app(behaviour)) as url:
-        yield url
 
 
 def write_rows(path: Path, count: int) -> Path:
