@@ -27,7 +27,7 @@ DESELECT_030 := --deselect tests/test_hook_vllm.py::test_tool_call_conversations
 	--deselect tests/test_hook_streaming.py::test_streamed_conversation_gives_the_same_text_and_ids_as_unstreamed \
 	--deselect responses_api_models/vllm_model/tests/test_real_vllm.py::test_stock_vllm_is_detected_as_not_splicing
 
-.PHONY: setup test test-gpt-oss demo clean test-families template-sweep vllm-compat test-vllm-0.30 bench
+.PHONY: setup chromium test test-gpt-oss demo clean test-families template-sweep vllm-compat test-vllm-0.30 bench
 
 setup: $(NGT_STAMP)
 
@@ -43,8 +43,16 @@ $(NGT_STAMP): $(VLLM_STAMP) pyproject.toml
 	$(PIP) install --quiet -e '.[test]'
 	touch $@
 
-test: setup
+test: setup chromium
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Headless Chromium renders `ngt inspect`'s page in tests/test_inspect_html.py, which fails without it: Debian's
+# package (13 s, 103 MB), installed on first use; the package lists are refreshed only if the install fails on stale
+# ones. Not root: through sudo -n.
+chromium:
+	@command -v chromium >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo -n); \
+	  $$SUDO apt-get install -y --no-install-recommends chromium \
+	  || { $$SUDO apt-get update && $$SUDO apt-get install -y --no-install-recommends chromium; }; }
 
 # GPT-OSS through vLLM's Harmony renderer: builds the tiny GPT-OSS (cached) and starts its own hooked vLLM server.
 # Not part of `make test` (another model, another server); -s prints the figures it measured.

@@ -13,6 +13,7 @@ _SUBCOMMAND_MODULES = (
     "nemo_gym_tok.cli.tiny_model",
     "nemo_gym_tok.cli.vllm_serve",
     "nemo_gym_tok.cli.check",
+    "nemo_gym_tok.cli.inspect_cmd",
     "nemo_gym_tok.cli.demo",
     "nemo_gym_tok.cli.template_sweep",
     "nemo_gym_tok.cli.vllm_compat",
