@@ -23,7 +23,8 @@ def placeholder(kind: str, message_index: int) -> str:
 
 
 _TOKEN_FIELDS = frozenset(
-    (*BUNDLE_KEYS, "prefix_splice", "token_source", "constrained_by", "generation_forced_mask", "spliced_by")
+    (*BUNDLE_KEYS, "prefix_splice", "token_source", "constrained_by", "generation_forced_mask", "spliced_by",
+     "sampling", "model_fingerprint")
 )
 """What the gym adds to a message beside the template's input (the bundle, its telemetry): never rendered."""
 

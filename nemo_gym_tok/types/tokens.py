@@ -12,7 +12,9 @@ TokenIds = list[TokenId]
 LogProb = Annotated[float, Field(allow_inf_nan=True)]
 
 BUNDLE_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
-TELEMETRY_FIELDS = ("prefix_splice", "token_source", "constrained_by", "generation_forced_mask")
+TELEMETRY_FIELDS = (
+    "prefix_splice", "token_source", "constrained_by", "generation_forced_mask", "sampling", "model_fingerprint",
+)
 """Fields that travel with a bundle: kept on the output item that carries it, left out of what environments get."""
 # 1 where the grammar left the sampler one token (nemo_gym_tok.constrained.forced_mask), else 0.
 ForcedFlag = Annotated[int, Strict(), Field(ge=0, le=1)]
@@ -44,6 +46,11 @@ class TokenBundleMixin(BaseModel):
     [] for a free call, None where unknown (records written before the field existed)."""
     generation_forced_mask: list[ForcedFlag] | None = None
     """Per generated id: 1 where the call was constrained and the reported log prob is exactly 0.0 (forced)."""
+    sampling: dict[str, Any] | None = None
+    """The call's effective sampling parameters (request, else the model's generation_config.json, else vLLM's
+    defaults) and `logprobs_mode`: nemo_gym_tok.provenance.effective_sampling."""
+    model_fingerprint: dict[str, str] | None = None
+    """sha256 of the served tokenizer.json and chat template (`sha256` over both): nemo_gym_tok.provenance."""
 
     @model_validator(mode="after")
     def _bundle_is_all_or_none(self) -> TokenBundleMixin:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
 from fastapi import FastAPI, Request
@@ -17,6 +19,7 @@ from nemo_gym_tok.conversion import chat_message_to_items, responses_to_chat_req
 from nemo_gym_tok.servers.base import BaseServerConfig, ModelServer
 from nemo_gym_tok.servers.bodies import json_object
 from nemo_gym_tok.http_errors import error_message, error_param
+from nemo_gym_tok.provenance import generation_defaults, model_fingerprint
 from nemo_gym_tok.servers.errors import ApiError, validation_message
 from nemo_gym_tok.servers.json_response import JSONBytesResponse
 from nemo_gym_tok.servers.openapi import json_body
@@ -26,11 +29,12 @@ from nemo_gym_tok.vllm.hook import TERMINATOR_ENV
 from responses_api_models.vllm_model.sessions import SessionRouter
 from responses_api_models.vllm_model.token_capture import (
     attach_bundles,
+    attach_provenance,
     capture_request_fields,
     drop_unrequested,
     tokenize_request,
 )
-from responses_api_models.vllm_model.local_splice import AdapterSplicer
+from responses_api_models.vllm_model.local_splice import AdapterSplicer, _served_model_root
 from responses_api_models.vllm_model.streaming import chat_sse, open_chat_stream, responses_sse
 from responses_api_models.vllm_model.upstream import VLLMUpstream, answer_json, is_context_overflow
 
@@ -197,6 +201,7 @@ class VLLMModel(ModelServer):
             terminator_override=os.environ.get(TERMINATOR_ENV) or None,
         )
         self._hooked: dict[str, bool] = {}
+        self._provenance: dict[str, tuple[dict[str, Any] | None, dict[str, str] | None]] = {}
 
         @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest, session="optional"))
         async def chat_completions(request: Request) -> HTTPResponse:
@@ -318,7 +323,36 @@ class VLLMModel(ModelServer):
                 exclude_tools_when_tool_choice_none=self.config.exclude_tools_when_tool_choice_none,
             )
             drop_unrequested(result, call.caller_body, bundle_returned=call.capture)
+            if call.capture:
+                defaults, fingerprint = await self._model_files(url)
+                attach_provenance(result, call.body, defaults, fingerprint)
         return result
+
+    async def _model_files(self, url: str) -> tuple[dict[str, Any] | None, dict[str, str] | None]:
+        """The served model's generation defaults and tokenizer fingerprint, read once per server from its directory
+        (vllm_model.tokenizer, else the root vLLM's /v1/models names). (None, None) where that is not a directory
+        this adapter can read (a hub name, another host): the record then says so instead of failing the call."""
+        known = self._provenance.get(url)
+        if known is None:
+            known = self._provenance[url] = await self._read_model_files(url)
+        return known
+
+    async def _read_model_files(self, url: str) -> tuple[dict[str, Any] | None, dict[str, str] | None]:
+        try:
+            source = self.config.tokenizer or await _served_model_root(lambda path: self.upstream.get(url, path))
+        except ApiError:
+            return None, None
+        if not Path(source).is_dir():
+            return None, None
+        try:
+            defaults = await asyncio.to_thread(generation_defaults, source)
+        except (OSError, ValueError):
+            defaults = None
+        try:
+            fingerprint = await asyncio.to_thread(model_fingerprint, source)
+        except OSError:
+            fingerprint = None
+        return defaults, fingerprint
 
     async def splices_here(self, url: str) -> bool:
         """Whether the adapter splices for `url` (splice: adapter, or auto on a server without the hook)."""

@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from nemo_gym_tok.constrained import CONSTRAINED_BY_KEY, FORCED_MASK_KEY, constrained_by, forced_mask, valid_fields
+from nemo_gym_tok.provenance import FINGERPRINT_KEY, SAMPLING_KEY, effective_sampling
 from nemo_gym_tok.servers.errors import ApiError
 from nemo_gym_tok.token_sources import (
     PartialBundle,
@@ -118,6 +119,21 @@ def _constraint_fields(
         labels = constrained_by(generation_body)
         mask = forced_mask(labels, log_probs)
     return {CONSTRAINED_BY_KEY: labels, FORCED_MASK_KEY: mask}
+
+
+def attach_provenance(
+    result: dict[str, Any], generation_body: dict[str, Any], defaults: dict[str, Any] | None,
+    fingerprint: dict[str, str] | None,
+) -> None:
+    """Put `sampling` (the effective parameters of the body sent to vLLM) and, when known, `model_fingerprint` on
+    each bundled message: what a trainer checks before trusting the log probs."""
+    sampling = effective_sampling(generation_body, defaults)
+    for choice in result.get("choices", []):
+        message = choice.get("message")
+        if isinstance(message, dict) and message.get("generation_token_ids") is not None:
+            message[SAMPLING_KEY] = dict(sampling)
+            if fingerprint is not None:
+                message[FINGERPRINT_KEY] = dict(fingerprint)
 
 
 def check_required_prefix(
