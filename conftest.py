@@ -12,6 +12,9 @@ from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_E
 from nemo_gym_tok.vllm.hook import ENABLE_ENV
 from tests.servers import hooked_server
 
+# The fake agent's fixtures (`behaviour`, `agent_url`), shared by the collect tests.
+pytest_plugins = ["tests.fixtures.collect_agent"]
+
 SERVED_MODEL_NAME = "tiny-qwen3"
 
 

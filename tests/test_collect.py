@@ -35,9 +35,7 @@ from nemo_gym_tok.collect import (
 )
 from nemo_gym_tok.collect.files import lock_output
 from nemo_gym_tok.servers.inprocess import serve_in_thread
-from tests.fixtures.collect_agent import (  # noqa: F401 - fixtures used by name
-    AgentBehaviour, agent_url, behaviour, create_agent_app, create_head_app,
-)
+from tests.fixtures.collect_agent import AgentBehaviour, create_head_app
 
 NGT = [sys.executable, "-m", "nemo_gym_tok"]
 

@@ -8,16 +8,13 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from nemo_gym_tok.collect import collect, runner
 from nemo_gym_tok.servers.inprocess import serve_in_thread
-from tests.fixtures.collect_agent import (  # noqa: F401 - fixtures used by name
-    AgentBehaviour, agent_url, behaviour, create_agent_app, create_head_app,
-)
+from tests.fixtures.collect_agent import AgentBehaviour, create_head_app
 
 LINE = re.compile(r"^ngt collect: (\d+)/(\d+) rollouts finished \((\d+)%\), (\d+) failed, [\d.]+ rollouts/s, \d+s elapsed$")
 

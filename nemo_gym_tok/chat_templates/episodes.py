@@ -16,7 +16,6 @@ from typing import Any
 
 from nemo_gym_tok.splice import (
     PrefixSource,
-    SpliceError,
     TemplateProfile,
     find_prefix_source,
     splice_prefix,

@@ -16,7 +16,7 @@ exact walk (`match_fixed_segments`), which tokenizes each segment and reports th
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 
 from nemo_gym_tok.splice._structure import Layout, segment_end
 

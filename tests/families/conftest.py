@@ -20,7 +20,6 @@ from tests.families.play import (
     SEEDS,
     Mode,
     Summary,
-    closers_in_log,
     describe_failure,
     play,
     template_closer,

@@ -11,7 +11,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from nemo_gym_tok.tiny_model.gpt_oss import CALL_ID, END_ID, RETURN_ID
+from nemo_gym_tok.tiny_model.gpt_oss import CALL_ID, END_ID
 from nemo_gym_tok.vllm.server import VLLMServer
 from tests.gpt_oss.play import MODEL, Conversation, converse
 
