@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nemo_gym_tok.splice._ids import BUNDLE_KEYS
+from nemo_gym_tok.types.tokens import BUNDLE_FIELDS, TELEMETRY_FIELDS
 
 PLACEHOLDER = re.compile(r"ngt(?:body|think|arg)(\d+)q")
 """Placeholder text: letters and digits only, so templates that trim, split or escape content leave it whole."""
@@ -22,10 +22,7 @@ def placeholder(kind: str, message_index: int) -> str:
     return f"ngt{kind}{message_index}q"
 
 
-_TOKEN_FIELDS = frozenset(
-    (*BUNDLE_KEYS, "prefix_splice", "token_source", "constrained_by", "generation_forced_mask", "spliced_by",
-     "sampling", "model_fingerprint")
-)
+_TOKEN_FIELDS = frozenset((*BUNDLE_FIELDS, *TELEMETRY_FIELDS))
 """What the gym adds to a message beside the template's input (the bundle, its telemetry): never rendered."""
 
 MESSAGE_PLACEHOLDER = re.compile(r"ngtmsg(\d+)q")
