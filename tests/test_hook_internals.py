@@ -204,21 +204,23 @@ class _Request:
 def stand_in_splice(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[object]]:
     """The hook's prefix reading and splice replaced: requests whose `messages` is ["bundled"] carry a bundle, and
     the splice gives SPLICED_IDS. Returns {"texts": the template texts the splice got, "failure": an exception a test
-    puts there for the splice to raise instead}."""
-    from nemo_gym_tok.splice import PrefixSource, SpliceResult
+    puts there for the splice to raise instead, "verified": one entry per verification the splice's prompt got,
+    "late_failure": an exception a test puts there for that verification to raise}."""
+    from nemo_gym_tok.splice import PrefixSource, SplicedPrompt
 
-    seen: dict[str, list[object]] = {"texts": [], "failure": []}
+    seen: dict[str, list[object]] = {"texts": [], "failure": [], "verified": [], "late_failure": []}
     source = PrefixSource(prefix=SPLICED_IDS[:3], message_index=1, explicit=False, prompt_length=2)
-    result = SpliceResult(
-        prompt_token_ids=list(SPLICED_IDS), kept_prefix_length=3, template_differed=True, replaced_tokens=1,
-        end_token_replaced=False, repaired_turns=None,
-    )
+
+    def verify() -> None:
+        seen["verified"].append(True)
+        if seen["late_failure"]:
+            raise seen["late_failure"][0]
 
     def splice(online: object, request: object, messages: object, arguments: object, source: object, text: str):
         if seen["failure"]:
             raise seen["failure"][0]
         seen["texts"].append(text)
-        return result
+        return SplicedPrompt(list(SPLICED_IDS), 3, False, True, verify=verify, measure_turn=lambda: (True, 1, None))
 
     monkeypatch.setattr(
         hook, "_read_prefix", lambda online, request, messages: (source if messages == ["bundled"] else None, False)
@@ -244,6 +246,51 @@ def test_spliced_ids_replace_tokenizing_the_template_text(stand_in_splice) -> No
     assert "prompt" not in engine_inputs[0]  # the template's text does not describe the spliced ids
     assert stand_in_splice["texts"] == [TEMPLATE_TEXT]  # the splice read the text vLLM rendered ...
     assert online.renderer.tokenized == []  # ... which was never tokenized
+
+
+def _chat_request(*, stream: bool) -> object:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    return ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "hi"}], stream=stream)
+
+
+def test_a_whole_answer_is_verified_while_the_engine_generates(stand_in_splice) -> None:
+    """A chat completion answered whole gets its prompt before the splice's verification runs; the response wrapper
+    awaits it (and the turn's measurement) before anything goes out."""
+    request = _chat_request(stream=False)
+    assert _preprocess(_preprocess_chat_032, request, None)[0]["prompt_token_ids"] == SPLICED_IDS
+    assert stand_in_splice["verified"] == []
+    telemetry = asyncio.run(hook._resolved(hook._telemetry.pop(id(request))))
+    assert stand_in_splice["verified"] == [True]
+    assert telemetry == {"applied": True, "template_differed": True, "replaced_tokens": 1}
+
+
+def test_a_failed_late_verification_is_the_400_the_splice_would_have_given(stand_in_splice) -> None:
+    from vllm.exceptions import VLLMValidationError
+
+    from nemo_gym_tok.splice import UnsupportedTemplateError
+
+    request = _chat_request(stream=False)
+    _preprocess(_preprocess_chat_032, request, None)
+    stand_in_splice["late_failure"].append(UnsupportedTemplateError("the splice cannot prove such a prompt exact"))
+    with pytest.raises(VLLMValidationError, match="cannot prove"):
+        asyncio.run(hook._resolved(hook._telemetry.pop(id(request))))
+
+
+@pytest.mark.parametrize("request_kind", ["stream", "tokenize"])
+def test_streams_and_tokenize_verify_before_vllm_goes_on(stand_in_splice, request_kind) -> None:
+    """A stream's first byte (or /tokenize's answer) may leave before the response wrapper runs: the verification
+    runs in preprocessing, and its failure is a 400 there."""
+    from vllm.exceptions import VLLMValidationError
+
+    from nemo_gym_tok.splice import UnsupportedTemplateError
+
+    make = (lambda: _chat_request(stream=True)) if request_kind == "stream" else _Request
+    _preprocess(_preprocess_chat_032, make(), None)
+    assert stand_in_splice["verified"] == [True]
+    stand_in_splice["late_failure"].append(UnsupportedTemplateError("the splice cannot prove such a prompt exact"))
+    with pytest.raises(VLLMValidationError, match="cannot prove"):
+        _preprocess(_preprocess_chat_032, make(), None)
 
 
 def test_vllm_033_parser_gets_the_spliced_prompt_ids(stand_in_splice) -> None:

@@ -11,7 +11,7 @@ from nemo_gym_tok.chat_templates.catalog import load_catalog
 from nemo_gym_tok.chat_templates.episodes import TOOL, EpisodeSettings, play_episode
 from nemo_gym_tok.chat_templates.families import family_of
 from nemo_gym_tok.chat_templates.tokenizer import end_token_ids, family_tokenizer
-from nemo_gym_tok.splice import HFChatRenderer, StructureMismatchError, detect_profile, find_prefix_source, splice_prefix
+from nemo_gym_tok.splice import HFChatRenderer, SpliceError, StructureMismatchError, detect_profile, find_prefix_source, splice_prefix
 from nemo_gym_tok.splice._fixed_text import FixedTextMatcher
 from nemo_gym_tok.splice._render import batch_decoder
 from nemo_gym_tok.splice._structure import Body, Layout
@@ -165,34 +165,73 @@ def test_parity_with_the_full_render_splice_on_real_templates(name: str) -> None
     assert by_text == splices, f"{name}: {splices - by_text} of {splices} splices needed the exact id walk"
 
 
-def test_the_next_turn_reuses_this_turns_rendering(renderer) -> None:
-    """With a render memo, the next turn's structural check renders nothing this turn already rendered, and the
-    splice is the same as without it."""
+def remembering_renderer(renderer: HFChatRenderer) -> HFChatRenderer:
     from nemo_gym_tok.splice import RenderMemo
 
-    profile = detect_profile(renderer)
     remembering = HFChatRenderer(renderer.tokenizer, extra_end_token_ids=[ENDOFTEXT_ID])
     remembering.render_memo, remembering.render_scope = RenderMemo(), "tiny"
+    return remembering
+
+
+def next_turn(messages: list[dict], prompt: list[int], answer: str, generation: list[int], question: str) -> list[dict]:
+    """The messages of the next call: only the last call's bundle travels (lean payloads)."""
+    plain = [{k: v for k, v in m.items() if k not in ("prompt_token_ids", "generation_token_ids",
+                                                      "generation_log_probs")} for m in messages]
+    return plain + [
+        {"role": "assistant", "content": answer, "prompt_token_ids": prompt, "generation_token_ids": generation,
+         "generation_log_probs": [0.0] * len(generation)},
+        {"role": "user", "content": question},
+    ]
+
+
+def test_the_next_turn_reuses_this_turns_prompt(renderer) -> None:
+    """With a memo, the next turn's structural check proves the prefix's prompt part by the prompt this turn spliced
+    (no walk, no rendering), and the splice is the same as without the memo."""
+    profile = detect_profile(renderer)
+    remembering = remembering_renderer(renderer)
     messages = [{"role": "user", "content": "Where is Paris?"}]
     prompt = renderer.encode(renderer.render(messages, add_generation_prompt=True))
-    results = []
     for turn, answer in enumerate(["In France.", "In Italy.", "In Spain."]):
-        generation = renderer.encode(answer) + [IM_END_ID]
-        for message in messages:  # only the last call's bundle travels (lean payloads)
-            for key in ("prompt_token_ids", "generation_token_ids", "generation_log_probs"):
-                message.pop(key, None)
-        messages += [
-            {"role": "assistant", "content": answer, "prompt_token_ids": prompt, "generation_token_ids": generation,
-             "generation_log_probs": [0.0] * len(generation)},
-            {"role": "user", "content": f"And city {turn}?"},
-        ]
+        messages = next_turn(messages, prompt, answer, renderer.encode(answer) + [IM_END_ID], f"And city {turn}?")
         source = find_prefix_source(messages)
         plain_result = splice_prefix(renderer, profile, messages, source)
-        hits_before = remembering.render_memo.hits
+        proven_before = remembering.render_memo.proven
         result = splice_prefix(remembering, profile, messages, source)
         assert result == plain_result
-        if turn > 0:  # the prompt before this turn's prefix is the last turn's full rendering
-            assert remembering.render_memo.hits > hits_before
-        results.append(result)
+        # The first splice has no spliced prompt to build on (the first prompt was the template's); every later one does.
+        assert remembering.render_memo.proven == proven_before + (1 if turn > 0 else 0)
         prompt = result.prompt_token_ids
     assert remembering.render_memo.misses > 0
+
+
+@pytest.mark.parametrize("edit", ["prefix_id", "prefix_cut", "system_prompt", "inserted_message"])
+def test_a_remembered_prompt_proves_only_what_was_spliced(renderer, edit) -> None:
+    """A prefix that is not the remembered prompt id for id, or messages that are not the ones it was spliced for,
+    find no proof in the memo and get the full check's 400, as without the memo."""
+    profile = detect_profile(renderer)
+    remembering = remembering_renderer(renderer)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is Paris?"}]
+    prompt = renderer.encode(renderer.render(messages, add_generation_prompt=True))
+    messages = next_turn(messages, prompt, "In France.", renderer.encode("In France.") + [IM_END_ID], "And Rome?")
+    spliced = splice_prefix(remembering, profile, messages, find_prefix_source(messages)).prompt_token_ids
+    generation = renderer.encode("In Italy.") + [IM_END_ID]
+    following = next_turn(messages, spliced, "In Italy.", generation, "And Madrid?")
+    bundle = following[-2]
+    if edit == "prefix_id":  # one id of the user message "And Rome?" changed in the prompt ids
+        where = len(spliced) - len(renderer.encode("<|im_end|>\n<|im_start|>assistant\n")) - 1
+        bundle["prompt_token_ids"] = spliced[:where] + renderer.encode(" Paris") + spliced[where + 1 :]
+    elif edit == "prefix_cut":  # the prompt only: the model's generation left out
+        bundle["generation_token_ids"], bundle["generation_log_probs"] = [], []
+    elif edit == "system_prompt":
+        following[0] = {"role": "system", "content": "Be very brief."}
+    else:  # a message the prompt was not spliced for, inserted into the history
+        following.insert(1, {"role": "user", "content": "Hello."})
+    source = find_prefix_source(following)
+    with pytest.raises(SpliceError) as without_memo:
+        splice_prefix(renderer, profile, following, source)
+    proven_before = remembering.render_memo.proven
+    with pytest.raises(SpliceError) as with_memo:
+        splice_prefix(remembering, profile, following, source)
+    assert type(with_memo.value) is type(without_memo.value)
+    assert str(with_memo.value) == str(without_memo.value)
+    assert remembering.render_memo.proven == proven_before

@@ -23,8 +23,8 @@ from nemo_gym_tok.splice._ids import (
 )
 from nemo_gym_tok.splice._memo import RenderMemo
 from nemo_gym_tok.splice._profile import Header, TemplateProfile, detect_profile
-from nemo_gym_tok.splice._render import ChatRenderer, HFChatRenderer, added_token_maps
-from nemo_gym_tok.splice._splice import RepairedTurn, SpliceResult, splice_prefix
+from nemo_gym_tok.splice._render import ChatRenderer, HFChatRenderer, added_token_maps, text_encoder
+from nemo_gym_tok.splice._splice import RepairedTurn, SplicedPrompt, SpliceResult, splice_prefix, splice_prompt
 
 __all__ = [
     "BUNDLE_KEYS",
@@ -41,6 +41,7 @@ __all__ = [
     "RepairedTurn",
     "SpliceError",
     "SpliceResult",
+    "SplicedPrompt",
     "StalePrefixError",
     "StructureMismatchError",
     "TemplateProfile",
@@ -51,4 +52,6 @@ __all__ = [
     "detect_profile",
     "find_prefix_source",
     "splice_prefix",
+    "splice_prompt",
+    "text_encoder",
 ]

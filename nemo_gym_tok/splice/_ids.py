@@ -6,6 +6,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from nemo_gym_tok.splice._errors import InvalidTokenIdsError, StalePrefixError
 from nemo_gym_tok.token_sources import PrefixMismatchError, check_prefix
 
@@ -78,7 +80,7 @@ def check_token_ids(ids: Any, field: str, vocab_size: int | None = None) -> list
     if not isinstance(ids, list):
         raise InvalidTokenIdsError(f"{field} must be a list of token ids, got {type(ids).__name__}")
     # The common case checked at C speed (a prefix holds thousands of ids); the loop below names the first bad one.
-    if not ids or (set(map(type, ids)) == {int} and min(ids) >= 0 and (vocab_size is None or max(ids) < vocab_size)):
+    if not ids or (_non_negative_ints(ids) and (vocab_size is None or max(ids) < vocab_size)):
         return list(ids)
     for position, value in enumerate(ids):
         if type(value) is not int:
@@ -88,6 +90,16 @@ def check_token_ids(ids: Any, field: str, vocab_size: int | None = None) -> list
         if vocab_size is not None and value >= vocab_size:
             raise InvalidTokenIdsError(f"{field}[{position}] = {value} is out of vocabulary (size {vocab_size})")
     return list(ids)
+
+
+def _non_negative_ints(ids: list[Any]) -> bool:
+    """Whether every item is a non-negative int (not a bool): its JSON is digits and commas only. orjson writes
+    bools as true/false, floats with a point or exponent, and raises past 64 bits (the loop then decides)."""
+    try:
+        written = orjson.dumps(ids)
+    except TypeError:
+        return False
+    return not written[1:-1].translate(None, b"0123456789,")
 
 
 def _get(message: Any, key: str) -> Any:

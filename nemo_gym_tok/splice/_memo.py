@@ -1,9 +1,16 @@
-"""Renderings of neutral messages kept from one request to the next, so a turn does not render what the last did.
+"""What one request's splice learned that the next turn of the same conversation can reuse: renderings and prompts.
 
 A turn's neutral rendering of all its messages (with a generation prompt) is, message for message, what the next
 turn of the same conversation renders for the messages before its prefix's turn: the structural check's prompt. The
 memo maps a digest of (template scope, flags, messages) to the text; the messages hold no model text (placeholders),
-so one entry is small next to the history it saves rendering again. Bounded; least recently used entries leave first.
+so one entry is small next to the history it saves rendering again.
+
+It also keeps the prompts this server spliced, by the same digest: a spliced prompt passed the structural check for
+exactly those neutral messages (the prefix's part) and is the template's own ids after it (the tail). The next turn's
+prefix opens with that prompt, id for id, when the client sends back what it was given; the memo then proves the
+prefix's prompt part by one digest of its ids instead of walking the history again. A prefix that differs anywhere
+in that part, or messages that differ in anything the template sees, find no entry and take the full check.
+Bounded; least recently used entries leave first.
 """
 
 from __future__ import annotations
@@ -12,31 +19,44 @@ import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 
+@dataclass(frozen=True)
+class ProvenPrompt:
+    """A prompt this server spliced for some neutral messages: what the next turn's check needs of it."""
+
+    length: int
+    """Its ids: the next turn's prefix holds them first, then the model's generation."""
+    closing_text: str
+    """The template's text after the last assistant body (it ends with the generation prompt)."""
+    checked_by_text: bool
+    """How the splice that made it was proven (see SpliceResult.checked_by_text)."""
+
+
 class RenderMemo:
-    """A bounded map from (template scope, flags, neutral messages) to their rendering."""
+    """Bounded maps from (template scope, flags, neutral messages) to their rendering and to the prompt spliced."""
 
     def __init__(self, max_entries: int = 512) -> None:
         self._max_entries = max_entries
         self._entries: OrderedDict[bytes, str] = OrderedDict()
+        self._prompts: OrderedDict[bytes, tuple[bytes, ProvenPrompt]] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
+        self.proven = 0
 
     def render(
         self, scope: str, messages: Sequence[Any], flags: dict[str, Any], render: Callable[[], str]
     ) -> str:
         """The memoized rendering, or `render()` (kept when it succeeds). `scope` names everything else the
         rendering depends on: the template, its arguments and the tools."""
-        try:
-            serialized = orjson.dumps([scope, flags, list(messages)], option=orjson.OPT_SORT_KEYS)
-        except TypeError:  # something orjson cannot write: render without the memo
+        key = _key(scope, messages, flags)
+        if key is None:  # something orjson cannot write: render without the memo
             return render()
-        key = hashlib.blake2b(serialized, digest_size=20).digest()
         with self._lock:
             text = self._entries.get(key)
             if text is not None:
@@ -46,7 +66,58 @@ class RenderMemo:
             self.misses += 1
         text = render()
         with self._lock:
-            self._entries[key] = text
-            while len(self._entries) > self._max_entries:
-                self._entries.popitem(last=False)
+            _put(self._entries, key, text, self._max_entries)
         return text
+
+    def remember_prompt(
+        self, scope: str, messages: Sequence[Any], prompt_ids: Sequence[int], closing_text: str, checked_by_text: bool
+    ) -> None:
+        """Keep that `prompt_ids` was spliced (and proven) for neutral `messages` with a generation prompt."""
+        key = _key(scope, messages, _PROMPT_FLAGS)
+        if key is None:
+            return
+        entry = (_ids_digest(prompt_ids), ProvenPrompt(len(prompt_ids), closing_text, checked_by_text))
+        with self._lock:
+            _put(self._prompts, key, entry, self._max_entries)
+
+    def proven_prompt(self, scope: str, messages: Sequence[Any], prefix: Sequence[int]) -> ProvenPrompt | None:
+        """The prompt this server spliced for neutral `messages`, when `prefix` opens with exactly its ids and
+        goes on past them; None otherwise."""
+        key = _key(scope, messages, _PROMPT_FLAGS)
+        if key is None:
+            return None
+        with self._lock:
+            entry = self._prompts.get(key)
+            if entry is not None:
+                self._prompts.move_to_end(key)
+        if entry is None:
+            return None
+        digest, proven = entry
+        if len(prefix) <= proven.length or _ids_digest(prefix[: proven.length]) != digest:
+            return None
+        with self._lock:
+            self.proven += 1
+        return proven
+
+
+_PROMPT_FLAGS = {"add_generation_prompt": True}
+"""The flags of the rendering a spliced prompt belongs to (the structural check renders its prompt with them)."""
+
+
+def _key(scope: str, messages: Sequence[Any], flags: dict[str, Any]) -> bytes | None:
+    try:
+        serialized = orjson.dumps([scope, flags, list(messages)], option=orjson.OPT_SORT_KEYS)
+    except TypeError:
+        return None
+    return hashlib.blake2b(serialized, digest_size=20).digest()
+
+
+def _ids_digest(ids: Sequence[int]) -> bytes:
+    return hashlib.blake2b(orjson.dumps(list(ids)), digest_size=20).digest()
+
+
+def _put(entries: OrderedDict[bytes, Any], key: bytes, value: Any, max_entries: int) -> None:
+    entries[key] = value
+    entries.move_to_end(key)
+    while len(entries) > max_entries:
+        entries.popitem(last=False)

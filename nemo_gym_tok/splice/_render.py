@@ -57,6 +57,7 @@ class HFChatRenderer:
         self.end_token_ids = frozenset(ends)
         if self.content_format == "auto":
             self.content_format = self._detect_content_format()
+        self._encode = text_encoder(self.tokenizer)
 
     def render(
         self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool, continue_final_message: bool = False
@@ -94,10 +95,26 @@ class HFChatRenderer:
         return "string"
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self._encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def text_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
+    """`tokenizer.encode(text, add_special_tokens=False)`, straight from the Rust backend where that is all it does.
+
+    A transformers fast tokenizer spends most of a short text's encode in Python (argument handling, a batch of one,
+    the backend's thread pool); its backend's single `encode` gives the same ids. Only where the tokenizer splits
+    special tokens as text (`split_special_tokens`) or has no such backend does the transformers call stay.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (
+        backend is not None and hasattr(backend, "encode") and not getattr(tokenizer, "split_special_tokens", False)
+        and not getattr(backend, "encode_special_tokens", False)
+    ):
+        return lambda text: backend.encode(text, add_special_tokens=False).ids
+    return lambda text: list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def batch_decoder(renderer: Any) -> Callable[[list[list[int]]], list[str]]:

@@ -12,27 +12,30 @@ messages has the same turn structure up to messages[a]. The template's rendering
 (see _neutral), so nothing the model wrote can move a boundary.
 
 Nothing here tokenizes the history: the prefix is checked against the template's text (see _fixed_text; the exact,
-id-by-id walk runs only where that cannot prove a match), and only the template's text after the boundary is
-tokenized. The cost per request is a few renderings of the messages and one decode of the prefix's fixed text.
+id-by-id walk runs only where that cannot prove a match), or found to open with a prompt this server spliced for
+the same messages (see _memo), and only the template's text after the boundary is tokenized. The cost per request
+is a few renderings of the messages; on a next turn, the one that finishes the proof and the measurement of the
+new turn are left to SplicedPrompt, for a server to run while the engine generates.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from nemo_gym_tok.splice._errors import (
     BoundaryNotFoundError,
+    SpliceError,
     StalePrefixError,
     StructureMismatchError,
     UnsupportedTemplateError,
 )
-from nemo_gym_tok.splice._fixed_text import FixedTextMatcher
+from nemo_gym_tok.splice._fixed_text import FixedTextMatcher, _added_token_pattern
 from nemo_gym_tok.splice._ids import PREFIX_KEY, PrefixSource, _get
-from nemo_gym_tok.splice._memo import RenderMemo
-from nemo_gym_tok.splice._neutral import MESSAGE_PLACEHOLDER, neutralize, placeholder_spans
+from nemo_gym_tok.splice._memo import ProvenPrompt, RenderMemo
+from nemo_gym_tok.splice._neutral import MESSAGE_PLACEHOLDER, PLACEHOLDER, neutralize, placeholder_spans
 from nemo_gym_tok.splice._profile import TemplateProfile
 from nemo_gym_tok.splice._render import ChatRenderer, batch_decoder
 from nemo_gym_tok.splice._structure import (
@@ -86,6 +89,48 @@ class SpliceResult:
         return telemetry
 
 
+class SplicedPrompt:
+    """A splice's prompt, before the rest of its work: what a server needs to hand the engine, first.
+
+    Two parts of a splice do not change the prompt, and a server can run them while the engine generates: measuring
+    the turn the call adds against the template (SpliceResult's telemetry; it tokenizes that turn's text) and, on the
+    fast path, confirming the tail against the template's rendering of the neutral messages (`verify`). A server
+    must call `verify()` (or `result()`) before it releases anything generated from the prompt: it raises the
+    SpliceError that makes the answer a refusal instead. Both are safe to run in a worker thread, once.
+    """
+
+    def __init__(
+        self, prompt_token_ids: list[int], kept_prefix_length: int, end_token_replaced: bool, checked_by_text: bool,
+        verify: Callable[[], None], measure_turn: Callable[[], tuple[bool, int, tuple[RepairedTurn, ...] | None]],
+    ) -> None:
+        self.prompt_token_ids = prompt_token_ids
+        self.kept_prefix_length = kept_prefix_length
+        self.end_token_replaced = end_token_replaced
+        self.checked_by_text = checked_by_text
+        self._verify: Callable[[], None] | None = verify
+        self._measure_turn = measure_turn
+
+    @property
+    def verified(self) -> bool:
+        return self._verify is None
+
+    def verify(self) -> None:
+        """Finish the proof that the prompt is exact; raises a SpliceError where it is not."""
+        if self._verify is not None:
+            self._verify()
+            self._verify = None
+
+    def result(self) -> SpliceResult:
+        """The complete splice: the prompt, verified, and the measurement of the turn it adds."""
+        self.verify()
+        differed, replaced, repaired = self._measure_turn()
+        return SpliceResult(
+            prompt_token_ids=self.prompt_token_ids, kept_prefix_length=self.kept_prefix_length,
+            template_differed=differed, replaced_tokens=replaced, end_token_replaced=self.end_token_replaced,
+            repaired_turns=repaired, checked_by_text=self.checked_by_text,
+        )
+
+
 def splice_prefix(
     renderer: ChatRenderer,
     profile: TemplateProfile,
@@ -103,6 +148,25 @@ def splice_prefix(
     the telemetry says whether the template would have written the prefix's turn differently. Raises a SpliceError
     subclass when the result could not be proven exact.
     """
+    return splice_prompt(
+        renderer, profile, messages, source, add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message, truncate_prompt_tokens=truncate_prompt_tokens,
+        template_text=template_text,
+    ).result()
+
+
+def splice_prompt(
+    renderer: ChatRenderer,
+    profile: TemplateProfile,
+    messages: Sequence[Any],
+    source: PrefixSource,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    truncate_prompt_tokens: int | None = None,
+    template_text: str | None = None,
+) -> SplicedPrompt:
+    """splice_prefix() with the measurement of the new turn left for later (SplicedPrompt.result())."""
     a = source.message_index
     prefix = source.prefix
     if a < 0:
@@ -113,8 +177,19 @@ def splice_prefix(
             "(prompt + generation), or no prefix at all"
         )
     earlier = [j for j in range(a) if _get(messages[j], "role") == "assistant"]
-    neutral, neutral_text = _neutral_messages(renderer, messages, a, [*earlier, a], profile.moves_call_text)
     find = _body_finder(profile, messages)
+    moved_call_text = bool(profile.moves_call_text and _get(messages[a], "tool_calls") and _get(messages[a], "content"))
+    remember = add_generation_prompt and not continue_final_message and not any(
+        _get(message, "role") == "assistant" for message in messages[a + 1 :]
+    )
+    if template_text is not None and add_generation_prompt and not continue_final_message and not moved_call_text:
+        try:
+            return _splice_by_placement(
+                renderer, profile, messages, source, earlier, find, template_text, truncate_prompt_tokens, remember
+            )
+        except SpliceError:
+            pass  # the full path below decides, with its own reasons
+    neutral, neutral_text = _neutral_messages(renderer, messages, a, [*earlier, a], profile.moves_call_text)
     if add_generation_prompt and not continue_final_message:
         full_text = neutral_text
     else:
@@ -123,39 +198,141 @@ def splice_prefix(
             continue_final_message=continue_final_message, what="the messages",
         )
     full_layout = Layout(full_text, find(full_text, [*earlier, a], a if continue_final_message else None))
-    bodies, checked_by_text, prompt_end = _check_prefix(renderer, profile, neutral, earlier, find, source)
+    generation_start, checked_by_text, prompt_end = _check_prefix(renderer, profile, neutral, earlier, find, source)
     tail_text, tail = _template_tail(
         renderer, profile, messages, neutral, [*earlier, a], find, full_layout, source, add_generation_prompt,
         continue_final_message, template_text,
     )
     kept, end_replaced = _kept_prefix(prefix, tail, profile, continue_final_message, source)
     spliced = prefix[:kept] + tail
+    _check_truncation(truncate_prompt_tokens, spliced)
+    if moved_call_text:
+        template_text = None  # the server's rendering holds the model's text after the results; ours leaves it out
+    generation = prefix[generation_start:kept]
+    if remember:
+        _remember_prompt(renderer, neutral, spliced, tail_text, checked_by_text)
+    return SplicedPrompt(
+        spliced, kept, end_replaced, checked_by_text, verify=lambda: None,
+        measure_turn=lambda: _new_turn_repair(renderer, full_layout, tail_text, template_text, prompt_end, generation, a),
+    )
+
+
+def _splice_by_placement(
+    renderer: ChatRenderer, profile: TemplateProfile, messages: Sequence[Any], source: PrefixSource,
+    earlier: list[int], find: Any, template_text: str, truncate_prompt_tokens: int | None, remember: bool,
+) -> SplicedPrompt:
+    """The splice without rendering the neutral messages first (the common next turn, add_generation_prompt).
+
+    The tail is read from the rendering that checks message placement (every message's text a placeholder): its
+    text after the turn's closing, each placeholder replaced by its message's text, must end the server's own
+    rendering. That holds where the template writes those messages' text as it is; anything else (a template that
+    trims or escapes it, text holding special tokens or placeholders, a silent turn) raises, and the full path
+    decides. What it leaves to `verify` (a server runs it while the engine generates): that the template's rendering
+    of the neutral messages has exactly this tail, as the full path's proof requires.
+    """
+    a, prefix = source.message_index, source.prefix
+    turns = [*earlier, a]
+    neutral = neutralize(messages, a, drop_call_text=profile.moves_call_text)
+    generation_start, checked_by_text, prompt_end = _check_prefix(renderer, profile, neutral, earlier, find, source)
+    marked_text, marked_bodies = _check_message_placement(renderer, neutral, a, turns, find, True, False)
+    tail_text = _with_message_texts(marked_text[marked_bodies[-1].end :], messages, renderer.added_tokens)
+    if tail_text is None or not template_text.endswith(tail_text):
+        raise UnsupportedTemplateError("the tail cannot be read from the placement rendering")
+    tail = renderer.encode(tail_text)
+    kept, end_replaced = _kept_prefix(prefix, tail, profile, False, source)
+    spliced = prefix[:kept] + tail
+    _check_truncation(truncate_prompt_tokens, spliced)
+    generation = prefix[generation_start:kept]
+    full: list[Layout] = []
+
+    def verify() -> None:
+        text = _render(renderer, neutral, add_generation_prompt=True, what="the messages")
+        layout = Layout(text, find(text, turns, None))
+        if text[layout.bodies[-1].end :] != tail_text:
+            raise UnsupportedTemplateError(
+                f"the chat template renders what follows the turn of messages[{a}] otherwise than the server's own "
+                "rendering of the request; the splice cannot prove such a prompt exact"
+            )
+        full.append(layout)
+        if remember:
+            _remember_prompt(renderer, neutral, spliced, tail_text, checked_by_text)
+
+    return SplicedPrompt(
+        spliced, kept, end_replaced, checked_by_text, verify=verify,
+        measure_turn=lambda: _new_turn_repair(renderer, full[0], tail_text, template_text, prompt_end, generation, a),
+    )
+
+
+def _with_message_texts(text: str, messages: Sequence[Any], added_tokens: Mapping[str, int]) -> str | None:
+    """`text` with each message placeholder replaced by its message's text; None where a text holds what would make
+    that replacement ambiguous (a placeholder, or an added token's text, which the template's own text is made of)."""
+    texts: dict[int, str] = {}
+    for match in MESSAGE_PLACEHOLDER.finditer(text):
+        index = int(match.group(1))
+        content = _get(messages[index], "content") if index < len(messages) else None
+        if not isinstance(content, str) or PLACEHOLDER.search(content) or MESSAGE_PLACEHOLDER.search(content):
+            return None
+        texts[index] = content
+    if PLACEHOLDER.search(text):
+        return None  # the template writes an assistant turn's text again after the turn: the full path refuses it
+    added = _added_token_pattern(tuple(sorted(added_tokens, key=len, reverse=True)))
+    if any(added.search(content) for content in texts.values()):
+        return None
+    return MESSAGE_PLACEHOLDER.sub(lambda match: texts[int(match.group(1))], text)
+
+
+def _check_truncation(truncate_prompt_tokens: int | None, spliced: list[int]) -> None:
     if truncate_prompt_tokens is not None and 0 <= truncate_prompt_tokens < len(spliced):
         raise StalePrefixError(
             f"truncate_prompt_tokens={truncate_prompt_tokens} would cut the first {len(spliced) - truncate_prompt_tokens} "
             f"ids of the spliced prompt ({len(spliced)} ids), which are the model's prefix; drop truncate_prompt_tokens "
             "or start a new token segment"
         )
-    if profile.moves_call_text and _get(messages[a], "tool_calls") and _get(messages[a], "content"):
-        template_text = None  # the server's rendering holds the model's text after the results; ours leaves it out
-    generation = prefix[bodies[-1][0] : kept]
-    differed, replaced, repaired = _new_turn_repair(
-        renderer, full_layout, tail_text, template_text, prompt_end, generation, a
-    )
-    return SpliceResult(
-        prompt_token_ids=spliced, kept_prefix_length=kept, template_differed=differed, replaced_tokens=replaced,
-        end_token_replaced=end_replaced, repaired_turns=repaired, checked_by_text=checked_by_text,
-    )
 
 
 def _check_prefix(
     renderer: ChatRenderer, profile: TemplateProfile, neutral: list[dict[str, Any]], earlier: list[int], find: Any,
     source: PrefixSource,
-) -> tuple[list[tuple[int, int]], bool, str]:
+) -> tuple[int, bool, str]:
     """The structural check: the prefix is what the template renders for messages[:a] (with a generation prompt)
-    outside the model's bodies, then a non-empty generation with no end token inside. Returns the bodies' id spans
-    (the generation last), whether the text walk proved it (_fixed_text; id by id where it could not), and the
-    prompt's fixed text after its last earlier body (it ends with the generation prompt)."""
+    outside the model's bodies, then a non-empty generation with no end token inside. Returns where the generation
+    starts, whether the text walk proved it (_fixed_text; id by id where it could not), and the prompt's fixed text
+    after its last earlier body (it ends with the generation prompt)."""
+    a, prefix = source.message_index, source.prefix
+    proven = _proven_prompt(renderer, neutral[:a], prefix)
+    if proven is not None:  # the prompt this server spliced for these messages, sent back as it was given
+        generation_start, checked_by_text, prompt_end = proven.length, proven.checked_by_text, proven.closing_text
+    else:
+        generation_start, checked_by_text, prompt_end = _walk_prompt(renderer, profile, neutral, earlier, find, source)
+    if generation_start == len(prefix):
+        raise StalePrefixError(
+            f"{_what(source)} ends where the prompt for messages[{a}] ends: the last assistant span is empty. Send the "
+            "prompt ids followed by the ids the model generated"
+        )
+    inner_end = next((i for i in range(generation_start, len(prefix) - 1) if prefix[i] in profile.end_token_ids), None)
+    if inner_end is not None:
+        raise StalePrefixError(
+            f"stale prefix: {_what(source)} holds the turn end {renderer.decode([prefix[inner_end]])!r} at id "
+            f"{inner_end}, inside what would be the model's turn in messages[{a}] (generation stops there, so the "
+            "prefix spans more turns than these messages have). Send the prefix of the last assistant message, or "
+            "the messages it was produced with"
+        )
+    if source.prompt_length is not None and source.prompt_length != generation_start:
+        raise StructureMismatchError(
+            f"messages[{a}].prompt_token_ids holds {source.prompt_length} ids, but the template's prompt for the "
+            f"messages before it is {generation_start} ids long (its ids match up to there): the bundle does not "
+            "belong to these messages",
+            message_index=a,
+        )
+    return generation_start, checked_by_text, prompt_end
+
+
+def _walk_prompt(
+    renderer: ChatRenderer, profile: TemplateProfile, neutral: list[dict[str, Any]], earlier: list[int], find: Any,
+    source: PrefixSource,
+) -> tuple[int, bool, str]:
+    """The structural check's walk of the prefix along the template's rendering of messages[:a]: where the
+    generation starts, whether the text walk proved it, and the prompt's fixed text after its last earlier body."""
     a, prefix = source.message_index, source.prefix
     closer_ids = profile.closer_ids()
     matcher = FixedTextMatcher(
@@ -182,29 +359,8 @@ def _check_prefix(
                 prompt_layout, bodies, mismatch = turn_layout, turn_bodies, None
         if mismatch is not None:
             raise _mismatch_error(renderer, neutral, a, prompt_layout, mismatch, source)
-    generation_start, _ = bodies[-1]
-    if generation_start == len(prefix):
-        raise StalePrefixError(
-            f"{_what(source)} ends where the prompt for messages[{a}] ends: the last assistant span is empty. Send the "
-            "prompt ids followed by the ids the model generated"
-        )
-    inner_end = next((i for i in range(generation_start, len(prefix) - 1) if prefix[i] in profile.end_token_ids), None)
-    if inner_end is not None:
-        raise StalePrefixError(
-            f"stale prefix: {_what(source)} holds the turn end {renderer.decode([prefix[inner_end]])!r} at id "
-            f"{inner_end}, inside what would be the model's turn in messages[{a}] (generation stops there, so the "
-            "prefix spans more turns than these messages have). Send the prefix of the last assistant message, or "
-            "the messages it was produced with"
-        )
-    if source.prompt_length is not None and source.prompt_length != generation_start:
-        raise StructureMismatchError(
-            f"messages[{a}].prompt_token_ids holds {source.prompt_length} ids, but the template's prompt for the "
-            f"messages before it is {generation_start} ids long (its ids match up to there): the bundle does not "
-            "belong to these messages",
-            message_index=a,
-        )
     used = turn_layout if checked_by_text and turn_layout is not None else prompt_layout
-    return bodies, checked_by_text, used.text[used.bodies[-1].end if used.bodies else 0 :]
+    return bodies[-1][0], checked_by_text, used.text[used.bodies[-1].end if used.bodies else 0 :]
 
 
 def _template_tail(
@@ -297,13 +453,28 @@ def _render(renderer: ChatRenderer, messages: list[dict[str, Any]], *, what: str
         raise UnsupportedTemplateError(f"the chat template cannot render {what}: {exc}") from None
 
 
+def _proven_prompt(renderer: ChatRenderer, neutral: list[dict[str, Any]], prefix: list[int]) -> ProvenPrompt | None:
+    memo: RenderMemo | None = getattr(renderer, "render_memo", None)
+    return None if memo is None else memo.proven_prompt(renderer.render_scope, neutral, prefix)
+
+
+def _remember_prompt(
+    renderer: ChatRenderer, neutral: list[dict[str, Any]], prompt_ids: list[int], closing_text: str,
+    checked_by_text: bool,
+) -> None:
+    memo: RenderMemo | None = getattr(renderer, "render_memo", None)
+    if memo is not None:
+        memo.remember_prompt(renderer.render_scope, neutral, prompt_ids, closing_text, checked_by_text)
+
+
 def _check_message_placement(
     renderer: ChatRenderer, neutral: list[dict[str, Any]], a: int, turns: list[int], find: Any,
     add_generation_prompt: bool, continue_final_message: bool,
-) -> None:
+) -> tuple[str, tuple[Body, ...]]:
     """Every message after messages[a] is rendered after its turn closes, and no message lies inside an assistant
     body: the structural check does not look inside bodies, and a template that renders a tool result inside the
-    assistant turn (Gemma 4 after a turn with text) would hide it. Rendered with every message's text a placeholder."""
+    assistant turn (Gemma 4 after a turn with text) would hide it. Rendered with every message's text a placeholder;
+    returns that rendering and its assistant bodies."""
     marked = neutralize(neutral, -1, others=True)
     text = _render(renderer, marked, add_generation_prompt=add_generation_prompt,
                    continue_final_message=continue_final_message, what="the messages")
@@ -322,6 +493,7 @@ def _check_message_placement(
                 f"messages[{body.message_index}] (between the model's text and the turn's end), so the model's ids "
                 "cannot be spliced in without dropping or reordering it"
             )
+    return text, bodies
 
 
 def _kept_prefix(

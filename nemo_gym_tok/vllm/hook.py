@@ -21,6 +21,7 @@ It wraps six methods:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import functools
@@ -42,6 +43,7 @@ from nemo_gym_tok.splice import (
     PREFIX_KEY,
     PrefixSource,
     SpliceError,
+    SplicedPrompt,
     SpliceResult,
     TemplateProfile,
     UnsupportedTemplateError,
@@ -50,6 +52,8 @@ from nemo_gym_tok.splice import (
     detect_profile,
     find_prefix_source,
     splice_prefix,
+    splice_prompt,
+    text_encoder,
 )
 
 logger = logging.getLogger("nemo_gym_tok.vllm.hook")
@@ -92,7 +96,7 @@ USED_SYMBOLS = (
 _MARKER = "__nemo_gym_tok_original__"
 
 # Splice telemetry of in-flight requests, by id(request); each entry leaves with its request.
-_telemetry: dict[int, dict[str, Any]] = {}
+_telemetry: dict[int, dict[str, Any] | _TelemetryLater] = {}
 
 
 class VLLMInternalsChanged(RuntimeError):
@@ -253,8 +257,11 @@ def _preprocess_chat_with_splice(original: Any) -> Any:
                         "request that forwards kv_transfer_params.prompt_token_ids, or a tokenizer that templates "
                         "to ids, takes another path): send the prefix without kv_transfer_params.prompt_token_ids"
                     )
-            _remember(request, pending.result.telemetry())
-            metrics.spliced(pending.result)
+            if not _answered_whole(request):  # the answer's first byte may leave before a late refusal could
+                with _as_400():
+                    pending.result.verify()
+            _remember(request, _TelemetryLater(pending.result))
+            metrics.spliced()
             path = "spliced"
             return answer
         finally:
@@ -280,7 +287,7 @@ class _PendingSplice:
             online, request, messages, arguments, source
         )
         self.claimed = False
-        self.result: SpliceResult | None = None
+        self.result: SplicedPrompt | None = None
 
     def splice(self, prompts: Any) -> list[Any]:
         """The prompts vLLM is about to tokenize, with the spliced ids in place of tokenizing the template's text."""
@@ -305,6 +312,15 @@ def _tokenize_with_splice(original: Any) -> Any:
         return await original(self, prompts, params, *args, **kwargs)
 
     return tokenize_prompts_async
+
+
+def _answered_whole(request: Any) -> bool:
+    """A chat completion answered in one piece (not streamed): nothing generated leaves before the hook's response
+    wrapper, so what the splice leaves to verify (SplicedPrompt.verify) can run while the engine generates and still
+    turn the answer into a 400. Streams and /tokenize verify before vLLM goes on."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    return isinstance(request, ChatCompletionRequest) and not request.stream
 
 
 def _forwards_ids(request: Any) -> bool:
@@ -339,7 +355,8 @@ def _apply(request: Any, engine_inputs: list[Any], result: SpliceResult | None) 
     engine_inputs[0]["prompt_token_ids"] = result.prompt_token_ids
     engine_inputs[0].pop("prompt", None)  # the template's text no longer describes these ids
     _remember(request, result.telemetry())
-    metrics.spliced(result)
+    metrics.spliced()
+    metrics.measured(result)
 
 
 def _harmony_with_splice(original: Any) -> Any:
@@ -402,7 +419,7 @@ def _new_segment_requested(request: Any) -> bool:
 
 def _splice(
     online: Any, request: Any, messages: list[Any], arguments: dict[str, Any], source: PrefixSource, template_text: str
-) -> SpliceResult:
+) -> SplicedPrompt:
     default_template = arguments.get("default_template")
     content_format = arguments.get("default_template_content_format")
     default_kwargs = arguments.get("default_template_kwargs")
@@ -410,7 +427,7 @@ def _splice(
     renderer = _RequestRenderer(online, request, default_template, content_format, default_kwargs, tool_dicts)
     profile = _profile_for(online, request, default_template, content_format, default_kwargs)
     truncate = getattr(request, "truncate_prompt_tokens", None)
-    return splice_prefix(
+    return splice_prompt(
         renderer, profile, [_plain_message(m) for m in messages], source,
         add_generation_prompt=bool(getattr(request, "add_generation_prompt", True)),
         continue_final_message=bool(getattr(request, "continue_final_message", False)),
@@ -449,6 +466,7 @@ class _RequestRenderer:
         self._kwargs = default_kwargs if default_kwargs is not None else online.default_chat_template_kwargs
         self._tools = tools
         self.tokenizer = online.renderer.get_tokenizer()
+        self.encode = _cache_of(online).setdefault("encode", text_encoder(self.tokenizer))
         self.added_tokens, self.special_tokens, self.end_token_ids = _tokenizer_facts(online)
         self.piece_cache: dict[str, list[int]] = _cache_of(online).setdefault("pieces", {})
         """Ids of short template pieces (role headers), shared by the server's requests: see splice._fixed_text."""
@@ -464,9 +482,6 @@ class _RequestRenderer:
 
     def render_with_tools(self, messages: Any, tools: Any, *, add_generation_prompt: bool) -> str:
         return self._render(messages, tools, add_generation_prompt, False)
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Any) -> str:
         return self.tokenizer.decode(list(ids))
@@ -670,7 +685,62 @@ def _plain_message(message: Any) -> Any:
     return message.model_dump(exclude_none=True) if hasattr(message, "model_dump") else dict(message)
 
 
-def _remember(request: Any, telemetry: dict[str, Any]) -> None:
+class _TelemetryLater:
+    """A splice's telemetry, finished on the event loop while the engine generates (SplicedPrompt.result).
+
+    What is left of a splice once the engine has its prompt (measuring the turn the call adds, which tokenizes that
+    turn's template text, and for a chat completion answered whole the verification of the fast path) does not
+    change the prompt. The response wrappers start it when vLLM starts reading the engine's outputs: it runs as one
+    callback a couple of loop turns later, once vLLM has sent the request to the engine (which runs in its own
+    process), and it is awaited before anything goes out. Not a worker thread: rendering is pure Python, and a
+    thread holding the GIL would stall the loop that serves every other request. A verification that fails turns
+    the answer into the 400 the splice would have given. A request nobody answers with telemetry (/tokenize)
+    verified before vLLM went on and never measures."""
+
+    def __init__(self, spliced: SplicedPrompt) -> None:
+        self._spliced = spliced
+        self._future: asyncio.Future[SpliceResult] | None = None
+
+    def start(self) -> None:
+        if self._future is None:
+            loop = asyncio.get_running_loop()
+            self._future = loop.create_future()
+            # Two turns: the first lets vLLM's generate() reach the engine before the loop is busy here.
+            loop.call_soon(lambda: loop.call_soon(self._finish))
+
+    def _finish(self) -> None:
+        assert self._future is not None
+        if self._future.done():
+            return
+        try:
+            self._future.set_result(self._spliced.result())
+        except Exception as exc:  # noqa: BLE001 - handed to whoever awaits the telemetry
+            self._future.set_exception(exc)
+
+    async def telemetry(self) -> dict[str, Any]:
+        from vllm.exceptions import VLLMValidationError
+
+        from nemo_gym_tok.vllm import metrics
+
+        self.start()
+        assert self._future is not None
+        try:
+            with _as_400():
+                result = await self._future
+        except VLLMValidationError:
+            raise
+        except Exception:  # noqa: BLE001 - the prompt is verified and generated; only its report is missing
+            logger.exception("nemo_gym_tok: measuring a spliced turn against the template failed")
+            return {"applied": True, "template_differed": False, "replaced_tokens": 0}
+        metrics.measured(result)
+        return result.telemetry()
+
+
+async def _resolved(telemetry: dict[str, Any] | _TelemetryLater | None) -> dict[str, Any] | None:
+    return await telemetry.telemetry() if isinstance(telemetry, _TelemetryLater) else telemetry
+
+
+def _remember(request: Any, telemetry: dict[str, Any] | _TelemetryLater) -> None:
     key = id(request)
     _telemetry[key] = telemetry
     weakref.finalize(request, _telemetry.pop, key, None)
@@ -682,10 +752,12 @@ def _full_generator_with_bundle(original: Any) -> Any:
     async def chat_completion_full_generator(
         self: Any, request: Any, result_generator: AsyncIterator[Any], *args: Any, **kwargs: Any
     ) -> Any:
-        telemetry = _telemetry.pop(id(request), None)
+        pending = _telemetry.pop(id(request), None)
         wants_bundle = bool(getattr(request, "logprobs", False))
-        if telemetry is None and not wants_bundle:
+        if pending is None and not wants_bundle:
             return await original(self, request, result_generator, *args, **kwargs)
+        if isinstance(pending, _TelemetryLater):
+            pending.start()
         outputs: list[Any] = []
 
         async def remembering_last() -> AsyncIterator[Any]:
@@ -694,6 +766,7 @@ def _full_generator_with_bundle(original: Any) -> Any:
                 yield output
 
         response = await original(self, request, remembering_last(), *args, **kwargs)
+        telemetry = await _resolved(pending)
         if not isinstance(response, ChatCompletionResponse):
             return response
         if telemetry is not None:
@@ -740,6 +813,8 @@ def _stream_generator_with_bundle(original: Any) -> Any:
         self: Any, request: Any, result_generator: AsyncIterator[Any], *args: Any, **kwargs: Any
     ) -> AsyncIterator[str]:
         telemetry = _telemetry.pop(id(request), None)
+        if isinstance(telemetry, _TelemetryLater):
+            telemetry.start()
         final_asked = _usage_requested(self, request)
         wants_bundle = final_asked and bool(getattr(request, "logprobs", False))
         if telemetry is None and not wants_bundle:
@@ -753,13 +828,15 @@ def _stream_generator_with_bundle(original: Any) -> Any:
 
 
 async def _with_splice_chunks(
-    chunks: AsyncIterator[str], telemetry: dict[str, Any] | None, record: _StreamRecord | None
+    chunks: AsyncIterator[str], pending: dict[str, Any] | _TelemetryLater | None, record: _StreamRecord | None
 ) -> AsyncIterator[str]:
     """vLLM's stream with `prefix_splice` on its first chunk and, when `record` is given (the request asked for
     usage), the final chunk before `data: [DONE]`."""
-    first, last = True, None
+    first, last, telemetry, resolved = True, None, None, pending is None
     async with contextlib.aclosing(chunks):  # closing this stream closes vLLM's generator too
         async for chunk in chunks:
+            if not resolved:  # the measurement ran while the engine made the first token
+                telemetry, resolved = await _resolved(pending), True
             if chunk == _SSE_DONE:
                 # Only a stream that ran to its end gets the final chunk: vLLM reports a failure as an error chunk.
                 final = _final_chunk(last, telemetry, record) if record is not None and record.complete else None

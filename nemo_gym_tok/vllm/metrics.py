@@ -37,8 +37,12 @@ def preprocessed(path: str, seconds: float) -> None:
     PREPROCESS_SECONDS.labels(path=path).observe(seconds)
 
 
-def spliced(result: SpliceResult) -> None:
+def spliced() -> None:
     SPLICES.inc()
+
+
+def measured(result: SpliceResult) -> None:
+    """Count what the splice's measurement of the turn it adds found (see SplicedPrompt)."""
     if result.template_differed:
         DRIFTED_TURNS.inc()
         REPLACED_TOKENS.inc(result.replaced_tokens)
