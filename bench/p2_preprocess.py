@@ -11,9 +11,11 @@ interleaved, as a 1-token chat completion:
   token_in  the same messages without a bundle plus the spliced ids as `kv_transfer_params.prompt_token_ids` (vLLM's
             own token-reuse path: no templating).
 Each variant is sent once untimed first (warm-up). Every request, timed or not, ends its last user message with
-" (round N)": a request the server has not seen, as every real turn is. The hook keeps the neutral renderings it made
-(splice._memo), and only what a real next turn finds is there: the previous call's rendering (made while the episode
-was built), never this request's own. The prefix cache holds the history for every variant alike; only the last
+" (round N)": a request the server has not seen, as every real turn is. What the hook keeps per server (splice._memo)
+holds what a real next turn finds there: the prompt it spliced for the previous call (while the episode was built),
+never this request's own; and the placement rendering, which has every text a placeholder and so depends only on the
+conversation's shape: every round after the warm-up finds this call's, as the turns of a tool-less environment find
+each other's across rollouts (with tool calls, whose ids differ per rollout, a real turn renders its own). The prefix cache holds the history for every variant alike; only the last
 few ids (the varied message) are computed again, so the difference is preprocessing. Reported: end-to-end median
 latency, and the median of the hook's server-side timer (`nemo_gym_tok_preprocess_seconds` on /metrics, paths
 `spliced`, `template`, `token_in`; /metrics is read between consecutive requests, so each request's time is its
@@ -206,7 +208,9 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> c.Figure:
         "after one untimed warm-up each; variants interleaved, order rotated each round. e2e: client wall time of the "
         "request, answer read. Server-side: the hook's timer (nemo_gym_tok_preprocess_seconds), one request at a time: "
         "/metrics is read between consecutive requests and each request's sum delta is its own; medians. "
-        "Prefix caching is on: repeated prompts hit the cache for all three variants alike.")
+        "Prefix caching is on: repeated prompts hit the cache for all three variants alike. The hook finds the prompt "
+        "it spliced for the previous call (a real next turn does) and the placement rendering of the call's shape "
+        "(shared by requests of that shape; a conversation with tool calls renders its own, one more rendering).")
     figure.data = {"calls": calls, "sizes": sizes, "timer": timer, "slopes": fitted}
     figure.seconds = time.monotonic() - started
     return figure
