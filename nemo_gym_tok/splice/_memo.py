@@ -40,8 +40,11 @@ class ProvenPrompt:
 class RenderMemo:
     """Bounded maps from (template scope, flags, neutral messages) to their rendering and to the prompt spliced."""
 
-    def __init__(self, max_entries: int = 512) -> None:
+    def __init__(self, max_entries: int = 512, max_prompts: int = 8192) -> None:
+        """`max_entries` renderings (each the size of a history's text) and `max_prompts` spliced prompts (a few
+        hundred bytes each: one per conversation in flight, so they outnumber the renderings)."""
         self._max_entries = max_entries
+        self._max_prompts = max_prompts
         self._entries: OrderedDict[bytes, str] = OrderedDict()
         self._prompts: OrderedDict[bytes, tuple[bytes, ProvenPrompt]] = OrderedDict()
         self._lock = threading.Lock()
@@ -78,7 +81,7 @@ class RenderMemo:
             return
         entry = (_ids_digest(prompt_ids), ProvenPrompt(len(prompt_ids), closing_text, checked_by_text))
         with self._lock:
-            _put(self._prompts, key, entry, self._max_entries)
+            _put(self._prompts, key, entry, self._max_prompts)
 
     def proven_prompt(self, scope: str, messages: Sequence[Any], prefix: Sequence[int]) -> ProvenPrompt | None:
         """The prompt this server spliced for neutral `messages`, when `prefix` opens with exactly its ids and
