@@ -45,7 +45,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rollouts", type=int, default=128, help="rollouts per run (default 128)")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--runs", type=int, default=2, help="timed runs of each kind, alternating (default 2)")
+    p.add_argument("--runs", type=int, default=3, help="timed runs of each kind, alternating (default 3)")
     return p
 
 
