@@ -74,6 +74,12 @@ class Measured:
     def server_median(self, variant: str) -> float:
         return c.median(self.server.get(variant, []))
 
+    def paired(self, variant: str, baseline: str) -> float:
+        """The median over rounds of variant / baseline end to end, each round's two requests sent back to back:
+        the machine's drift from round to round cancels, which a ratio of the two medians keeps."""
+        pairs = zip(self.e2e.get(variant, []), self.e2e.get(baseline, []))
+        return c.median([mine / theirs for mine, theirs in pairs if theirs > 0])
+
 
 def measure(
     http: httpx.Client, url: str, path: str, bodies: dict[str, Callable[[int], bytes]], repeats: int
@@ -141,7 +147,9 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> c.Figure:
                                args.repeats if checkpoint else args.episode_repeats)
             row = {"call": call.number, "ids": call.history_ids,
                    "e2e": {v: measured.e2e_median(v) for v in VARIANTS},
-                   "server": {v: measured.server_median(v) for v in VARIANTS}}
+                   "server": {v: measured.server_median(v) for v in VARIANTS},
+                   "paired": {"hook/stock": measured.paired("hook", "stock"),
+                              "hook/token_in": measured.paired("hook", "token_in")}}
             calls.append(row)
             for v in VARIANTS:
                 labels[v].update(measured.paths[v])
@@ -160,18 +168,20 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> c.Figure:
 
     table = c.Table(f"By history size: 1-token chat completion and /tokenize, ms{unavailable}",
                     ["size", "history ids", "request", "measure", "stock", "hook", "token-in", "hook/stock",
-                     "token-in/stock"])
+                     "token-in/stock", "hook/token-in", "hook/stock paired", "hook/token-in paired"])
     for row in sizes:
         label = f"{row['size'] / 1024:g}k"
         for measure_name, key in (("e2e median", "e2e"), ("server-side median", "server")):
             values = row[key]
+            paired = [row["paired"]["hook/stock"], row["paired"]["hook/token_in"]] if key == "e2e" else ["-", "-"]
             table.add(label, row["ids"], "chat, 1 token", measure_name, values["stock"], values["hook"],
                       values["token_in"], c.ratio(values["hook"], values["stock"]),
-                      c.ratio(values["token_in"], values["stock"]), digits=2)
+                      c.ratio(values["token_in"], values["stock"]), c.ratio(values["hook"], values["token_in"]),
+                      *paired, digits=2)
         for measure_name, key in (("e2e median", "tokenize_e2e"), ("server-side median", "tokenize_server")):
             values = row[key]
             table.add(label, row["ids"], "/tokenize", measure_name, values["stock"], values["hook"], "-",
-                      c.ratio(values["hook"], values["stock"]), "-", digits=2)
+                      c.ratio(values["hook"], values["stock"]), "-", "-", "-", "-", digits=2)
     figure.tables.append(table)
 
     growth = c.Table(f"One episode growing to {episode[-1].number} calls (bundle of the last call each turn), ms",
@@ -206,7 +216,8 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> c.Figure:
     figure.notes.append(
         f"{args.repeats} timed repeats per variant at the size-table calls, {args.episode_repeats} at the other calls, "
         "after one untimed warm-up each; variants interleaved, order rotated each round. e2e: client wall time of the "
-        "request, answer read. Server-side: the hook's timer (nemo_gym_tok_preprocess_seconds), one request at a time: "
+        "request, answer read; paired: the median over rounds of the two variants' ratio within a round (sent back to "
+        "back), which the machine's drift between rounds does not move as it moves a ratio of medians. Server-side: the hook's timer (nemo_gym_tok_preprocess_seconds), one request at a time: "
         "/metrics is read between consecutive requests and each request's sum delta is its own; medians. "
         "Prefix caching is on: repeated prompts hit the cache for all three variants alike. The hook finds the prompt "
         "it spliced for the previous call (a real next turn does) and the placement rendering of the call's shape "
