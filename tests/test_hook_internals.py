@@ -204,8 +204,9 @@ class _Request:
 def stand_in_splice(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[object]]:
     """The hook's prefix reading and splice replaced: requests whose `messages` is ["bundled"] carry a bundle, and
     the splice gives SPLICED_IDS. Returns {"texts": the template texts the splice got, "failure": an exception a test
-    puts there for the splice to raise instead, "verified": one entry per verification the splice's prompt got,
-    "late_failure": an exception a test puts there for that verification to raise}."""
+    puts there for the splice to raise instead, "verified": one entry per verification the splice's prompt got (the
+    stand-in defers it, as for a chat completion answered whole), "late_failure": an exception a test puts there for
+    that verification to raise}."""
     from nemo_gym_tok.splice import PrefixSource, SplicedPrompt
 
     seen: dict[str, list[object]] = {"texts": [], "failure": [], "verified": [], "late_failure": []}
@@ -277,20 +278,12 @@ def test_a_failed_late_verification_is_the_400_the_splice_would_have_given(stand
         asyncio.run(hook._resolved(hook._telemetry.pop(id(request))))
 
 
-@pytest.mark.parametrize("request_kind", ["stream", "tokenize"])
-def test_streams_and_tokenize_verify_before_vllm_goes_on(stand_in_splice, request_kind) -> None:
-    """A stream's first byte (or /tokenize's answer) may leave before the response wrapper runs: the verification
-    runs in preprocessing, and its failure is a 400 there."""
-    from vllm.exceptions import VLLMValidationError
-
-    from nemo_gym_tok.splice import UnsupportedTemplateError
-
-    make = (lambda: _chat_request(stream=True)) if request_kind == "stream" else _Request
-    _preprocess(_preprocess_chat_032, make(), None)
-    assert stand_in_splice["verified"] == [True]
-    stand_in_splice["late_failure"].append(UnsupportedTemplateError("the splice cannot prove such a prompt exact"))
-    with pytest.raises(VLLMValidationError, match="cannot prove"):
-        _preprocess(_preprocess_chat_032, make(), None)
+def test_only_a_chat_completion_answered_whole_is_verified_late() -> None:
+    """A stream's first byte (or /tokenize's answer) may leave before the response wrapper runs: the splice verifies
+    those at once (falling back to the full check), and defers only a chat completion answered whole."""
+    assert hook._answered_whole(_chat_request(stream=False))
+    assert not hook._answered_whole(_chat_request(stream=True))
+    assert not hook._answered_whole(_Request())
 
 
 def test_vllm_033_parser_gets_the_spliced_prompt_ids(stand_in_splice) -> None:

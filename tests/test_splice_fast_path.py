@@ -168,7 +168,8 @@ def test_parity_with_the_full_render_splice_on_real_templates(name: str) -> None
 def remembering_renderer(renderer: HFChatRenderer) -> HFChatRenderer:
     from nemo_gym_tok.splice import RenderMemo
 
-    remembering = HFChatRenderer(renderer.tokenizer, extra_end_token_ids=[ENDOFTEXT_ID])
+    remembering = HFChatRenderer(renderer.tokenizer, chat_template=renderer.chat_template,
+                                 extra_end_token_ids=[ENDOFTEXT_ID])
     remembering.render_memo, remembering.render_scope = RenderMemo(), "tiny"
     return remembering
 
@@ -235,3 +236,47 @@ def test_a_remembered_prompt_proves_only_what_was_spliced(renderer, edit) -> Non
     assert type(with_memo.value) is type(without_memo.value)
     assert str(with_memo.value) == str(without_memo.value)
     assert remembering.render_memo.proven == proven_before
+
+
+# A template whose text after a turn depends on a later message's text: a user message that says "urgent" gets a
+# system block before it. The placement rendering (every text a placeholder) has no such block, and its tail, with
+# the texts put back, still ends the server's own rendering: only the neutral rendering shows the block.
+URGENT_TEMPLATE = (
+    "{%- for m in messages %}{%- if m.role == 'user' and 'urgent' in m.content %}"
+    "<|im_start|>system\nPriority<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def urgent_turn(renderer: HFChatRenderer) -> tuple[list[dict], str]:
+    messages = [{"role": "user", "content": "hi"}]
+    prompt = renderer.encode(renderer.render(messages, add_generation_prompt=True))
+    messages = next_turn(messages, prompt, "Hello.", renderer.encode("Hello.") + [IM_END_ID], "urgent: help")
+    return messages, renderer.render(messages, add_generation_prompt=True)
+
+
+def test_a_tail_the_placement_rendering_gets_wrong_is_caught_by_the_neutral_rendering() -> None:
+    """The shortcut's tail leaves out the system block; verified at once (the default), the splice falls back to
+    the full path and the prompt has it, as the template's own ids do."""
+    renderer = HFChatRenderer(build_tokenizer(), chat_template=URGENT_TEMPLATE, extra_end_token_ids=[ENDOFTEXT_ID])
+    messages, text = urgent_turn(renderer)
+    result = splice_prefix(renderer, detect_profile(renderer), messages, find_prefix_source(messages), template_text=text)
+    assert result.prompt_token_ids == renderer.encode(text)
+    assert "Priority" in renderer.decode(result.prompt_token_ids)
+
+
+def test_a_late_verification_refuses_once_and_the_retry_takes_the_full_path() -> None:
+    """Deferred (a server verifying while the engine generates), the wrong tail is refused when verified, and the
+    memo sends the same request down the full path next time."""
+    from nemo_gym_tok.splice import UnsupportedTemplateError, splice_prompt
+
+    renderer = remembering_renderer(HFChatRenderer(build_tokenizer(), chat_template=URGENT_TEMPLATE))
+    messages, text = urgent_turn(renderer)
+    profile, source = detect_profile(renderer), find_prefix_source(messages)
+    first = splice_prompt(renderer, profile, messages, source, template_text=text, defer_verify=True)
+    assert "Priority" not in renderer.decode(first.prompt_token_ids)  # the shortcut's (wrong) tail
+    with pytest.raises(UnsupportedTemplateError, match="send the request again"):
+        first.result()
+    again = splice_prompt(renderer, profile, messages, source, template_text=text, defer_verify=True)
+    assert again.result().prompt_token_ids == renderer.encode(text)

@@ -47,6 +47,7 @@ class RenderMemo:
         self._max_prompts = max_prompts
         self._entries: OrderedDict[bytes, str] = OrderedDict()
         self._prompts: OrderedDict[bytes, tuple[bytes, ProvenPrompt]] = OrderedDict()
+        self._distrusted: OrderedDict[bytes, None] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -101,6 +102,19 @@ class RenderMemo:
         with self._lock:
             self.proven += 1
         return proven
+
+
+    def distrust_placement(self, scope: str, messages: Sequence[Any]) -> None:
+        """Keep that the placement rendering's tail was wrong for these neutral messages (splice._splice)."""
+        key = _key(scope, messages, _PROMPT_FLAGS)
+        if key is not None:
+            with self._lock:
+                _put(self._distrusted, key, None, self._max_entries)
+
+    def distrusts_placement(self, scope: str, messages: Sequence[Any]) -> bool:
+        key = _key(scope, messages, _PROMPT_FLAGS)
+        with self._lock:
+            return key is not None and key in self._distrusted
 
 
 _PROMPT_FLAGS = {"add_generation_prompt": True}

@@ -165,8 +165,14 @@ def splice_prompt(
     continue_final_message: bool = False,
     truncate_prompt_tokens: int | None = None,
     template_text: str | None = None,
+    defer_verify: bool = False,
 ) -> SplicedPrompt:
-    """splice_prefix() with the measurement of the new turn left for later (SplicedPrompt.result())."""
+    """splice_prefix() with the measurement of the new turn left for later (SplicedPrompt.result()).
+
+    With `defer_verify`, a next turn's tail read from the placement rendering is verified later too (SplicedPrompt
+    .verify: a server runs it while the engine generates, and a failure refuses the answer; the renderer's memo then
+    sends the same request down the full path, should it come again). Without it, a failed verification falls back to
+    the full path at once, as any other reason the fast path cannot decide."""
     a = source.message_index
     prefix = source.prefix
     if a < 0:
@@ -184,9 +190,12 @@ def splice_prompt(
     )
     if template_text is not None and add_generation_prompt and not continue_final_message and not moved_call_text:
         try:
-            return _splice_by_placement(
+            spliced = _splice_by_placement(
                 renderer, profile, messages, source, earlier, find, template_text, truncate_prompt_tokens, remember
             )
+            if not defer_verify:
+                spliced.verify()
+            return spliced
         except SpliceError:
             pass  # the full path below decides, with its own reasons
     neutral, neutral_text = _neutral_messages(renderer, messages, a, [*earlier, a], profile.moves_call_text)
@@ -233,6 +242,9 @@ def _splice_by_placement(
     a, prefix = source.message_index, source.prefix
     turns = [*earlier, a]
     neutral = neutralize(messages, a, drop_call_text=profile.moves_call_text)
+    memo: RenderMemo | None = getattr(renderer, "render_memo", None)
+    if memo is not None and memo.distrusts_placement(renderer.render_scope, neutral):
+        raise UnsupportedTemplateError("the placement rendering gave these messages a wrong tail before")
     generation_start, checked_by_text, prompt_end = _check_prefix(renderer, profile, neutral, earlier, find, source)
     marked_text, marked_bodies = _check_message_placement(renderer, neutral, a, turns, find, True, False)
     tail_text = _with_message_texts(marked_text[marked_bodies[-1].end :], messages, renderer.added_tokens)
@@ -249,9 +261,12 @@ def _splice_by_placement(
         text = _render(renderer, neutral, add_generation_prompt=True, what="the messages")
         layout = Layout(text, find(text, turns, None))
         if text[layout.bodies[-1].end :] != tail_text:
+            if memo is not None:
+                memo.distrust_placement(renderer.render_scope, neutral)
             raise UnsupportedTemplateError(
-                f"the chat template renders what follows the turn of messages[{a}] otherwise than the server's own "
-                "rendering of the request; the splice cannot prove such a prompt exact"
+                f"the chat template's text after the turn of messages[{a}] could not be confirmed in time (its "
+                "rendering of the messages differs from the shortcut's); send the request again: it then takes the "
+                "full check"
             )
         full.append(layout)
         if remember:

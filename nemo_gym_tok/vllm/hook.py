@@ -257,9 +257,6 @@ def _preprocess_chat_with_splice(original: Any) -> Any:
                         "request that forwards kv_transfer_params.prompt_token_ids, or a tokenizer that templates "
                         "to ids, takes another path): send the prefix without kv_transfer_params.prompt_token_ids"
                     )
-            if not _answered_whole(request):  # the answer's first byte may leave before a late refusal could
-                with _as_400():
-                    pending.result.verify()
             _remember(request, _TelemetryLater(pending.result))
             metrics.spliced()
             path = "spliced"
@@ -317,7 +314,7 @@ def _tokenize_with_splice(original: Any) -> Any:
 def _answered_whole(request: Any) -> bool:
     """A chat completion answered in one piece (not streamed): nothing generated leaves before the hook's response
     wrapper, so what the splice leaves to verify (SplicedPrompt.verify) can run while the engine generates and still
-    turn the answer into a 400. Streams and /tokenize verify before vLLM goes on."""
+    turn the answer into a 400. Streams and /tokenize verify during the splice (falling back to the full check)."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
     return isinstance(request, ChatCompletionRequest) and not request.stream
@@ -433,6 +430,8 @@ def _splice(
         continue_final_message=bool(getattr(request, "continue_final_message", False)),
         truncate_prompt_tokens=truncate if isinstance(truncate, int) and truncate >= 0 else None,
         template_text=template_text,
+        # A stream's first byte (or /tokenize's answer) may leave before the response wrapper runs: those verify now.
+        defer_verify=_answered_whole(request),
     )
 
 
