@@ -278,6 +278,17 @@ def test_a_failed_late_verification_is_the_400_the_splice_would_have_given(stand
         asyncio.run(hook._resolved(hook._telemetry.pop(id(request))))
 
 
+def test_a_verification_that_crashes_refuses_the_answer(stand_in_splice) -> None:
+    """Unverified, nothing generated goes out: an unexpected error while verifying is a 400, not an answer."""
+    from vllm.exceptions import VLLMValidationError
+
+    request = _chat_request(stream=False)
+    _preprocess(_preprocess_chat_032, request, None)
+    stand_in_splice["late_failure"].append(KeyError("a bug"))
+    with pytest.raises(VLLMValidationError, match="could not be verified"):
+        asyncio.run(hook._resolved(hook._telemetry.pop(id(request))))
+
+
 def test_only_a_chat_completion_answered_whole_is_verified_late() -> None:
     """A stream's first byte (or /tokenize's answer) may leave before the response wrapper runs: the splice verifies
     those at once (falling back to the full check), and defers only a chat completion answered whole."""

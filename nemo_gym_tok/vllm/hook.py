@@ -693,8 +693,8 @@ class _TelemetryLater:
     callback a couple of loop turns later, once vLLM has sent the request to the engine (which runs in its own
     process), and it is awaited before anything goes out. Not a worker thread: rendering is pure Python, and a
     thread holding the GIL would stall the loop that serves every other request. A verification that fails turns
-    the answer into the 400 the splice would have given. A request nobody answers with telemetry (/tokenize)
-    verified before vLLM went on and never measures."""
+    the answer into a 400 (the splice says why, and a retry takes the full check). A request nobody answers with
+    telemetry (/tokenize) verified during the splice and never measures."""
 
     def __init__(self, spliced: SplicedPrompt) -> None:
         self._spliced = spliced
@@ -710,6 +710,15 @@ class _TelemetryLater:
     def _finish(self) -> None:
         assert self._future is not None
         if self._future.done():
+            return
+        try:
+            self._spliced.verify()
+        except SpliceError as exc:
+            self._future.set_exception(exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - unverified, the answer must not go out: refused, and logged
+            logger.exception("nemo_gym_tok: verifying a spliced prompt failed")
+            self._future.set_exception(SpliceError(f"the splice could not be verified ({type(exc).__name__}: {exc})"))
             return
         try:
             self._future.set_result(self._spliced.result())
@@ -728,7 +737,7 @@ class _TelemetryLater:
                 result = await self._future
         except VLLMValidationError:
             raise
-        except Exception:  # noqa: BLE001 - the prompt is verified and generated; only its report is missing
+        except Exception:  # noqa: BLE001 - the prompt is verified (_finish) and generated; only its report is missing
             logger.exception("nemo_gym_tok: measuring a spliced turn against the template failed")
             return {"applied": True, "template_differed": False, "replaced_tokens": 0}
         metrics.measured(result)
