@@ -266,26 +266,20 @@ def test_a_whole_answer_is_verified_while_the_engine_generates(stand_in_splice) 
     assert telemetry == {"applied": True, "template_differed": True, "replaced_tokens": 1}
 
 
-def test_a_failed_late_verification_is_the_400_the_splice_would_have_given(stand_in_splice) -> None:
+@pytest.mark.parametrize(("failure", "message"), [
+    ("refused", "cannot prove"),  # the splice's own reason
+    ("crashed", "could not be verified"),  # an unexpected error: unverified, nothing generated goes out
+])
+def test_a_failed_late_verification_is_a_400_not_an_answer(stand_in_splice, failure, message) -> None:
     from vllm.exceptions import VLLMValidationError
 
     from nemo_gym_tok.splice import UnsupportedTemplateError
 
     request = _chat_request(stream=False)
     _preprocess(_preprocess_chat_032, request, None)
-    stand_in_splice["late_failure"].append(UnsupportedTemplateError("the splice cannot prove such a prompt exact"))
-    with pytest.raises(VLLMValidationError, match="cannot prove"):
-        asyncio.run(hook._resolved(hook._telemetry.pop(id(request))))
-
-
-def test_a_verification_that_crashes_refuses_the_answer(stand_in_splice) -> None:
-    """Unverified, nothing generated goes out: an unexpected error while verifying is a 400, not an answer."""
-    from vllm.exceptions import VLLMValidationError
-
-    request = _chat_request(stream=False)
-    _preprocess(_preprocess_chat_032, request, None)
-    stand_in_splice["late_failure"].append(KeyError("a bug"))
-    with pytest.raises(VLLMValidationError, match="could not be verified"):
+    error = UnsupportedTemplateError("the splice cannot prove such a prompt exact") if failure == "refused" else KeyError(1)
+    stand_in_splice["late_failure"].append(error)
+    with pytest.raises(VLLMValidationError, match=message):
         asyncio.run(hook._resolved(hook._telemetry.pop(id(request))))
 
 
