@@ -10,7 +10,9 @@ exactly those neutral messages (the prefix's part) and is the template's own ids
 prefix opens with that prompt, id for id, when the client sends back what it was given; the memo then proves the
 prefix's prompt part by one digest of its ids instead of walking the history again. A prefix that differs anywhere
 in that part, or messages that differ in anything the template sees, find no entry and take the full check.
-Bounded; least recently used entries leave first.
+
+And it keeps the messages for which the splice's shortcut to the tail (the placement rendering) proved wrong, so
+they take the full path when they come again. Bounded; least recently used entries leave first.
 """
 
 from __future__ import annotations
@@ -103,7 +105,6 @@ class RenderMemo:
             self.proven += 1
         return proven
 
-
     def distrust_placement(self, scope: str, messages: Sequence[Any]) -> None:
         """Keep that the placement rendering's tail was wrong for these neutral messages (splice._splice)."""
         key = _key(scope, messages, _PROMPT_FLAGS)
@@ -112,6 +113,8 @@ class RenderMemo:
                 _put(self._distrusted, key, None, self._max_entries)
 
     def distrusts_placement(self, scope: str, messages: Sequence[Any]) -> bool:
+        if not self._distrusted:  # the common case, without digesting the messages
+            return False
         key = _key(scope, messages, _PROMPT_FLAGS)
         with self._lock:
             return key is not None and key in self._distrusted
