@@ -280,3 +280,26 @@ def test_a_late_verification_refuses_once_and_the_retry_takes_the_full_path() ->
         first.result()
     again = splice_prompt(renderer, profile, messages, source, template_text=text, defer_verify=True)
     assert again.result().prompt_token_ids == renderer.encode(text)
+
+
+TEXTS = [
+    "", "plain words", "  leading and trailing  ", "<|im_start|>user\nhi<|im_end|>\n", "tabs\tand\nnew\n\nlines",
+    "ünïcödé, 漢字 and emoji 🎉", "<|im_end|><|im_end|>text<|endoftext|>", "code: def f(x):\n    return x ** 2\n",
+]
+
+
+@pytest.mark.parametrize("name", ["tiny", *_top_template_per_family()[:6]])
+def test_the_backend_encoder_is_the_tokenizers_encode(name: str) -> None:
+    """text_encoder (the Rust backend's own encode) gives what tokenizer.encode(add_special_tokens=False) gives, on
+    the tiny tokenizer and real families' special tokens, for text with and without added tokens."""
+    from nemo_gym_tok.chat_templates.catalog import entry as catalog_entry
+    from nemo_gym_tok.splice import text_encoder
+
+    if name == "tiny":
+        tokenizer = build_tokenizer()
+    else:
+        template = catalog_entry(name)
+        tokenizer = family_tokenizer(template.text, family_of(template))
+    texts = TEXTS + [token + " x " + token for token in list(tokenizer.added_tokens_encoder)[:20]]
+    encode = text_encoder(tokenizer)
+    assert [encode(text) for text in texts] == [tokenizer.encode(text, add_special_tokens=False) for text in texts]
