@@ -38,7 +38,7 @@ class FixedTextMatcher:
         self._decode_batch = decode_batch
         self._added = dict(added_tokens)
         self._added_ids = frozenset(added_tokens.values())
-        self._splitter = _added_token_pattern(tuple(sorted(added_tokens, key=len, reverse=True)))
+        self._splitter = added_token_pattern(added_tokens)
         self._pieces = piece_cache if piece_cache is not None else {}
 
     def body_spans(
@@ -150,7 +150,9 @@ def _next_of(ids: list[int], start: int, wanted: Iterable[int]) -> int | None:
 _patterns: dict[tuple[str, ...], re.Pattern[str]] = {}
 
 
-def _added_token_pattern(tokens: tuple[str, ...]) -> re.Pattern[str]:
+def added_token_pattern(added_tokens: Iterable[str]) -> re.Pattern[str]:
+    """A regex matching any added token's text, longest first (as tokenizers split at them); kept per token set."""
+    tokens = tuple(sorted(added_tokens, key=len, reverse=True))
     pattern = _patterns.get(tokens)
     if pattern is None:
         if len(_patterns) >= 16:

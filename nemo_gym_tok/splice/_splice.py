@@ -32,7 +32,7 @@ from nemo_gym_tok.splice._errors import (
     StructureMismatchError,
     UnsupportedTemplateError,
 )
-from nemo_gym_tok.splice._fixed_text import FixedTextMatcher, _added_token_pattern
+from nemo_gym_tok.splice._fixed_text import FixedTextMatcher, added_token_pattern
 from nemo_gym_tok.splice._ids import PREFIX_KEY, PrefixSource, _get
 from nemo_gym_tok.splice._memo import ProvenPrompt, RenderMemo
 from nemo_gym_tok.splice._neutral import MESSAGE_PLACEHOLDER, PLACEHOLDER, neutralize, placeholder_spans
@@ -109,10 +109,6 @@ class SplicedPrompt:
         self.checked_by_text = checked_by_text
         self._verify: Callable[[], None] | None = verify
         self._measure_turn = measure_turn
-
-    @property
-    def verified(self) -> bool:
-        return self._verify is None
 
     def verify(self) -> None:
         """Finish the proof that the prompt is exact; raises a SpliceError where it is not."""
@@ -290,7 +286,7 @@ def _with_message_texts(text: str, messages: Sequence[Any], added_tokens: Mappin
         texts[index] = content
     if PLACEHOLDER.search(text):
         return None  # the template writes an assistant turn's text again after the turn: the full path refuses it
-    added = _added_token_pattern(tuple(sorted(added_tokens, key=len, reverse=True)))
+    added = added_token_pattern(added_tokens)
     if any(added.search(content) for content in texts.values()):
         return None
     return MESSAGE_PLACEHOLDER.sub(lambda match: texts[int(match.group(1))], text)
