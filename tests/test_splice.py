@@ -294,3 +294,25 @@ def test_turns_closed_by_text_keep_the_model_end_token(tokenizer) -> None:
     messages[0]["content"] = "Where is Lyon?"
     with pytest.raises(StructureMismatchError, match=r"messages\[0\]"):
         run(renderer, profile, messages)
+
+
+# The role header follows the user's text (no special token before it), and the generation prompt opens a reasoning
+# block that the history renders only for turns with reasoning: ERNIE 4.5's shape.
+REASONING_AFTER_TEXT_HEADER_TEMPLATE = (
+    "<|endoftext|>{% for m in messages %}{% if m.role == 'user' %}User: {{ m.content }}{% elif m.role == 'system' %}"
+    "{{ m.content + '\\n' }}{% else %}{{ '\\nAssistant: ' }}{% if m.reasoning_content %}"
+    "{{ '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}{% endif %}{{ m.content }}<|im_end|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '\\nAssistant: <think>' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_header_after_message_text_is_the_role_header_not_the_reasoning_block(tokenizer, seed: int) -> None:
+    renderer = HFChatRenderer(tokenizer, chat_template=REASONING_AFTER_TEXT_HEADER_TEMPLATE,
+                              extra_end_token_ids=[ENDOFTEXT_ID])
+    profile = detect_profile(renderer)
+    assert profile.assistant_header == Header("\nAssistant: ", follows_special=False,
+                                              anchors=profile.assistant_header.anchors)
+    settings = EpisodeSettings(turns=4, reasoning=seed % 2 == 0, system=seed % 3 != 0)
+    episode = play_episode(renderer, profile, random.Random(seed), settings)  # every splice judged by the oracle
+    assert len(episode.telemetry) == 4

@@ -177,6 +177,10 @@ _END_HINTS = tuple(re.compile(p, re.I) for p in (
 ))  # fmt: skip
 
 
+# A template that sets `eos_token` to a marker-shaped literal writes that string where the model's eos goes.
+_DECLARED_EOS = re.compile(r"set\s+eos_token\s*=\s*'(<[^'\s{}<>]{1,48}>)'")
+
+
 def family(name: str) -> Family:
     """The table row called `name` (including `generic`); KeyError if unknown."""
     return _BY_NAME[name]
@@ -188,7 +192,8 @@ def _generic_for(text: str) -> Family:
 
     markers = [marker for marker, _ in extract_markers(text, GENERIC)]
     enders = [m for hint in _END_HINTS for m in markers if hint.search(m)]
-    eos = enders[0] if enders else "</s>"
+    declared = _DECLARED_EOS.search(text)  # the template names its own eos (Hy-MT2: `set eos_token = '<eos:…>'`)
+    eos = declared.group(1) if declared else enders[0] if enders else "</s>"
     bos = "<s>" if re.search(r"\bbos_token\b", text) else None
     ends = tuple(dict.fromkeys((eos, *enders)))
     return replace(GENERIC, bos=bos, eos=eos, end_tokens=ends, special=tuple(t for t in (bos, eos) if t))

@@ -6,7 +6,9 @@ check the splice refuses every edit the template renders. A template is `exact` 
 and every visible edit was refused, `refused` when the splice refused something with a 400 (never wrong), and `wrong`
 when the oracle caught a wrong splice or an edit passed the structural check. Templates that render no assistant turn
 at all (rerankers, embedders, speech and translation templates that print one fixed prompt) are `no chat turns`:
-there is nothing to splice, and the hook answers them with a 400 that says so.
+there is nothing to splice, and the hook answers them with a 400 that says so. A template that renders no tool
+result cannot render a tool-calling episode: its tool episodes are still played (a wrong splice there counts), but
+a refusal in them is listed apart from the template's outcome, as shapes the template cannot render are.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from nemo_gym_tok.splice import (
 from nemo_gym_tok.splice._neutral import neutralize
 
 OUTCOMES = ("exact", "refused", "wrong", "no chat turns")
+NO_TOOL_RESULTS = "the template renders no tool result (no tool support), so a tool-calling episode cannot be rendered"
 
 SHAPES = (
     EpisodeSettings(turns=4),
@@ -87,6 +90,11 @@ class SweepReport:
         chat_downloads = sum(r.downloads for r in chat) or 1
         lines.append(f"exact among templates with chat turns: {sum(r.outcome == 'exact' for r in chat)}/{len(chat)}, "
                      f"{sum(r.downloads for r in chat if r.outcome == 'exact') / chat_downloads:.2%} by downloads")
+        toolless = [r for r in chat if any(NO_TOOL_RESULTS in reason for reason in r.unrenderable)]
+        strict = sum(r.downloads for r in chat if r.outcome == "exact" and r not in toolless) / chat_downloads
+        lines.append(f"refused tool-calling episodes not counted (the template renders no tool result): "
+                     f"{len(toolless)} templates, {sum(r.downloads for r in toolless) / chat_downloads:.2%} of those "
+                     f"downloads; counting them as refusals, {strict:.2%} exact")
         lines.append("per family (exact/refused/wrong/no chat turns):")
         for name in sorted(by_family):
             c = by_family[name]
@@ -115,6 +123,7 @@ def sweep_template(entry: TemplateEntry, *, episodes_per_shape: int = 2, seed: i
         return _outcome(result, "refused", f"profile: {exc}")
     played = 0
     system_ok = _renders(plain, [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+    tool_results_ok = _renders_tool_results(with_tools)
     for shape_number, shape in enumerate(SHAPES):
         if not system_ok:  # templates without a system role (Gemma 2) play every shape without one
             shape = dataclasses.replace(shape, system=False)
@@ -126,7 +135,10 @@ def sweep_template(entry: TemplateEntry, *, episodes_per_shape: int = 2, seed: i
             except WrongSplice as exc:
                 return _outcome(result, "wrong", f"{_shape(shape)}: {exc}")
             except SpliceError as exc:
-                _outcome(result, "refused", f"{_shape(shape)}: {exc}")
+                if shape.tools and not tool_results_ok:  # still played: a wrong splice would count
+                    result.unrenderable.append(f"{_shape(shape)}: {NO_TOOL_RESULTS}; refused: {exc}")
+                else:
+                    _outcome(result, "refused", f"{_shape(shape)}: {exc}")
                 continue
             except Exception as exc:  # noqa: BLE001 - the template cannot render this shape (no tools, say)
                 result.unrenderable.append(f"{_shape(shape)}: {type(exc).__name__}: {exc}")
@@ -187,6 +199,21 @@ def _edits_are_refused(
             continue
         return f"{label} passed the structural check"
     return None
+
+
+def _renders_tool_results(renderer: HFChatRenderer) -> bool:
+    """Whether a tool result's text appears in the template's rendering: a template that drops tool results (a
+    speech or translation template with no tool support) cannot render a tool-calling episode at all."""
+    call = {"id": "call_0", "type": "function", "function": {"name": "lookup", "arguments": '{"word": "x"}'}}
+    messages = [
+        {"role": "user", "content": "Hello there."},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "ngtresult7q"},
+    ]
+    try:
+        return "ngtresult7q" in renderer.render(messages, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - the template refuses this shape: its tool episodes fail to render too
+        return True
 
 
 def _renders(renderer: HFChatRenderer, messages: list[dict[str, Any]]) -> bool:

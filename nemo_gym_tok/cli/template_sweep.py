@@ -17,7 +17,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "max_tokens) through the pure splice, judge every spliced prompt against the template's own rendering, "
             "and check that edits of earlier messages are refused. Prints the share of templates (by count and by "
             "downloads) spliced exactly, refused with a 400, wrong, or without chat turns, per family, and the "
-            "templates that are not exact with the reason. Exit status 1 if any splice was wrong, else 0."
+            "templates that are not exact with the reason. A template that renders no tool result cannot render a "
+            "tool-calling episode: refusals in its tool episodes are reported apart (wrong splices there count). "
+            "Exit status 1 if any splice was wrong, else 0."
         ),
     )
     parser.add_argument("--limit", type=int, metavar="N", help="only the N most downloaded templates")

@@ -138,6 +138,8 @@ def detect_profile(renderer: ChatRenderer, *, terminator_override: str | None = 
         header = before_body[: _common_prefix_length(before_body, generation_tail)]
         texts = [m["content"] for m in conversation if m["role"] != "assistant" and isinstance(m.get("content"), str)]
         holds_message_text = any(message_text in header for message_text in texts if message_text)
+        if holds_message_text:  # what follows the last message text: the role header itself
+            header = header[max(header.rfind(t) + len(t) for t in texts if t and t in header) :]
         headers[after_tool].append((header, holds_message_text, anchor))
     if not rendered_any:
         raise NoAssistantTurnsError(
@@ -245,13 +247,16 @@ def _closer(
 
 
 def _header(samples: list[tuple[str, bool, str | None]]) -> Header:
-    """One header from the probes': where message text precedes it, what they all end with; else what they all start
-    with (templates that add a reasoning block to some turns only still share the role header)."""
+    """One header from the probes': what they all start with (templates that add a reasoning block to some turns
+    only still share the role header). Where message text precedes it, each sample starts after the last message
+    text, and where even that differs, the header is what they all end with."""
     trailing = any(has_text for _, has_text, _ in samples)
     texts = [text for text, _, _ in samples]
     anchors = frozenset(anchor for _, _, anchor in samples if anchor is not None)
     if trailing:
-        return Header(_common_suffix(texts), follows_special=False, anchors=anchors)
+        # A reasoning block opened in some turns only (ERNIE: "\nAssistant: <think>") extends those samples: the role
+        # header is what they all start with; where even that differs, what they all end with.
+        return Header(_common_prefix(texts) or _common_suffix(texts), follows_special=False, anchors=anchors)
     return Header(_common_prefix(texts), anchors=anchors)
 
 

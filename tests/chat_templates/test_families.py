@@ -98,6 +98,16 @@ def test_unrecognised_template_falls_back_to_generic_with_its_own_markers() -> N
     assert [t for t, _ in token_plan(text, generic)] == ["<s>", "<|END_OF_TURN|>", "<|turn_start|>"]
 
 
+def test_eos_the_template_sets_itself_is_the_generic_eos() -> None:
+    """Hy-MT2 writes `<eos:6124c78e>` after every turn through `set eos_token = '...'`; a marker pattern misses it."""
+    hy_mt2 = classify(entry("tencent-Hy-MT2-30B-A3B").text)
+    assert hy_mt2.name == "generic" and hy_mt2.eos == "<eos:6124c78e>" and hy_mt2.end_tokens[0] == "<eos:6124c78e>"
+    assert ("<eos:6124c78e>", True) in token_plan(entry("tencent-Hy-MT2-30B-A3B").text, hy_mt2)
+    text = "{%- set eos_token = '<end:7a>' %}{% for m in messages %}<|turn|>{{ m.content + eos_token }}{% endfor %}"
+    assert classify(text).eos == "<end:7a>"
+    assert classify(text.replace("'<end:7a>'", "eos_token or '<end:7a>'")).eos == "</s>"  # only a plain literal
+
+
 def test_prompt_text_that_looks_like_markup_is_not_made_a_token() -> None:
     qwen = token_plan(entry("Qwen-Qwen3-0.6B@a55ee1").text, family("qwen3"))
     devstral = token_plan(entry("mistralai-Devstral-Small-2-24B-Instruct-2512").text, family("mistral"))

