@@ -10,6 +10,7 @@ import random
 import re
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -500,6 +501,31 @@ def gym(instances: dict[str, Any]) -> Iterator[Any]:
         config = load_config([path])
     with Gym(config) as running:
         yield running
+
+
+@contextlib.contextmanager
+def passthrough(upstream: str) -> Iterator[str]:
+    """bench/_passthrough.py in its own process in front of `upstream`: a hop that does nothing but forward."""
+    from nemo_gym_tok._net import free_port
+
+    port = free_port("127.0.0.1")
+    script = Path(__file__).with_name("_passthrough.py")
+    process = subprocess.Popen([sys.executable, str(script), upstream, str(port)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(f"{url}/v1/models", timeout=5)
+                break
+            except httpx.TransportError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise BenchError("the pass-through process did not start") from None
+                time.sleep(0.1)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
 
 
 def adapter_instance(base_url: str, **fields: Any) -> dict[str, Any]:

@@ -99,21 +99,24 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
     # Hook mode: the adapter in its own process vs its upstream body sent directly.
     with recorded_adapter(url, "hook") as (recorder, proxy):
         direct = {call.number: upstream_chat_body(recorder, proxy, call.chat("hook", max_tokens=1)) for call in calls}
-    with c.gym({"policy_model": c.adapter_instance(url, splice="hook")}) as running:
+    with c.gym({"policy_model": c.adapter_instance(url, splice="hook")}) as running, c.passthrough(url) as hop:
         adapter_url = running.urls["policy_model"]
         bodies = {call.number: {
             "adapter": (f"{adapter_url}/v1/chat/completions", orjson.dumps(call.chat("hook", max_tokens=1))),
             "direct": (f"{url}/v1/chat/completions", orjson.dumps(direct[call.number])),
+            "bare hop": (f"{hop}/v1/chat/completions", orjson.dumps(direct[call.number])),
         } for call in calls}
         c.note("P1: timing the adapter (splice: hook) vs direct vLLM ...")
         table, rows = timed_table(
-            "Adapter (splice: hook) in front of the hooked vLLM vs direct, same token capture, ms", ["direct"], calls,
-            bodies, args.repeats)
+            "Adapter (splice: hook) in front of the hooked vLLM vs direct, same token capture, ms",
+            ["direct", "bare hop"], calls, bodies, args.repeats)
     figure.tables.append(table)
     figure.data["hook"] = rows
     capture = sorted(k for k in direct[calls[0].number] if k not in ("model", "messages", "max_tokens"))
     figure.notes.append("Direct requests carry what the adapter sends vLLM: the messages with the bundle, max_tokens 1 "
-                        f"and {', '.join(capture)}.")
+                        f"and {', '.join(capture)}. Bare hop: the same direct requests through bench/_passthrough.py, "
+                        "a process that only forwards bytes (served and forwarding as the adapter is): what any hop "
+                        "costs here before doing any work; adapter/bare hop is the adapter's own share.")
     figure.notes.append(method)
     figure.seconds = time.monotonic() - started
     figures = [figure]

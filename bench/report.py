@@ -181,7 +181,9 @@ def headlines(figures: dict[str, c.Figure]) -> list[str]:
         for row in p1.data["hook"]:
             lines.append(f"| P1 | adapter (splice: hook) / direct vLLM at {row['ids']} history ids: p50 "
                          f"{c.fmt(c.ratio(row['adapter'][0], row['direct'][0]), 2)}, p95 "
-                         f"{c.fmt(c.ratio(row['adapter'][1], row['direct'][1]), 2)} (target at 7k: <= 1.05, <= 1.10) |")
+                         f"{c.fmt(c.ratio(row['adapter'][1], row['direct'][1]), 2)} (target at 7k: <= 1.05, <= 1.10); "
+                         f"a bare forwarding hop / direct: p50 {c.fmt(c.ratio(row['bare hop'][0], row['direct'][0]), 2)}"
+                         f", p95 {c.fmt(c.ratio(row['bare hop'][1], row['direct'][1]), 2)} |")
     if (p1a := figures.get("P1a")) and p1a.data.get("adapter"):
         last = p1a.data["adapter"][-1]
         lines.append(f"| P1a | adapter (splice: adapter, stock vLLM) at {last['ids']} history ids, p50: "

@@ -238,6 +238,52 @@ def test_a_remembered_prompt_proves_only_what_was_spliced(renderer, edit) -> Non
     assert remembering.render_memo.proven == proven_before
 
 
+class CountingRenderer(HFChatRenderer):
+    """Counts neutral renderings of assistant turns: placeholders for the model's text, everyone else's text real
+    (the placement rendering has placeholders for every text, the server's own rendering none)."""
+
+    neutral_renders = 0
+
+    def render(self, messages, **kwargs):
+        contents = [str(m.get("content")) for m in messages]
+        if any("ngtbody" in c for c in contents) and not any("ngtmsg" in c for c in contents):
+            self.neutral_renders += 1
+        return super().render(messages, **kwargs)
+
+
+# Llama 3's way of writing a message: its text trimmed. A text with spaces around it is not written as it is.
+TRIMMING_TEMPLATE = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", [None, TRIMMING_TEMPLATE], ids=["tiny", "trimming"])
+@pytest.mark.parametrize("answer", ["In France.", "  In France, with spaces around.  "], ids=["plain", "spaced"])
+def test_a_rendering_with_every_text_in_place_proves_the_tail_at_once(template, answer) -> None:
+    """Where the server's rendering is the placement rendering with each message's own text in place, the splice is
+    proven at the splice (no neutral rendering, nothing left to verify); where it is not (a template that trims a
+    text with spaces around it), the neutral rendering still decides. Both give the full check's prompt."""
+    from nemo_gym_tok.splice import RenderMemo, splice_prompt
+
+    tokenizer = build_tokenizer()
+    plain = HFChatRenderer(tokenizer, chat_template=template, extra_end_token_ids=[ENDOFTEXT_ID])
+    counting = CountingRenderer(tokenizer, chat_template=template, extra_end_token_ids=[ENDOFTEXT_ID])
+    counting.render_memo, counting.render_scope = RenderMemo(), "tiny"
+    profile = detect_profile(plain)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is Paris?"}]
+    prompt = plain.encode(plain.render(messages, add_generation_prompt=True))
+    messages = next_turn(messages, prompt, answer, plain.encode(answer) + [IM_END_ID], "And Rome?")
+    source, text = find_prefix_source(messages), plain.render(messages, add_generation_prompt=True)
+    expected = splice_prefix(plain, profile, messages, source, template_text=text)
+    spliced = splice_prompt(counting, profile, messages, source, template_text=text, defer_verify=True)
+    in_place = template is None or answer == answer.strip()
+    assert counting.neutral_renders == 0  # in place: none at all; otherwise left to verify, while the engine works
+    assert spliced.result() == expected
+    assert counting.neutral_renders == (0 if in_place else 1)
+    assert expected.prompt_token_ids[: expected.kept_prefix_length] == source.prefix[: expected.kept_prefix_length]
+
+
 # A template whose text after a turn depends on a later message's text: a user message that says "urgent" gets a
 # system block before it. The placement rendering (every text a placeholder) has no such block, and its tail, with
 # the texts put back, still ends the server's own rendering: only the neutral rendering shows the block.

@@ -50,6 +50,7 @@ class RenderMemo:
         self._entries: OrderedDict[bytes, str] = OrderedDict()
         self._prompts: OrderedDict[bytes, tuple[bytes, ProvenPrompt]] = OrderedDict()
         self._distrusted: OrderedDict[bytes, None] = OrderedDict()
+        self._located: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -74,6 +75,19 @@ class RenderMemo:
         with self._lock:
             _put(self._entries, key, text, self._max_entries)
         return text
+
+    def located(self, key: tuple[Any, ...], locate: Callable[[], Any]) -> Any:
+        """What `locate()` found in a memoized rendering, by `key` (which holds that rendering's text: the memo
+        hands out one string object per rendering, whose hash Python keeps, so the lookup does not read the text)."""
+        with self._lock:
+            found = self._located.get(key)
+            if found is not None:
+                self._located.move_to_end(key)
+                return found
+        found = locate()
+        with self._lock:
+            _put(self._located, key, found, self._max_entries)
+        return found
 
     def remember_prompt(
         self, scope: str, messages: Sequence[Any], prompt_ids: Sequence[int], closing_text: str, checked_by_text: bool

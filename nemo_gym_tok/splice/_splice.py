@@ -21,6 +21,7 @@ new turn are left to SplicedPrompt, for a server to run while the engine generat
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -165,7 +166,8 @@ def splice_prompt(
 ) -> SplicedPrompt:
     """splice_prefix() with the measurement of the new turn left for later (SplicedPrompt.result()).
 
-    With `defer_verify`, a next turn's tail read from the placement rendering is verified later too (SplicedPrompt
+    With `defer_verify`, a next turn's tail read from the placement rendering, where the server's rendering did not
+    prove it at once, is verified later too (SplicedPrompt
     .verify: a server runs it while the engine generates, and a failure refuses the answer; the renderer's memo then
     sends the same request down the full path, should it come again). Without it, a failed verification falls back to
     the full path at once, as any other reason the fast path cannot decide."""
@@ -232,8 +234,9 @@ def _splice_by_placement(
     text after the turn's closing, each placeholder replaced by its message's text, must end the server's own
     rendering. That holds where the template writes those messages' text as it is; anything else (a template that
     trims or escapes it, text holding special tokens or placeholders, a silent turn) raises, and the full path
-    decides. What it leaves to `verify` (a server runs it while the engine generates): that the template's rendering
-    of the neutral messages has exactly this tail, as the full path's proof requires.
+    decides. Where the server's rendering is the whole placement rendering with every text in place, the proof is
+    complete; otherwise it leaves to `verify` (a server runs it while the engine generates): that the template's
+    rendering of the neutral messages has exactly this tail, as the full path's proof requires.
     """
     a, prefix = source.message_index, source.prefix
     turns = [*earlier, a]
@@ -251,6 +254,17 @@ def _splice_by_placement(
     spliced = prefix[:kept] + tail
     _check_truncation(truncate_prompt_tokens, spliced)
     generation = prefix[generation_start:kept]
+    filled = _filled_layout(marked_text, marked_bodies, messages)
+    if filled is not None and filled.text == template_text:
+        # The server's rendering is the placement rendering with every message's own text in place of its
+        # placeholder: it cuts into the same bodies, so the tail follows the last body there. Proven now, nothing
+        # is left to verify.
+        if remember:
+            _remember_prompt(renderer, neutral, spliced, tail_text, checked_by_text)
+        return SplicedPrompt(
+            spliced, kept, end_replaced, checked_by_text, verify=lambda: None,
+            measure_turn=lambda: _new_turn_repair(renderer, filled, tail_text, template_text, prompt_end, generation, a),
+        )
     full: list[Layout] = []
 
     def verify() -> None:
@@ -290,6 +304,38 @@ def _with_message_texts(text: str, messages: Sequence[Any], added_tokens: Mappin
     if any(added.search(content) for content in texts.values()):
         return None
     return MESSAGE_PLACEHOLDER.sub(lambda match: texts[int(match.group(1))], text)
+
+
+_ANY_PLACEHOLDER = re.compile(r"ngt(msg|body|think|arg)(\d+)q")
+
+
+def _filled_layout(text: str, bodies: Sequence[Body], messages: Sequence[Any]) -> Layout | None:
+    """The placement rendering with each message's text in place of its placeholder, cut into the same bodies; None
+    where a placeholder stands for something other than a message's plain text (reasoning, tool-call arguments: the
+    template's rendering of those is not the text itself). Where this is the server's own rendering, character for
+    character, the template wrote every text as it is, and the bodies lie where the placement rendering has them."""
+
+    def text_of(match: re.Match[str]) -> str:
+        kind, index = match.group(1), int(match.group(2))
+        content = _get(messages[index], "content") if index < len(messages) and kind in ("msg", "body") else None
+        if not isinstance(content, str):
+            raise LookupError
+        return content
+
+    cuts = [0, *(offset for body in bodies for offset in (body.start, body.end)), len(text)]
+    pieces: list[str] = []
+    try:
+        for start, end in zip(cuts, cuts[1:]):
+            pieces.append(_ANY_PLACEHOLDER.sub(text_of, text[start:end]))
+    except LookupError:
+        return None
+    offsets = [0]
+    for piece in pieces:
+        offsets.append(offsets[-1] + len(piece))
+    filled = tuple(
+        Body(body.message_index, offsets[1 + 2 * number], offsets[2 + 2 * number]) for number, body in enumerate(bodies)
+    )
+    return Layout("".join(pieces), filled)
 
 
 def _check_truncation(truncate_prompt_tokens: int | None, spliced: list[int]) -> None:
@@ -489,7 +535,14 @@ def _check_message_placement(
     marked = neutralize(neutral, -1, others=True)
     text = _render(renderer, marked, add_generation_prompt=add_generation_prompt,
                    continue_final_message=continue_final_message, what="the messages")
-    bodies = find(text, turns, a if continue_final_message else None)
+    open_ended = a if continue_final_message else None
+    memo: RenderMemo | None = getattr(renderer, "render_memo", None)
+    if memo is None:
+        bodies = find(text, turns, open_ended)
+    else:  # requests of one shape share the rendering, and so where its bodies lie (headers depend on the roles)
+        roles = tuple(_get(message, "role") for message in neutral)
+        key = (renderer.render_scope, text, roles, tuple(turns), open_ended)
+        bodies = memo.located(key, lambda: find(text, turns, open_ended))
     for later in MESSAGE_PLACEHOLDER.finditer(text, 0, bodies[-1].end):
         if int(later.group(1)) > a:
             raise UnsupportedTemplateError(

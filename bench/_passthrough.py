@@ -1,0 +1,39 @@
+"""A bare forwarding process, P1's floor: each request's bytes to vLLM and the answer's bytes back, nothing else.
+
+    python bench/_passthrough.py UPSTREAM_URL PORT
+
+Served as the adapter is (uvicorn, its own process) and forwarding as the adapter does (one aiohttp session, a
+keep-alive connection), it costs what any hop between a client and vLLM costs on this machine before the hop does
+any work of its own: P1 reports it next to the adapter, so the adapter's own share is visible.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import aiohttp
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+
+def app(upstream: str) -> Starlette:
+    session: aiohttp.ClientSession | None = None
+
+    async def forward(request: Request) -> Response:
+        nonlocal session
+        if session is None:
+            session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
+        body = await request.body()
+        headers = {"content-type": request.headers.get("content-type", "application/json")}
+        async with session.request(request.method, upstream + request.url.path, data=body, headers=headers) as answer:
+            content = await answer.read()
+            return Response(content, status_code=answer.status, media_type=answer.headers.get("content-type"))
+
+    return Starlette(routes=[Route("/{path:path}", forward, methods=["GET", "POST"])])
+
+
+if __name__ == "__main__":
+    uvicorn.run(app(sys.argv[1].rstrip("/")), host="127.0.0.1", port=int(sys.argv[2]), log_level="warning")
