@@ -249,14 +249,15 @@ def _closer(
 def _header(samples: list[tuple[str, bool, str | None]]) -> Header:
     """One header from the probes': what they all start with (templates that add a reasoning block to some turns
     only still share the role header). Where message text precedes it, each sample starts after the last message
-    text, and where even that differs, the header is what they all end with."""
+    text, and the header is the longer of what they all start with and what they all end with."""
     trailing = any(has_text for _, has_text, _ in samples)
     texts = [text for text, _, _ in samples]
     anchors = frozenset(anchor for _, _, anchor in samples if anchor is not None)
     if trailing:
-        # A reasoning block opened in some turns only (ERNIE: "\nAssistant: <think>") extends those samples: the role
-        # header is what they all start with; where even that differs, what they all end with.
-        return Header(_common_prefix(texts) or _common_suffix(texts), follows_special=False, anchors=anchors)
+        # A reasoning block opened in some turns only (ERNIE: "\nAssistant: <think>") extends those samples at the
+        # end; samples that differ at the start instead share their end: the header is the longer shared part.
+        header = max(_common_prefix(texts), _common_suffix(texts), key=len)
+        return Header(header, follows_special=False, anchors=anchors)
     return Header(_common_prefix(texts), anchors=anchors)
 
 
