@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import aiohttp
 import httpx
 
 from nemo_gym_tok.servers.fast_json import JSON_MEDIA_TYPE, dumps
-from nemo_gym_tok.servers.http_pool import call_timeout, pool_limits
+from nemo_gym_tok.servers.http_pool import aiohttp_session, call_timeout, pool_limits
 
 
 SESSION_HEADER = "x-session-id"
@@ -47,10 +49,10 @@ class ServerClient:
         self._servers = dict(servers or {})
         self._head_url = head_url.rstrip("/") if head_url else None
         self.auth_token = auth_token or None
-        self._http = httpx.AsyncClient(
-            timeout=call_timeout() if timeout is None else timeout, limits=limits or pool_limits(),
-            headers=auth_headers(self.auth_token),
-        )
+        self._timeout = httpx.Timeout(call_timeout() if timeout is None else timeout)
+        self._limits = limits or pool_limits()
+        self._http = httpx.AsyncClient(timeout=self._timeout, limits=self._limits, headers=auth_headers(self.auth_token))
+        self._posts: aiohttp.ClientSession | None = None
 
     async def base_url(self, name: str) -> str:
         if name not in self._servers and self._head_url:
@@ -65,13 +67,40 @@ class ServerClient:
 
     async def post(self, name: str, path: str, json: Any = None, **kwargs: Any) -> httpx.Response:
         """POST `json` to `path` on the server called `name`. The body is written by orjson (fast_json): histories
-        carry thousands of token ids, which the stdlib encoder httpx uses takes a millisecond and more to write."""
+        carry thousands of token ids, which the stdlib encoder httpx uses takes a millisecond and more to write.
+
+        A JSON body with at most `headers` besides goes over aiohttp (see `_post_json`); anything else over httpx.
+        Either way the answer is an httpx.Response and a failed connection an httpx.TransportError."""
         url = f"{await self.base_url(name)}/{path.lstrip('/')}"
         if json is None or "content" in kwargs:
             return await self._http.post(url, json=json, **kwargs)
         headers = httpx.Headers(kwargs.pop("headers", None))
         headers.setdefault("content-type", JSON_MEDIA_TYPE)
-        return await self._http.post(url, content=dumps(json), headers=headers, **kwargs)
+        if kwargs:
+            return await self._http.post(url, content=dumps(json), headers=headers, **kwargs)
+        return await self._post_json(url, dumps(json), headers)
+
+    async def _post_json(self, url: str, content: bytes, headers: httpx.Headers) -> httpx.Response:
+        """The POST an agent makes on every model call and environment step, over aiohttp: with dozens of calls in
+        flight, httpx's connection pool (httpcore) spends most of an agent's CPU choosing a connection for each
+        request (bench/p4_collect.py, profiled); aiohttp's pool does not. Same limits, timeouts and auth."""
+        if self._posts is None:  # made on first use: an aiohttp session belongs to the running loop
+            # httpx's read timeout is the longest wait for the next bytes, as aiohttp's sock_read is.
+            timeout = aiohttp.ClientTimeout(sock_connect=self._timeout.connect, sock_read=self._timeout.read)
+            self._posts = aiohttp_session(self._limits, timeout, auth_headers(self.auth_token))
+        request = httpx.Request("POST", url)
+        try:
+            async with self._posts.post(url, data=content, headers=dict(headers)) as answer:
+                body = await answer.read()
+                return httpx.Response(answer.status, content=body, headers=list(answer.raw_headers), request=request)
+        except aiohttp.ClientConnectorError as exc:
+            raise httpx.ConnectError(str(exc), request=request) from exc
+        except aiohttp.ConnectionTimeoutError as exc:
+            raise httpx.ConnectTimeout(str(exc) or "connect timed out", request=request) from exc
+        except (aiohttp.ServerTimeoutError, asyncio.TimeoutError) as exc:
+            raise httpx.ReadTimeout(str(exc) or "timed out", request=request) from exc
+        except aiohttp.ClientError as exc:
+            raise httpx.ReadError(f"{type(exc).__name__}: {exc}", request=request) from exc
 
     async def get(self, name: str, path: str, **kwargs: Any) -> httpx.Response:
         url = f"{await self.base_url(name)}/{path.lstrip('/')}"
@@ -79,3 +108,5 @@ class ServerClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+        if self._posts is not None:
+            await self._posts.close()

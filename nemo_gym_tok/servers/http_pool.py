@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import httpx
 
 DEFAULT_MAX_CONNECTIONS = 512
@@ -38,3 +41,18 @@ def call_timeout(
     """httpx timeouts of a gym client: `connect_seconds` to open a connection, `request_seconds` for the rest (each
     read and write, and the wait for a free connection from the pool)."""
     return httpx.Timeout(request_seconds, connect=min(connect_seconds, request_seconds))
+
+
+def aiohttp_session(limits: httpx.Limits, timeout: Any, headers: Mapping[str, str]) -> Any:
+    """An aiohttp.ClientSession with a gym client's pool (`limits`: size and idle expiry) and `timeout` (an
+    aiohttp.ClientTimeout). It reads no proxy or netrc settings from the environment (reading netrc costs a thread
+    hop per request) and keeps no cookies: gym clients talk to their own servers. Make it on the running loop."""
+    import aiohttp  # lazy: `ngt collect` imports the client module without needing it
+
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(
+            limit=limits.max_connections or 0,
+            keepalive_timeout=limits.keepalive_expiry or DEFAULT_KEEPALIVE_EXPIRY_SECONDS,
+        ),
+        timeout=timeout, headers=dict(headers), cookie_jar=aiohttp.DummyCookieJar(),
+    )

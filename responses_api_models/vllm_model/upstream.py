@@ -19,7 +19,7 @@ from tenacity import AsyncRetrying, RetryError, retry_if_exception, stop_after_a
 from nemo_gym_tok.http_errors import error_message
 from nemo_gym_tok.servers.errors import ApiError
 from nemo_gym_tok.servers.fast_json import JSON_HEADERS, dumps, loads
-from nemo_gym_tok.servers.http_pool import DEFAULT_KEEPALIVE_EXPIRY_SECONDS, call_timeout, pool_limits
+from nemo_gym_tok.servers.http_pool import aiohttp_session, call_timeout, pool_limits
 
 _CONTEXT_OVERFLOW = re.compile(r"maximum context length|longer than the maximum model length", re.IGNORECASE)
 
@@ -147,16 +147,8 @@ class VLLMUpstream:
     async def _post(self, url: str, content: bytes) -> httpx.Response:
         """POST a JSON body over aiohttp and read the answer whole (see the module docstring)."""
         if self._posts is None:  # made on first use: an aiohttp session belongs to the running loop
-            self._posts = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(
-                    limit=self._limits.max_connections or 0,
-                    keepalive_timeout=self._limits.keepalive_expiry or DEFAULT_KEEPALIVE_EXPIRY_SECONDS,
-                ),
-                timeout=aiohttp.ClientTimeout(total=self._timeout.read, connect=self._timeout.connect),
-                # No proxy or netrc from the environment (reading netrc costs a thread hop per request) and no
-                # cookies: the adapter talks to its own vLLM servers.
-                headers=self._headers, cookie_jar=aiohttp.DummyCookieJar(),
-            )
+            timeout = aiohttp.ClientTimeout(total=self._timeout.read, connect=self._timeout.connect)
+            self._posts = aiohttp_session(self._limits, timeout, self._headers)
         async with self._posts.post(url, data=content, headers=JSON_HEADERS) as answer:
             body = await answer.read()
             return httpx.Response(
