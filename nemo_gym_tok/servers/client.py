@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import httpx
 
 from nemo_gym_tok.servers.fast_json import JSON_MEDIA_TYPE, dumps
-from nemo_gym_tok.servers.http_pool import aiohttp_session, call_timeout, pool_limits
+from nemo_gym_tok.servers.http_pool import aiohttp_session, call_timeout, pool_limits, post_read_whole
+
+if TYPE_CHECKING:
+    import aiohttp
 
 
 SESSION_HEADER = "x-session-id"
@@ -84,15 +86,15 @@ class ServerClient:
         """The POST an agent makes on every model call and environment step, over aiohttp: with dozens of calls in
         flight, httpx's connection pool (httpcore) spends most of an agent's CPU choosing a connection for each
         request (bench/p4_collect.py, profiled); aiohttp's pool does not. Same limits, timeouts and auth."""
+        import aiohttp  # lazy: this module is the light client `ngt collect` imports for its names
+
         if self._posts is None:  # made on first use: an aiohttp session belongs to the running loop
             # httpx's read timeout is the longest wait for the next bytes, as aiohttp's sock_read is.
             timeout = aiohttp.ClientTimeout(sock_connect=self._timeout.connect, sock_read=self._timeout.read)
             self._posts = aiohttp_session(self._limits, timeout, auth_headers(self.auth_token))
         request = httpx.Request("POST", url)
         try:
-            async with self._posts.post(url, data=content, headers=dict(headers)) as answer:
-                body = await answer.read()
-                return httpx.Response(answer.status, content=body, headers=list(answer.raw_headers), request=request)
+            return await post_read_whole(self._posts, url, content, dict(headers))
         except aiohttp.ClientConnectorError as exc:
             raise httpx.ConnectError(str(exc), request=request) from exc
         except aiohttp.ConnectionTimeoutError as exc:

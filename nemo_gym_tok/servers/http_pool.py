@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 import httpx
+
+if TYPE_CHECKING:
+    import aiohttp
 
 DEFAULT_MAX_CONNECTIONS = 512
 """Connections one client holds open at most, in the collector, in every server's client and in the adapter's client
@@ -43,11 +46,13 @@ def call_timeout(
     return httpx.Timeout(request_seconds, connect=min(connect_seconds, request_seconds))
 
 
-def aiohttp_session(limits: httpx.Limits, timeout: Any, headers: Mapping[str, str]) -> Any:
-    """An aiohttp.ClientSession with a gym client's pool (`limits`: size and idle expiry) and `timeout` (an
-    aiohttp.ClientTimeout). It reads no proxy or netrc settings from the environment (reading netrc costs a thread
-    hop per request) and keeps no cookies: gym clients talk to their own servers. Make it on the running loop."""
-    import aiohttp  # lazy: `ngt collect` imports the client module without needing it
+def aiohttp_session(
+    limits: httpx.Limits, timeout: aiohttp.ClientTimeout, headers: Mapping[str, str]
+) -> aiohttp.ClientSession:
+    """An aiohttp.ClientSession with a gym client's pool (`limits`: size and idle expiry) and `timeout`. It reads no
+    proxy or netrc settings from the environment (reading netrc costs a thread hop per request) and keeps no cookies:
+    gym clients talk to their own servers. Make it on the running loop."""
+    import aiohttp  # lazy: `ngt collect` imports the light client module, which never makes one
 
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(
@@ -56,3 +61,15 @@ def aiohttp_session(limits: httpx.Limits, timeout: Any, headers: Mapping[str, st
         ),
         timeout=timeout, headers=dict(headers), cookie_jar=aiohttp.DummyCookieJar(),
     )
+
+
+async def post_read_whole(
+    session: aiohttp.ClientSession, url: str, content: bytes, headers: Mapping[str, str]
+) -> httpx.Response:
+    """POST `content` over `session` and read the answer whole, as an httpx.Response: callers downstream do not know
+    which client read it. aiohttp's exceptions pass through."""
+    async with session.post(url, data=content, headers=headers) as answer:
+        body = await answer.read()
+        return httpx.Response(
+            answer.status, content=body, headers=list(answer.raw_headers), request=httpx.Request("POST", url)
+        )

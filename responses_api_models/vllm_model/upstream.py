@@ -19,7 +19,7 @@ from tenacity import AsyncRetrying, RetryError, retry_if_exception, stop_after_a
 from nemo_gym_tok.http_errors import error_message
 from nemo_gym_tok.servers.errors import ApiError
 from nemo_gym_tok.servers.fast_json import JSON_HEADERS, dumps, loads
-from nemo_gym_tok.servers.http_pool import aiohttp_session, call_timeout, pool_limits
+from nemo_gym_tok.servers.http_pool import aiohttp_session, call_timeout, pool_limits, post_read_whole
 
 _CONTEXT_OVERFLOW = re.compile(r"maximum context length|longer than the maximum model length", re.IGNORECASE)
 
@@ -149,12 +149,7 @@ class VLLMUpstream:
         if self._posts is None:  # made on first use: an aiohttp session belongs to the running loop
             timeout = aiohttp.ClientTimeout(total=self._timeout.read, connect=self._timeout.connect)
             self._posts = aiohttp_session(self._limits, timeout, self._headers)
-        async with self._posts.post(url, data=content, headers=JSON_HEADERS) as answer:
-            body = await answer.read()
-            return httpx.Response(
-                answer.status, content=body, headers=list(answer.raw_headers),
-                request=httpx.Request("POST", url),
-            )
+        return await post_read_whole(self._posts, url, content, JSON_HEADERS)
 
     async def _status_error(self, base_url: str, url: str, response: httpx.Response) -> ApiError:
         """A 5xx that is not retried: the request's own error (502 with vLLM's reason; the URL stays in routing)
