@@ -254,17 +254,6 @@ def _splice_by_placement(
     spliced = prefix[:kept] + tail
     _check_truncation(truncate_prompt_tokens, spliced)
     generation = prefix[generation_start:kept]
-    filled = _filled_layout(marked_text, marked_bodies, messages)
-    if filled is not None and filled.text == template_text:
-        # The server's rendering is the placement rendering with every message's own text in place of its
-        # placeholder: it cuts into the same bodies, so the tail follows the last body there. Proven now, nothing
-        # is left to verify.
-        if remember:
-            _remember_prompt(renderer, neutral, spliced, tail_text, checked_by_text)
-        return SplicedPrompt(
-            spliced, kept, end_replaced, checked_by_text, verify=lambda: None,
-            measure_turn=lambda: _new_turn_repair(renderer, filled, tail_text, template_text, prompt_end, generation, a),
-        )
     full: list[Layout] = []
 
     def verify() -> None:
@@ -282,8 +271,17 @@ def _splice_by_placement(
         if remember:
             _remember_prompt(renderer, neutral, spliced, tail_text, checked_by_text)
 
+    filled = _filled_layout(marked_text, marked_bodies, messages)
+    proven = filled is not None and filled.text == template_text
+    if proven:
+        # The server's rendering is the placement rendering with every message's own text in place of its
+        # placeholder: it cuts into the same bodies, so the tail follows the last body there. Proven now, nothing
+        # is left to verify.
+        full.append(filled)
+        if remember:
+            _remember_prompt(renderer, neutral, spliced, tail_text, checked_by_text)
     return SplicedPrompt(
-        spliced, kept, end_replaced, checked_by_text, verify=verify,
+        spliced, kept, end_replaced, checked_by_text, verify=(lambda: None) if proven else verify,
         measure_turn=lambda: _new_turn_repair(renderer, full[0], tail_text, template_text, prompt_end, generation, a),
     )
 
