@@ -482,7 +482,41 @@ def machine_facts(url: str | None = None) -> dict[str, str]:
         "cpu": f"{os.cpu_count()} cores ({cpu})", "memory": memory, "python": platform.python_version(),
         "vllm": server_version(url) if url else "unknown", "date": date.today().isoformat(),
         "load": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+        "placement": cpu_placement(url) if url else "unknown",
     }
+
+
+def cpu_placement(url: str, window: float = 0.5) -> str:
+    """Where vLLM's worker process runs and how busy it stays right after a request, measured: on the CPU build it is
+    pinned to its own CPUs and busy-waits on its shared-memory queue for a while after every step, so everything
+    else (vLLM's API server and engine core, the bench client, the adapter) shares what is left. Every CPU
+    millisecond spent in the API server or the adapter is then paid for in latency, which sets what any hop costs."""
+    workers = [pid for pid in _pids() if _comm(pid) == "VLLM::Worker"]
+    if len(workers) != 1:
+        return f"not measured ({len(workers)} vLLM worker processes on the machine)"
+    worker = workers[0]
+    pinned = sorted(os.sched_getaffinity(worker))
+    others = sorted(set(range(os.cpu_count() or 1)) - set(pinned))
+    body = orjson.dumps({"model": MODEL, "messages": [user_message(0)], "max_tokens": 1})
+    with httpx.Client(timeout=120) as http:
+        http.post(f"{url}/v1/chat/completions", content=body, headers=JSON_HEADERS)
+    before, started = process_cpu_seconds(worker), time.monotonic()
+    time.sleep(window)
+    busy = (process_cpu_seconds(worker) - before) / (time.monotonic() - started)
+    return (f"vLLM's worker process is pinned to CPU {','.join(map(str, pinned))} and kept {busy:.2f} cores busy in the "
+            f"{window} s after a 1-token request; its API server, its engine core, the bench client and the adapter "
+            f"share CPU {','.join(map(str, others)) or 'none'}")
+
+
+def _pids() -> list[int]:
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 @contextlib.contextmanager

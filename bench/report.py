@@ -144,6 +144,7 @@ def document(figures: dict[str, c.Figure], facts: dict[str, str], total: float, 
         f"| date | {facts['date']} |",
         f"| machine | {facts['cpu']}, {facts['memory']} RAM, shared (load average {facts['load']} at the start) |",
         f"| vLLM | {facts['vllm']} (CPU build), Python {facts['python']} |",
+        f"| CPU placement | {facts['placement']} (measured at the start) |",
         "| model | the embedded tiny random Qwen3 (2 layers, hidden 128) built with `max_position_embeddings` 32768 "
         "(`build_tiny_model(max_position_embeddings=32768)`, its own cache entry; the test build keeps 8192) |",
         "| server | `ngt vllm-serve` (hook on) with `" + " ".join(c.BENCH_ARGS) + "`; a stock vLLM (hook off) with the "
