@@ -36,7 +36,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stock-url", help="a stock vLLM serving it (else one is started for the adapter-splice figure)")
     p.add_argument("--no-adapter-splice", action="store_true", help="skip the splice: adapter figure (no stock server)")
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 7168, 32768], help="history sizes (ids)")
-    p.add_argument("--repeats", type=int, default=20, help="timed repeats per variant and size (default 20)")
+    p.add_argument("--repeats", type=int, default=40, help="timed repeats per variant and size (default 40)")
     return p
 
 
