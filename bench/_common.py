@@ -495,14 +495,17 @@ def cpu_placement(url: str, window: float = 0.5) -> str:
     if len(workers) != 1:
         return f"not measured ({len(workers)} vLLM worker processes on the machine)"
     worker = workers[0]
-    pinned = sorted(os.sched_getaffinity(worker))
-    others = sorted(set(range(os.cpu_count() or 1)) - set(pinned))
     body = orjson.dumps({"model": MODEL, "messages": [user_message(0)], "max_tokens": 1})
-    with httpx.Client(timeout=120) as http:
-        http.post(f"{url}/v1/chat/completions", content=body, headers=JSON_HEADERS)
-    before, started = process_cpu_seconds(worker), time.monotonic()
-    time.sleep(window)
-    busy = (process_cpu_seconds(worker) - before) / (time.monotonic() - started)
+    try:
+        pinned = sorted(os.sched_getaffinity(worker))
+        with httpx.Client(timeout=120) as http:
+            http.post(f"{url}/v1/chat/completions", content=body, headers=JSON_HEADERS).raise_for_status()
+        before, started = process_cpu_seconds(worker), time.monotonic()
+        time.sleep(window)
+        busy = (process_cpu_seconds(worker) - before) / (time.monotonic() - started)
+    except (OSError, httpx.HTTPError) as exc:
+        return f"not measured ({type(exc).__name__}: {exc})"
+    others = sorted(set(range(os.cpu_count() or 1)) - set(pinned))
     return (f"vLLM's worker process is pinned to CPU {','.join(map(str, pinned))} and kept {busy:.2f} cores busy in the "
             f"{window} s after a 1-token request; its API server, its engine core, the bench client and the adapter "
             f"share CPU {','.join(map(str, others)) or 'none'}")
