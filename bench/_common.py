@@ -506,9 +506,9 @@ def cpu_placement(url: str, window: float = 0.5) -> str:
     except (OSError, httpx.HTTPError) as exc:
         return f"not measured ({type(exc).__name__}: {exc})"
     others = sorted(set(range(os.cpu_count() or 1)) - set(pinned))
-    return (f"vLLM's worker process is pinned to CPU {','.join(map(str, pinned))} and kept {busy:.2f} cores busy in the "
-            f"{window} s after a 1-token request; its API server, its engine core, the bench client and the adapter "
-            f"share CPU {','.join(map(str, others)) or 'none'}")
+    return (f"vLLM's worker process is pinned to CPU {','.join(map(str, pinned))} and kept {busy:.2f} cores busy in "
+            f"the {window} s after a 1-token request; its API server, its engine core, the bench client and the "
+            f"adapter share CPU {','.join(map(str, others)) or 'none'}")
 
 
 def _pids() -> list[int]:

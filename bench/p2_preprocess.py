@@ -53,7 +53,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 7168, 16384, 32768],
                    help="history sizes (ids) of the size table: the episode's calls nearest to them")
     p.add_argument("--calls", type=int, default=128, help="model calls in the episode (default 128)")
-    p.add_argument("--repeats", type=int, default=40, help="timed repeats per variant at the size-table calls (default 40)")
+    p.add_argument("--repeats", type=int, default=40,
+                   help="timed repeats per variant at the size-table calls (default 40)")
     p.add_argument("--episode-repeats", type=int, default=3, help="timed repeats per variant at the other calls")
     p.add_argument("--episode-step", type=int, default=1, help="measure every Nth call of the episode (default 1)")
     return p
