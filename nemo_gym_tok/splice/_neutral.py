@@ -28,6 +28,9 @@ _TOKEN_FIELDS = frozenset((*BUNDLE_FIELDS, *TELEMETRY_FIELDS))
 MESSAGE_PLACEHOLDER = re.compile(r"ngtmsg(\d+)q")
 """Placeholder text of a non-assistant message, in the rendering that checks no turn holds another message."""
 
+ANY_PLACEHOLDER = re.compile(r"ngt(msg|body|think|arg)(\d+)q")
+"""Either kind above, with what it stands for (group 1) and its message's index (group 2)."""
+
 
 def neutralize(
     messages: Sequence[Any], up_to: int, force_content: frozenset[int] = frozenset(), *, others: bool = False,

@@ -36,7 +36,13 @@ from nemo_gym_tok.splice._errors import (
 from nemo_gym_tok.splice._fixed_text import FixedTextMatcher, added_token_pattern
 from nemo_gym_tok.splice._ids import PREFIX_KEY, PrefixSource, _get
 from nemo_gym_tok.splice._memo import ProvenPrompt, RenderMemo
-from nemo_gym_tok.splice._neutral import MESSAGE_PLACEHOLDER, PLACEHOLDER, neutralize, placeholder_spans
+from nemo_gym_tok.splice._neutral import (
+    ANY_PLACEHOLDER,
+    MESSAGE_PLACEHOLDER,
+    PLACEHOLDER,
+    neutralize,
+    placeholder_spans,
+)
 from nemo_gym_tok.splice._profile import TemplateProfile
 from nemo_gym_tok.splice._render import ChatRenderer, batch_decoder
 from nemo_gym_tok.splice._structure import (
@@ -256,6 +262,13 @@ def _splice_by_placement(
     generation = prefix[generation_start:kept]
     full: list[Layout] = []
 
+    def settle(layout: Layout) -> None:
+        """The proof is complete with `layout` (the template's rendering, cut into bodies): keep it for the
+        measurement of the new turn, and the prompt for the next turn."""
+        full.append(layout)
+        if remember:
+            _remember_prompt(renderer, neutral, spliced, tail_text, checked_by_text)
+
     def verify() -> None:
         text = _render(renderer, neutral, add_generation_prompt=True, what="the messages")
         layout = Layout(text, find(text, turns, None))
@@ -267,9 +280,7 @@ def _splice_by_placement(
                 "rendering of the messages differs from the shortcut's); send the request again: it then takes the "
                 "full check"
             )
-        full.append(layout)
-        if remember:
-            _remember_prompt(renderer, neutral, spliced, tail_text, checked_by_text)
+        settle(layout)
 
     filled = _filled_layout(marked_text, marked_bodies, messages)
     proven = filled is not None and filled.text == template_text
@@ -277,9 +288,7 @@ def _splice_by_placement(
         # The server's rendering is the placement rendering with every message's own text in place of its
         # placeholder: it cuts into the same bodies, so the tail follows the last body there. Proven now, nothing
         # is left to verify.
-        full.append(filled)
-        if remember:
-            _remember_prompt(renderer, neutral, spliced, tail_text, checked_by_text)
+        settle(filled)
     return SplicedPrompt(
         spliced, kept, end_replaced, checked_by_text, verify=(lambda: None) if proven else verify,
         measure_turn=lambda: _new_turn_repair(renderer, full[0], tail_text, template_text, prompt_end, generation, a),
@@ -304,9 +313,6 @@ def _with_message_texts(text: str, messages: Sequence[Any], added_tokens: Mappin
     return MESSAGE_PLACEHOLDER.sub(lambda match: texts[int(match.group(1))], text)
 
 
-_ANY_PLACEHOLDER = re.compile(r"ngt(msg|body|think|arg)(\d+)q")
-
-
 def _filled_layout(text: str, bodies: Sequence[Body], messages: Sequence[Any]) -> Layout | None:
     """The placement rendering with each message's text in place of its placeholder, cut into the same bodies; None
     where a placeholder stands for something other than a message's plain text (reasoning, tool-call arguments: the
@@ -324,7 +330,7 @@ def _filled_layout(text: str, bodies: Sequence[Body], messages: Sequence[Any]) -
     pieces: list[str] = []
     try:
         for start, end in zip(cuts, cuts[1:]):
-            pieces.append(_ANY_PLACEHOLDER.sub(text_of, text[start:end]))
+            pieces.append(ANY_PLACEHOLDER.sub(text_of, text[start:end]))
     except LookupError:
         return None
     offsets = [0]
