@@ -92,17 +92,16 @@ class ServerClient:
             # httpx's read timeout is the longest wait for the next bytes, as aiohttp's sock_read is.
             timeout = aiohttp.ClientTimeout(sock_connect=self._timeout.connect, sock_read=self._timeout.read)
             self._posts = aiohttp_session(self._limits, timeout, auth_headers(self.auth_token))
-        request = httpx.Request("POST", url)
         try:
             return await post_read_whole(self._posts, url, content, dict(headers))
         except aiohttp.ClientConnectorError as exc:
-            raise httpx.ConnectError(str(exc), request=request) from exc
+            raise httpx.ConnectError(str(exc), request=httpx.Request("POST", url)) from exc
         except aiohttp.ConnectionTimeoutError as exc:
-            raise httpx.ConnectTimeout(str(exc) or "connect timed out", request=request) from exc
+            raise httpx.ConnectTimeout(str(exc) or "connect timed out", request=httpx.Request("POST", url)) from exc
         except (aiohttp.ServerTimeoutError, asyncio.TimeoutError) as exc:
-            raise httpx.ReadTimeout(str(exc) or "timed out", request=request) from exc
+            raise httpx.ReadTimeout(str(exc) or "timed out", request=httpx.Request("POST", url)) from exc
         except aiohttp.ClientError as exc:
-            raise httpx.ReadError(f"{type(exc).__name__}: {exc}", request=request) from exc
+            raise httpx.ReadError(f"{type(exc).__name__}: {exc}", request=httpx.Request("POST", url)) from exc
 
     async def get(self, name: str, path: str, **kwargs: Any) -> httpx.Response:
         url = f"{await self.base_url(name)}/{path.lstrip('/')}"
