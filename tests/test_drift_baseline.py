@@ -6,6 +6,7 @@ import asyncio
 
 import httpx
 
+from nemo_gym_tok.servers.http_pool import pool_limits
 from nemo_gym_tok.vllm.server import VLLMServer
 
 CONVERSATIONS = 20
@@ -38,7 +39,7 @@ async def _turn_one_then_retokenize(http: httpx.AsyncClient, model: str, seed: i
 
 
 async def _drift_count(server: VLLMServer) -> int:
-    async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as http:
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=120, limits=pool_limits()) as http:
         drifted = await asyncio.gather(
             *(_turn_one_then_retokenize(http, server.served_model_name, seed) for seed in range(CONVERSATIONS))
         )

@@ -9,6 +9,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from nemo_gym_tok.servers.http_pool import pool_limits
 from nemo_gym_tok.vllm.server import VLLMServer
 from tests.conversations import Conversation, converse
 
@@ -17,7 +18,7 @@ SEEDS = range(20)
 
 def play(server: VLLMServer, seeds, **options) -> list[Conversation]:
     async def all_of_them() -> list[Conversation]:
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as http:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=300, limits=pool_limits()) as http:
             return await asyncio.gather(*(converse(http, server.served_model_name, s, **options) for s in seeds))
 
     return asyncio.run(all_of_them())

@@ -31,6 +31,7 @@ from nemo_gym_tok.rollout_record import (
 )
 from nemo_gym_tok.servers.base import ResourcesServer, ToolHandler
 from nemo_gym_tok.servers.client import SESSION_HEADER, ServerClient
+from nemo_gym_tok.servers.http_pool import pool_limits
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from nemo_gym_tok.training import rollout_to_training_sequence, rollout_to_training_sequences
 from nemo_gym_tok.types import ChatCompletionRequest
@@ -101,7 +102,7 @@ class Recorded:
 def recording_relay(target: str, recorded: Recorded) -> FastAPI:
     """Between the agent and the adapter: keeps each request's bytes as the agent sent them, forwards it whole."""
     app = FastAPI()
-    client = httpx.AsyncClient(base_url=target, timeout=120)
+    client = httpx.AsyncClient(base_url=target, timeout=120, limits=pool_limits())
 
     @app.post("/{path:path}")
     async def forward(path: str, request: Request) -> Response:

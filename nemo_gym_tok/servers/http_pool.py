@@ -17,8 +17,15 @@ default (100) did that below the concurrency a collection asks for. 512 is far a
 default (8) and `ngt demo`'s (4); a larger --concurrency needs `max_connections` raised to match on the agent and
 the adapter (the collector sizes its own pool to it)."""
 DEFAULT_KEEPALIVE_EXPIRY_SECONDS = 4.0
-"""An idle connection is dropped after this: under the 5 s an idle connection stays open on uvicorn (every gym server)
-and on vLLM (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so a client never sends on a connection that the server is closing."""
+"""An idle connection is dropped after this: under the 5 s an idle connection stays open on uvicorn and on vLLM by
+default (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so a gym client never sends on a connection that a server it did not start
+is closing."""
+SERVER_KEEPALIVE_SECONDS = 30
+"""How long a gym server, and a vLLM started by `ngt vllm-serve`, keeps an idle connection open: longer than common
+clients keep one (httpx and the OpenAI SDK 5 s, aiohttp 15 s, the gym's own clients 4 s). The client must be the side
+that drops an idle connection: when the server drops it just as the client sends on it, the server's kernel answers
+the unread request with a reset, and the client's call fails with a read error. At uvicorn's and vLLM's 5 s default,
+a busy test bed did that to an httpx client with httpx's 5 s."""
 DEFAULT_CONNECT_TIMEOUT_SECONDS = 10.0
 """Opening a connection takes milliseconds on a working network; a host that does not answer within this is down, and
 the call fails (and, in the adapter, is retried or fails over) in seconds rather than after the whole call's timeout."""

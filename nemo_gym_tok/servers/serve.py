@@ -12,6 +12,7 @@ import uvicorn
 
 from nemo_gym_tok.config import ConfigError, ServerInstance
 from nemo_gym_tok.servers.client import AUTH_TOKEN_ENV, ServerClient
+from nemo_gym_tok.servers.http_pool import SERVER_KEEPALIVE_SECONDS
 from nemo_gym_tok.servers.registry import ENTRYPOINT_KEY, resolve_entrypoint, validate_instance
 
 SPEC_ENV = "NGT_SERVER_SPEC"
@@ -53,11 +54,16 @@ def main() -> int:
     server = server_class(instance.name, config, client)
     listen_fd = spec.get("listen_fd")
     if listen_fd is None:
-        uvicorn.run(server.build_app(), host=config.host, port=config.port, log_level="warning")
+        uvicorn.run(
+            server.build_app(), host=config.host, port=config.port, log_level="warning",
+            timeout_keep_alive=SERVER_KEEPALIVE_SECONDS,
+        )
         return 0
     # The launcher's socket, already bound and listening: it outlives this process, so a restart keeps the port.
     listener = socket.socket(fileno=int(listen_fd))
-    uvicorn.Server(uvicorn.Config(server.build_app(), log_level="warning")).run(sockets=[listener])
+    uvicorn.Server(
+        uvicorn.Config(server.build_app(), log_level="warning", timeout_keep_alive=SERVER_KEEPALIVE_SECONDS)
+    ).run(sockets=[listener])
     return 0
 
 

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import httpx
 
+from nemo_gym_tok.servers.http_pool import pool_limits
 from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ARGS
 from tests.conversations import MOVE_TOOL, history_message
 
@@ -192,7 +193,7 @@ def play(
     """Play one conversation per seed, all at once (vLLM batches them)."""
 
     async def all_of_them() -> list[Conversation]:
-        async with httpx.AsyncClient(base_url=base_url, timeout=300) as http:
+        async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=pool_limits()) as http:
             return await asyncio.gather(*(
                 converse(http, model, case, seed, plan=TOOL_PLANS[seed % 2] if tools else PLAIN_PLAN, mode=mode,
                          closer_id=closer_id, end_ids=end_ids)

@@ -11,6 +11,7 @@ from collections import Counter
 import httpx
 import pytest
 
+from nemo_gym_tok.servers.http_pool import pool_limits
 from nemo_gym_tok.tiny_model.gpt_oss import CALL_ID, END_ID
 from nemo_gym_tok.vllm.server import VLLMServer
 from tests.gpt_oss.play import MODEL, Conversation, converse
@@ -21,7 +22,7 @@ TURNS = 4
 
 def _play(server: VLLMServer, seeds: range, **options) -> list[Conversation]:
     async def run() -> list[Conversation]:
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=120.0) as http:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120.0, limits=pool_limits()) as http:
             return [await converse(http, seed, turns=TURNS, **options) for seed in seeds]
 
     return asyncio.run(run())

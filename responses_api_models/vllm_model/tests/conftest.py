@@ -12,6 +12,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from nemo_gym_tok.servers.http_pool import pool_limits
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from nemo_gym_tok.vllm.server import VLLMServer
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
@@ -47,7 +48,7 @@ def recording_proxy_app(
 ) -> FastAPI:
     """as_stock_vllm: strip token fields from requests; drop_message_bundles: strip the hook's bundle from answers."""
     app = FastAPI()
-    client = httpx.AsyncClient(base_url=target, timeout=300)
+    client = httpx.AsyncClient(base_url=target, timeout=300, limits=pool_limits())
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(path: str, request: Request) -> Response:

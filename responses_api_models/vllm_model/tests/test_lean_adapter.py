@@ -89,7 +89,7 @@ async def most_held(
 
 def adapter_calls_held(adapter: str, upstream: HoldingUpstream, calls: int, cap: int | None = None) -> int:
     async def run() -> int:
-        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=calls + 10)) as http:
+        async with httpx.AsyncClient(timeout=120, limits=pool_limits(calls + 10)) as http:
             return await most_held(upstream, calls, lambda: http.post(
                 f"{adapter}/v1/chat/completions", json={"model": "m", "messages": [USER]}), cap)
 
