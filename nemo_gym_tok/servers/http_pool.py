@@ -24,8 +24,8 @@ SERVER_KEEPALIVE_SECONDS = 30
 """How long a gym server, and a vLLM started by `ngt vllm-serve`, keeps an idle connection open: longer than common
 clients keep one (httpx and the OpenAI SDK 5 s, aiohttp 15 s, the gym's own clients 4 s). The client must be the side
 that drops an idle connection: when the server drops it just as the client sends on it, the server's kernel answers
-the unread request with a reset, and the client's call fails with a read error. At uvicorn's and vLLM's 5 s default,
-a busy test bed did that to an httpx client with httpx's 5 s."""
+the unread request with a reset, and the client's call fails with a read error: the likely cause of one CI run's
+`httpx.ReadError` (vLLM at its 5 s, a test's httpx client at httpx's 5 s, 20 conversations at once)."""
 DEFAULT_CONNECT_TIMEOUT_SECONDS = 10.0
 """Opening a connection takes milliseconds on a working network; a host that does not answer within this is down, and
 the call fails (and, in the adapter, is retried or fails over) in seconds rather than after the whole call's timeout."""
