@@ -2,8 +2,8 @@
 
     python bench/_passthrough.py UPSTREAM_URL PORT
 
-Served as the adapter is (uvicorn, its own process) and forwarding as the adapter does (one aiohttp session, a
-keep-alive connection), it costs what any hop between a client and vLLM costs on this machine before the hop does
+Served as the adapter is (uvicorn, its own process, the gym servers' keep-alive) and forwarding as the adapter does
+(one aiohttp session with the adapter's pool: `http_pool.aiohttp_session`), it costs what any hop between a client and vLLM costs on this machine before the hop does
 any work of its own: P1 reports it next to the adapter, so the adapter's own share is visible.
 """
 
@@ -18,6 +18,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from nemo_gym_tok.servers.http_pool import SERVER_KEEPALIVE_SECONDS, aiohttp_session, pool_limits
+
 
 def app(upstream: str) -> Starlette:
     session: aiohttp.ClientSession | None = None
@@ -25,7 +27,7 @@ def app(upstream: str) -> Starlette:
     async def forward(request: Request) -> Response:
         nonlocal session
         if session is None:
-            session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
+            session = aiohttp_session(pool_limits(), aiohttp.ClientTimeout(total=600), {})
         body = await request.body()
         headers = {"content-type": request.headers.get("content-type", "application/json")}
         async with session.request(request.method, upstream + request.url.path, data=body, headers=headers) as answer:
@@ -36,4 +38,7 @@ def app(upstream: str) -> Starlette:
 
 
 if __name__ == "__main__":
-    uvicorn.run(app(sys.argv[1].rstrip("/")), host="127.0.0.1", port=int(sys.argv[2]), log_level="warning")
+    uvicorn.run(
+        app(sys.argv[1].rstrip("/")), host="127.0.0.1", port=int(sys.argv[2]), log_level="warning",
+        timeout_keep_alive=SERVER_KEEPALIVE_SECONDS,
+    )
