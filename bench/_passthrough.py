@@ -3,8 +3,9 @@
     python bench/_passthrough.py UPSTREAM_URL PORT
 
 Served as the adapter is (uvicorn, its own process, the gym servers' keep-alive) and forwarding as the adapter does
-(one aiohttp session with the adapter's pool: `http_pool.aiohttp_session`), it costs what any hop between a client and vLLM costs on this machine before the hop does
-any work of its own: P1 reports it next to the adapter, so the adapter's own share is visible.
+(one aiohttp session with the adapter's pool: `http_pool.aiohttp_session`), it costs what any hop between a client
+and vLLM costs on this machine before the hop does any work of its own: P1 reports it next to the adapter, so the
+adapter's own share is visible.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import httpx
+
 from nemo_gym_tok.config import load_config
 from nemo_gym_tok.servers.http_pool import SERVER_KEEPALIVE_SECONDS
 from nemo_gym_tok.servers.launcher import Gym
