@@ -53,17 +53,13 @@ def main() -> int:
     )
     server = server_class(instance.name, config, client)
     listen_fd = spec.get("listen_fd")
-    if listen_fd is None:
-        uvicorn.run(
-            server.build_app(), host=config.host, port=config.port, log_level="warning",
-            timeout_keep_alive=SERVER_KEEPALIVE_SECONDS,
-        )
-        return 0
     # The launcher's socket, already bound and listening: it outlives this process, so a restart keeps the port.
-    listener = socket.socket(fileno=int(listen_fd))
-    uvicorn.Server(
-        uvicorn.Config(server.build_app(), log_level="warning", timeout_keep_alive=SERVER_KEEPALIVE_SECONDS)
-    ).run(sockets=[listener])
+    # Without one, uvicorn binds host:port itself.
+    sockets = None if listen_fd is None else [socket.socket(fileno=int(listen_fd))]
+    uvicorn.Server(uvicorn.Config(
+        server.build_app(), host=config.host, port=config.port, log_level="warning",
+        timeout_keep_alive=SERVER_KEEPALIVE_SECONDS,
+    )).run(sockets=sockets)
     return 0
 
 

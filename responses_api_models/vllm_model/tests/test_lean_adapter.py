@@ -178,7 +178,7 @@ def test_ngt_run_children_build_their_client_from_their_config(monkeypatch: pyte
             "servers": {}, "head_url": None, "listen_fd": None}
     monkeypatch.setenv(serve.SPEC_ENV, json.dumps(spec))
     monkeypatch.setattr(serve, "ServerClient", RecordingClient)
-    monkeypatch.setattr(serve.uvicorn, "run", lambda *args, **kwargs: None)
+    monkeypatch.setattr(serve.uvicorn.Server, "run", lambda self, sockets=None: None)
     assert serve.main() == 0
     assert built["limits"].max_connections == 64 and built["limits"].max_keepalive_connections == 64
     assert (built["timeout"].read, built["timeout"].connect) == (90, 3)
