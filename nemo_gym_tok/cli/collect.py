@@ -15,6 +15,7 @@ from nemo_gym_tok.collect import (
     HEAD_URL_ENV,
     CollectError,
     collect,
+    export_nemo_gym,
     read_rows,
     resolve_agent_url,
 )
@@ -40,7 +41,7 @@ def register(subparsers: Any) -> None:
             "exit status: 0 when every rollout in scope is in --output, 1 when some failed this run (they are in "
             f"<output>{FAILURES_SUFFIX}; rerun to retry them), 2 when the run could not start or had to stop (bad or "
             "missing input, head unreachable, unknown agent, output not writable, output of another input or agent), "
-            "130 on Ctrl-C."
+            "130 on Ctrl-C. With --nemo-gym-output, the export's errors also give 2."
         ),
     )
     parser.add_argument("--input", required=True, type=Path, metavar="ROWS.jsonl",
@@ -59,6 +60,11 @@ def register(subparsers: Any) -> None:
                         help="rollouts per row (default 1)")
     parser.add_argument("--timeout", type=_positive_float, default=1800.0, metavar="SECONDS",
                         help="time limit of one rollout; a rollout over it counts as failed (default 1800)")
+    parser.add_argument("--nemo-gym-output", type=Path, metavar="ROWS.jsonl",
+                        help="after the run, also write every rollout of --output as NeMo Gym's rollout rows (whole "
+                             "prompt_token_ids on each bundled item, _ng_task_index, _ng_rollout_index, agent_ref) "
+                             "here, and its failed ones to <stem>_failures.jsonl (as `ngt export-nemo-gym` does); "
+                             "--output stays the resumable record file")
     parser.set_defaults(func=run)
 
 
@@ -83,6 +89,15 @@ def run(args: argparse.Namespace) -> int:
               "failures); rerun the same command to resume", file=sys.stderr)
         return 130
     print(summary.line(), flush=True)
+    if args.nemo_gym_output is not None:
+        try:  # after a run with failures too: the sidecar is where NeMo Gym users look for them
+            # No repeats: every rollout in scope is in --output or its failures file now, so the highest repeat seen
+            # gives the numbering, also over rollouts an earlier run collected with more --repeats.
+            exported = export_nemo_gym(args.output, args.nemo_gym_output, agent=args.agent)
+        except (CollectError, OSError) as exc:
+            print(f"ngt collect: exporting to {args.nemo_gym_output}: {exc}", file=sys.stderr)
+            return 2
+        print(exported.line().replace("export-nemo-gym:", "collect: NeMo Gym rows:", 1), flush=True)
     return 1 if summary.failed else 0
 
 

@@ -10,6 +10,7 @@ import sys
 _SUBCOMMAND_MODULES = (
     "nemo_gym_tok.cli.run",
     "nemo_gym_tok.cli.collect",
+    "nemo_gym_tok.cli.export_nemo_gym",
     "nemo_gym_tok.cli.tiny_model",
     "nemo_gym_tok.cli.vllm_serve",
     "nemo_gym_tok.cli.check",

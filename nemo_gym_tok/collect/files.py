@@ -84,9 +84,16 @@ def write_failures(failures_path: str | os.PathLike[str], entries: dict[RolloutK
     if not entries:
         path.unlink(missing_ok=True)
         return
-    data = b"".join(json_line(entries[key]) for key in sorted(entries, key=_entry_order(entries)))
+    write_atomically(path, b"".join(json_line(entries[key]) for key in sorted(entries, key=_entry_order(entries))))
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` all at once (temp file in the same folder, fsync, os.replace): never half-written."""
     fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o644 & ~umask)  # mkstemp's 0600 would make the published file unreadable to others
         _write_all(fd, data)
         os.fsync(fd)  # the rename must not publish a file whose bytes are not on disk yet
         os.close(fd)

@@ -54,7 +54,13 @@ class CollectSummary:
 
 
 class _RolloutFailed(Exception):
-    """One rollout failed; the message is the reason recorded in the failures file."""
+    """One rollout failed; the message is the reason recorded in the failures file, with what kind of failure it was
+    and the agent's HTTP status when it answered (what NeMo Gym's failures sidecar classifies by)."""
+
+    def __init__(self, reason: str, kind: str, http_status: int | None = None) -> None:
+        super().__init__(reason)
+        self.kind = kind
+        self.http_status = http_status
 
 
 async def _run_one(
@@ -66,27 +72,34 @@ async def _run_one(
         async with asyncio.timeout(timeout):  # total time; httpx's own timeouts are per read / per connect
             response = await http.post(run_url, json=row, headers={SESSION_HEADER: session})
     except (TimeoutError, httpx.TimeoutException):
-        raise _RolloutFailed(f"timed out after {timeout:g}s waiting for POST {run_url} (session {session})") from None
+        raise _RolloutFailed(f"timed out after {timeout:g}s waiting for POST {run_url} (session {session})",
+                             "timeout") from None
     except httpx.HTTPError as exc:
-        raise _RolloutFailed(f"transport error on POST {run_url}: {type(exc).__name__}: {exc}") from None
+        raise _RolloutFailed(f"transport error on POST {run_url}: {type(exc).__name__}: {exc}", "transport") from None
     if response.status_code != 200:
         raise _RolloutFailed(
-            f"agent answered HTTP {response.status_code} on POST {run_url}: {error_message(response)} (session {session})"
+            f"agent answered HTTP {response.status_code} on POST {run_url}: {error_message(response)} "
+            f"(session {session})",
+            "http_status", response.status_code,
         )
     try:
         record = response.json()
     except ValueError:
-        raise _RolloutFailed(f"agent answered HTTP 200 with a body that is not JSON: {error_message(response)}") from None
+        raise _RolloutFailed(f"agent answered HTTP 200 with a body that is not JSON: {error_message(response)}",
+                             "bad_answer", 200) from None
     if not isinstance(record, dict):
-        raise _RolloutFailed(f"agent answered HTTP 200 with JSON {type(record).__name__}, not a rollout record object")
+        raise _RolloutFailed(f"agent answered HTTP 200 with JSON {type(record).__name__}, not a rollout record object",
+                             "bad_answer", 200)
     if "response" not in record:
         keys = ", ".join(sorted(record)) or "none"
-        raise _RolloutFailed(f"agent answered HTTP 200 with an object that has no `response` field (keys: {keys})")
+        raise _RolloutFailed(f"agent answered HTTP 200 with an object that has no `response` field (keys: {keys})",
+                             "bad_answer", 200)
     try:
         record_schema_version(record)
     except UnknownSchemaVersionError as exc:
         # Written, it would stop every later resume of this output (which reads each record back): fail it instead.
-        raise _RolloutFailed(f"agent answered a record this ngt collect cannot read back: {exc}") from None
+        raise _RolloutFailed(f"agent answered a record this ngt collect cannot read back: {exc}", "bad_answer",
+                             200) from None
     return record
 
 
@@ -237,7 +250,9 @@ class _Run:
         except _RolloutFailed as exc:
             if self.stopping:
                 return  # interrupted, not failed: the next run runs it
-            self._record_failure(key, {"rollout_id": rollout_id, "reason": str(exc), "row": row.fields}, exc)
+            entry = {"rollout_id": rollout_id, "reason": str(exc), "kind": exc.kind, "http_status": exc.http_status,
+                     "row": row.fields}
+            self._record_failure(key, entry, exc)
         else:
             record["rollout_id"] = rollout_id
             log.append(json_line(record))
