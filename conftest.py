@@ -16,6 +16,9 @@ from tests.servers import hooked_server
 pytest_plugins = ["tests.fixtures.collect_agent"]
 
 SERVED_MODEL_NAME = "tiny-qwen3"
+# vLLM's Cohere v2 routes (tests/test_routes_cohere.py) on the shared hooked server, so they need no server of their
+# own; with the `cohere` SDK (a test dependency) importable they are served only when this is set.
+COHERE_API_ENV = {"VLLM_ENABLE_COHERE_API": "1"}
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +36,8 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     """
     with hooked_server(
         tiny_model_dir, served_model_name=SERVED_MODEL_NAME, extra_args=(*CPU_SERVING_ARGS, *TEST_BED_ARGS),
-        env=TEST_BED_ENV, log_path=tmp_path_factory.mktemp("vllm") / "vllm.log", reuse_env="NGT_TEST_VLLM_URL",
+        env={**TEST_BED_ENV, **COHERE_API_ENV}, log_path=tmp_path_factory.mktemp("vllm") / "vllm.log",
+        reuse_env="NGT_TEST_VLLM_URL",
     ) as server:
         yield server
 

@@ -47,7 +47,8 @@ def _prefix(messages: list[dict]) -> list[int]:
 def _spliced_metric(vllm_server: VLLMServer) -> float:
     text = httpx.get(f"{vllm_server.base_url}/metrics", timeout=30).text
     name = 'nemo_gym_tok_preprocess_seconds_count{path="spliced"}'
-    line = next(line for line in text.splitlines() if line.startswith(name))
+    # The labelled series appears with its first splice: a server that has spliced nothing yet has none.
+    line = next((line for line in text.splitlines() if line.startswith(name)), f"{name} 0")
     return float(line.split()[-1])
 
 

@@ -106,15 +106,16 @@ class VLLMInternalsChanged(RuntimeError):
 
 
 def check_internals() -> list[str]:
-    """Names of the patched or used vLLM symbols that are missing (empty when all are in place). A route method the
-    installed vLLM predates (routes.ROUTE_SINCE) is not missing: that release has no such route to guard."""
+    """Names of the patched or used vLLM symbols that are missing (empty when all are in place). A route method whose
+    route the installed vLLM does not serve (routes.not_served: a release that predates it, or an optional package
+    its routes need that does not import here) is not missing: there is no such route to guard."""
     import vllm
 
     missing = []
     for module_name, class_name, method in (*PATCHED_METHODS, *ROUTE_METHODS):
         owner = _lookup(module_name, class_name)
         if owner is None or not callable(getattr(owner, method, None)):
-            if not routes.absent_by_design((module_name, class_name, method), vllm.__version__):
+            if not routes.not_served((module_name, class_name, method), vllm.__version__):
                 missing.append(f"{module_name}.{class_name}.{method}")
     checked = (
         (PATCHED_METHODS[0], PREPROCESS_CHAT_PARAMETERS), (PATCHED_METHODS[3], HARMONY_PARAMETERS),

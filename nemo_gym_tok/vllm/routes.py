@@ -7,8 +7,8 @@ This module decides what the routes need beyond it:
   wrapper holds until the proof is done. Every other route that reaches the splice (the scale-out render routes,
   /v1/chat/completions/batch, /tokenize) gets the full check before vLLM goes on: what they answer, or hand the
   engine, was never through that wrapper;
-- which routes refuse a request that carries token ids for the splice (ROUTES): the Anthropic and Responses APIs
-  and the pooling routes, whose request models drop the bundle or whose rendering never reaches the splice. A
+- which routes refuse a request that carries token ids for the splice (ROUTES): the Anthropic, Cohere and Responses
+  APIs and the pooling routes, whose request models drop the bundle or whose rendering never reaches the splice. A
   request there carrying `required_prefix_token_ids`, `start_token_segment` or a message bundle is answered 400,
   naming the route and what to send instead, rather than rendered from its text as if no ids had been sent.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import importlib
 import json
 import re
 from collections.abc import Iterable
@@ -30,6 +31,8 @@ ANTHROPIC_MODULE = "vllm.entrypoints.anthropic.serving"
 RESPONSES_MODULE = "vllm.entrypoints.openai.responses.serving"
 RENDER_MODULE = "vllm.entrypoints.scale_out.render.serving"
 POOLING_MODULE = "vllm.entrypoints.pooling.base.serving"
+COHERE_MODULE = "vllm.entrypoints.cohere.api_router"
+COHERE_PATHS = ("/cohere/v2/chat", "/cohere/v2/chat/render")
 
 _TOKEN_KEYS = (PREFIX_KEY, NEW_SEGMENT_KEY, *BUNDLE_KEYS)
 POOLING_LABEL = "this pooling route"
@@ -63,6 +66,10 @@ ROUTES = (
            "/v2/rerank"), "refuse",
           "the pooling routes render messages without the splice; send the prompt's token ids as the input instead "
           "(e.g. the prompt_token_ids + generation_token_ids of the turn to score)"),
+    Route(COHERE_PATHS, "refuse",
+          "the Cohere v2 chat request model drops token ids (its messages are rebuilt from their text for vLLM's "
+          "chat completion); send the conversation, with its bundles, to /v1/chat/completions (or "
+          "/v1/chat/completions/render for the prompt ids alone)"),
 )
 
 # (module, class, method) the route guards wrap, with the wrapper factory (install() below).
@@ -74,12 +81,20 @@ ROUTE_METHODS = (
     (RESPONSES_MODULE, "OpenAIServingResponses", "create_responses"),
     (RENDER_MODULE, "ServingRender", "render_responses_request"),
     (POOLING_MODULE, "PoolingBaseServing", "__call__"),
+    # Both Cohere routes: neither handler method sees the raw request of /cohere/v2/chat/render, the middleware vLLM
+    # puts in front of them (with the routes, only when VLLM_ENABLE_COHERE_API=1) sees both.
+    (COHERE_MODULE, "CohereErrorEnvelopeMiddleware", "dispatch"),
 )
 # The first vLLM release, as (major, minor), that has a route method; unnamed ones are in every supported release.
 # A release before it never had the route, so there is nothing to guard; absent from a later release, the method
 # moved, and the hook refuses to install (check_internals) as for any other.
 ROUTE_SINCE: dict[tuple[str, str, str], tuple[int, int]] = {
     (RENDER_MODULE, "ServingRender", "render_responses_request"): (0, 30),  # /v1/responses/render
+}
+# The package a route method's class exists with: vLLM defines it (and serves its routes) only when that package
+# imports, so where it does not there is no route to guard.
+ROUTE_NEEDS: dict[tuple[str, str, str], str] = {
+    (COHERE_MODULE, "CohereErrorEnvelopeMiddleware", "dispatch"): "cohere",
 }
 
 
@@ -93,6 +108,21 @@ def absent_by_design(route_method: tuple[str, str, str], version: str) -> bool:
     """Whether `version` predates the route method (ROUTE_SINCE): its absence there is expected, not a move."""
     since, release = ROUTE_SINCE.get(route_method), vllm_release(version)
     return since is not None and release is not None and release < since
+
+
+def not_served(route_method: tuple[str, str, str], version: str) -> bool:
+    """Whether the installed vLLM (`version`) serves no route behind `route_method`, so its absence is no move: the
+    release predates it (ROUTE_SINCE), or the optional package its routes need does not import here (ROUTE_NEEDS)."""
+    if absent_by_design(route_method, version):
+        return True
+    needed = ROUTE_NEEDS.get(route_method)
+    if needed is None:
+        return False
+    try:
+        importlib.import_module(needed)
+    except ImportError:
+        return True
+    return False
 
 # Set while OpenAIServingChat.create_chat_completion runs: its unstreamed answer goes through the hook's chat
 # response wrapper, which awaits the splice's verification before anything leaves.
@@ -113,9 +143,7 @@ def defers_verification(request: Any) -> bool:
 
 def install(wrap: Any) -> None:
     """Wrap the route methods (ROUTE_METHODS) with `wrap(owner, name, make_wrapper)`, as the hook wraps its own; a
-    method the installed vLLM predates (ROUTE_SINCE) is left out, since its route does not exist there."""
-    import importlib
-
+    method whose route the installed vLLM does not serve (not_served) is left out, since there is nothing to guard."""
     import vllm
 
     makers = {
@@ -126,10 +154,11 @@ def install(wrap: Any) -> None:
         "create_responses": functools.partial(_refusing_request, route="/v1/responses"),
         "render_responses_request": functools.partial(_refusing_request, route="/v1/responses/render"),
         "__call__": functools.partial(_refusing_request, route=POOLING_LABEL),
+        "dispatch": _refusing_cohere,
     }
     for module_name, class_name, method in ROUTE_METHODS:
-        owner = getattr(importlib.import_module(module_name), class_name)
-        if not hasattr(owner, method) and absent_by_design((module_name, class_name, method), vllm.__version__):
+        owner = getattr(importlib.import_module(module_name), class_name, None)
+        if not hasattr(owner, method) and not_served((module_name, class_name, method), vllm.__version__):
             continue
         wrap(owner, method, makers[method])
 
@@ -165,6 +194,30 @@ def _refusing_request(original: Any, *, route: str) -> Any:
         return await original(self, request, *args, **kwargs)
 
     return guarded
+
+
+def _refusing_cohere(original: Any) -> Any:
+    """For the Cohere routes: their request model drops top-level token ids, and /cohere/v2/chat/render hands no
+    handler method its raw request, so the refusal is answered by vLLM's Cohere middleware, from the raw body, before
+    either route runs; in Cohere's error shape ({message, id}), as that middleware answers every other error there."""
+
+    async def dispatch(self: Any, request: Any, call_next: Any) -> Any:
+        path = request.url.path.rstrip("/")
+        if request.method == "POST" and path in COHERE_PATHS:
+            body = await _raw_body(request)  # Starlette keeps it for the route (its middleware caches the body)
+            keys = _keys_in_body(body) if body is not None else set()
+            if keys:
+                from fastapi.responses import JSONResponse
+
+                from nemo_gym_tok.vllm import metrics
+
+                metrics.rejected()
+                request_id = request.headers.get("X-Request-Id")
+                content = {"message": refusal_text(path, keys), **({"id": request_id} if request_id else {})}
+                return JSONResponse(status_code=400, content=content)
+        return await original(self, request, call_next)
+
+    return dispatch
 
 
 def refusal_text(route: str, keys: Iterable[str]) -> str:
