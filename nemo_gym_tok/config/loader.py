@@ -1,8 +1,12 @@
-"""Loads gym configs: merges YAML files in order, applies `--set` overrides, interpolates `${name}`."""
+"""Loads gym configs: merges YAML files in order, applies `--set` overrides, interpolates `${...}`, splits servers.
+
+The shape is NeMo Gym's (`instance -> kind -> implementation`), and NeMo Gym's own configs load too: its server keys
+(`entrypoint`, `domain`...), `{type, name}` server references, `config_paths`, `_inherit_from` and the OmegaConf
+resolvers its configs use (nemo_gym.py, interpolation.py).
+"""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,14 +14,17 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from nemo_gym_tok.config import nemo_gym
 from nemo_gym_tok.config.errors import ConfigError
+from nemo_gym_tok.config.interpolation import MISSING, Interpolator, missing_paths
 
 SERVER_KINDS = ("responses_api_models", "resources_servers", "responses_api_agents")
+"""The kinds this project implements."""
+ALL_KINDS = (*SERVER_KINDS, nemo_gym.ENVIRONMENT_SERVERS)
+"""Every kind a config may hold: NeMo Gym's `environment_servers` too, which only NeMo Gym implements."""
 
 KeyPath = tuple[str, ...]
 
-_WHOLE_REFERENCE = re.compile(r"^\$\{([A-Za-z_][\w.\-]*)\}$")
-_REFERENCE = re.compile(r"\$\{([A-Za-z_][\w.\-]*)\}")
 _OVERRIDE_SOURCE = "--set"
 
 
@@ -29,7 +36,18 @@ class ServerInstance:
     kind: str
     implementation: str
     fields: dict[str, Any]
+    """What the implementation's config class validates: `{type, name}` references are the instance's name here,
+    and NeMo Gym's server keys are left out (they are in `nemo_gym`)."""
     sources: dict[KeyPath, str]
+    nemo_gym: dict[str, Any] = field(default_factory=dict)
+    """NeMo Gym's server keys as written (`entrypoint`, `domain`, `verified`, `description`, `datasets`...)."""
+    refs: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """Fields written as NeMo Gym's `{type, name}` references: field -> (kind, instance name), checked to exist."""
+
+    def nemo_gym_fields(self) -> dict[str, Any]:
+        """The fields as NeMo Gym's own servers read them: references as `{type, name}`, NeMo Gym's keys back in."""
+        fields = {k: ({"type": self.refs[k][0], "name": v} if k in self.refs else v) for k, v in self.fields.items()}
+        return {**fields, **self.nemo_gym}
 
     def validate(self, config_class: type[BaseModel]) -> BaseModel:
         """Validate `fields` into the implementation's config, naming file and key on failure."""
@@ -65,13 +83,38 @@ def load_config(paths: list[str | Path], overrides: list[str] | tuple[str, ...] 
     """Merge `paths` in order (later wins), apply `a.b.c=value` overrides, interpolate, split instances."""
     merged: dict[str, Any] = {}
     sources: dict[KeyPath, str] = {}
+    loaded: set[Path] = set()
     for path in paths:
-        _merge_into(merged, _read_yaml(Path(path)), str(path), sources, ())
+        for file, data in _read_with_includes(Path(path), loaded, ()):
+            _merge_into(merged, data, file, sources, ())
     for override in overrides:
         key, value = _parse_override(override)
         _merge_into(merged, _nest(key, value), _OVERRIDE_SOURCE, sources, ())
-    resolved = _interpolate(merged, merged, sources, ())
+    nemo_gym.apply_directives(merged, sources)
+    unset = missing_paths(merged)
+    if unset:
+        key = ".".join(unset[0])
+        others = ", ".join(".".join(p) for p in unset[1:4])
+        more = f" ({len(unset) - 1} more unset: {others})" if len(unset) > 1 else ""
+        raise ConfigError(_source_of(sources, unset[0]), key,
+                          f"is required ({MISSING!r} in the config): set it, e.g. --set {key}=VALUE{more}")
+    resolved = Interpolator(merged, lambda path: _source_of(sources, path)).resolve_tree(merged)
     return _split_instances(resolved, sources)
+
+
+def _read_with_includes(path: Path, loaded: set[Path], chain: tuple[Path, ...]) -> list[tuple[str, dict[str, Any]]]:
+    """The file and what its `config_paths` pull in, in merge order: a file after the files it includes, so it
+    overrides them (NeMo Gym's order). A file already read is not read twice."""
+    data = _read_yaml(path)
+    key = path.resolve()
+    if key in chain:
+        raise ConfigError(str(path), nemo_gym.CONFIG_PATHS_KEY, "includes itself (through config_paths)")
+    loaded.add(key)
+    ordered: list[tuple[str, dict[str, Any]]] = []
+    for included in nemo_gym.include_paths(data, path):
+        if included.resolve() not in loaded:
+            ordered += _read_with_includes(included, loaded, (*chain, key))
+    return [*ordered, (str(path), data)]
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -142,48 +185,11 @@ def _nest(key: KeyPath, value: Any) -> dict[str, Any]:
     return value
 
 
-def _interpolate(value: Any, root: dict[str, Any], sources: dict[KeyPath, str], path: KeyPath, depth: int = 0) -> Any:
-    if depth > 20:
-        raise ConfigError(_source_of(sources, path), ".".join(path), "interpolation does not terminate (a cycle?)")
-    if isinstance(value, dict):
-        return {k: _interpolate(v, root, sources, (*path, k), depth) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_interpolate(v, root, sources, (*path, str(i)), depth) for i, v in enumerate(value)]
-    if not isinstance(value, str) or "${" not in value:
-        return value
-    whole = _WHOLE_REFERENCE.match(value)
-    if whole:
-        # A value that is only a reference keeps the referenced value's type (int, list, ...).
-        found = _lookup(whole.group(1), root, sources, path)
-        return _interpolate(found, root, sources, path, depth + 1)
-
-    def substitute(match: re.Match[str]) -> str:
-        found = _interpolate(_lookup(match.group(1), root, sources, path), root, sources, path, depth + 1)
-        if isinstance(found, (dict, list)):
-            raise ConfigError(
-                _source_of(sources, path), ".".join(path), f"${{{match.group(1)}}} is a mapping or list inside a string"
-            )
-        return str(found)
-
-    return _REFERENCE.sub(substitute, value)
-
-
-def _lookup(name: str, root: dict[str, Any], sources: dict[KeyPath, str], path: KeyPath) -> Any:
-    node: Any = root
-    for part in name.split("."):
-        if not isinstance(node, dict) or part not in node:
-            raise ConfigError(
-                _source_of(sources, path), ".".join(path), f"${{{name}}} is not defined (set it in a config file or with --set {name}=...)"
-            )
-        node = node[part]
-    return node
-
-
 def _split_instances(merged: dict[str, Any], sources: dict[KeyPath, str]) -> GymConfig:
     values: dict[str, Any] = {}
     instances: dict[str, ServerInstance] = {}
     for name, body in merged.items():
-        kinds = [k for k in body if k in SERVER_KINDS] if isinstance(body, dict) else []
+        kinds = [k for k in body if k in ALL_KINDS] if isinstance(body, dict) else []
         if not kinds:
             values[name] = body
             continue
@@ -194,12 +200,36 @@ def _split_instances(merged: dict[str, Any], sources: dict[KeyPath, str]) -> Gym
         implementations = body[kind]
         if not isinstance(implementations, dict) or len(implementations) != 1:
             raise ConfigError(source, f"{name}.{kind}", "expected exactly one implementation: {<folder name>: {...fields}}")
-        implementation, fields = next(iter(implementations.items()))
-        fields = {} if fields is None else fields
-        if not isinstance(fields, dict):
+        implementation, raw_fields = next(iter(implementations.items()))
+        raw_fields = {} if raw_fields is None else raw_fields
+        if not isinstance(raw_fields, dict):
             raise ConfigError(source, f"{name}.{kind}.{implementation}", "the implementation's fields must be a mapping")
-        instances[name] = ServerInstance(name, kind, implementation, fields, sources)
+        entry_source = _source_of(sources, (name, kind, implementation, "entrypoint"))
+        source_dir = Path(entry_source).parent if entry_source and Path(entry_source).is_file() else None
+        fields, nemo_gym_keys, refs = nemo_gym.split_fields(
+            name, kind, implementation, raw_fields, ALL_KINDS, lambda path: _source_of(sources, path), source_dir
+        )
+        instances[name] = ServerInstance(name, kind, implementation, fields, sources, nemo_gym_keys, refs)
+    _check_refs(instances, sources)
     return GymConfig(values=values, instances=instances, sources=sources)
+
+
+def _check_refs(instances: dict[str, ServerInstance], sources: dict[KeyPath, str]) -> None:
+    """Every `{type, name}` reference names an instance of the config, of that kind."""
+    for instance in instances.values():
+        for ref_field, (kind, target) in instance.refs.items():
+            path = (instance.name, instance.kind, instance.implementation, ref_field)
+            found = instances.get(target)
+            if found is not None and found.kind == kind:
+                continue
+            if found is not None:
+                detail = f"references {kind} {target!r}, but {target!r} is a {found.kind} instance"
+            else:
+                same_kind = sorted(i.name for i in instances.values() if i.kind == kind)
+                detail = (f"references {kind} {target!r}, which is not an instance of the merged config "
+                          f"(its {kind}: {', '.join(same_kind) or 'none'})")
+            # The name's own source: a later file may change only the name of a reference an earlier file wrote.
+            raise ConfigError(_source_of(sources, (*path, "name")), ".".join(path), detail)
 
 
 def _source_of(sources: dict[KeyPath, str], path: KeyPath) -> str | None:

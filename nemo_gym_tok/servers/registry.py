@@ -9,6 +9,7 @@ from pathlib import Path
 from types import ModuleType
 
 from nemo_gym_tok.config import ConfigError, ServerInstance
+from nemo_gym_tok.config.nemo_gym import not_implemented_here
 from nemo_gym_tok.servers.base import BaseServer, BaseServerConfig
 
 # Environments and model adapters are folders at the repo root; agents live in the library.
@@ -36,6 +37,8 @@ def resolve_entrypoint(instance: ServerInstance) -> str | None:
 def resolve_server_class(instance: ServerInstance) -> type[BaseServer]:
     entrypoint = resolve_entrypoint(instance)
     where = f"{instance.name}.{instance.kind}.{instance.implementation}"
+    if instance.kind not in KIND_PACKAGES:  # NeMo Gym's environment_servers
+        raise ConfigError(instance.sources.get((instance.name,)), where, not_implemented_here(instance.kind))
     try:
         module = _load_module(entrypoint) if entrypoint else _load_module(
             f"{KIND_PACKAGES[instance.kind]}.{instance.implementation}.app"
@@ -44,7 +47,11 @@ def resolve_server_class(instance: ServerInstance) -> type[BaseServer]:
         )
     except ModuleNotFoundError as exc:
         source = instance.sources.get((instance.name,))
-        raise ConfigError(source, where, f"no implementation found ({exc.msg})") from None
+        module_path = f"{KIND_PACKAGES[instance.kind]}.{instance.implementation}.app"
+        missing_itself = bool(exc.name) and module_path.startswith(str(exc.name))  # not a dependency it imports
+        detail = (not_implemented_here(instance.kind) if instance.nemo_gym and missing_itself and not entrypoint
+                  else f"no implementation found ({exc.msg})")
+        raise ConfigError(source, where, detail) from None
     server_class = getattr(module, "SERVER", None)
     if not (isinstance(server_class, type) and issubclass(server_class, BaseServer)):
         raise ConfigError(None, where, f"{module.__name__} must define SERVER = <a BaseServer subclass>")
