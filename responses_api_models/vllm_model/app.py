@@ -35,6 +35,9 @@ from responses_api_models.vllm_model.token_capture import (
     tokenize_request,
 )
 from responses_api_models.vllm_model.local_splice import AdapterSplicer, _served_model_root
+from responses_api_models.vllm_model.nemo_gym_capture import NeMoGymTokenStore
+from responses_api_models.vllm_model.request_metadata import apply_metadata
+from responses_api_models.vllm_model.rollout_paths import RolloutPathMiddleware, rollout_of
 from responses_api_models.vllm_model.response_fields import request_echo, response_usage
 from responses_api_models.vllm_model.streaming import chat_sse, open_chat_stream, responses_sse
 from responses_api_models.vllm_model.upstream import VLLMUpstream, answer_json, is_context_overflow
@@ -89,6 +92,9 @@ class VLLMModelConfig(BaseServerConfig):
     retry_backoff_seconds: float = 0.5
     health_check_interval_seconds: float = Field(default=5.0, gt=0)
     """How often a URL marked unhealthy (unreachable, or 5xx on every attempt) is probed with GET /health."""
+    nemo_gym_token_capture_dir: str | None = None
+    """NeMo Gym's `token_id_capture.dir`: calls on its training-capture paths are recorded there in its file store's
+    layout (nemo_gym_capture.py). Unset, such calls are served with their bundles only."""
 
     @field_validator("base_url")
     @classmethod
@@ -113,6 +119,13 @@ class VLLMModelConfig(BaseServerConfig):
                 "harmony: true with use_return_token_ids: false would take GPT-OSS prompt ids from /tokenize, which "
                 "renders the Hugging Face template, not Harmony; set use_return_token_ids: true"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _capture_needs_bundles(self) -> VLLMModelConfig:
+        if self.nemo_gym_token_capture_dir and not self.return_token_id_information:
+            raise ValueError("nemo_gym_token_capture_dir records the token bundle of each answer: set "
+                             "return_token_id_information: true")
         return self
 
     @property
@@ -203,16 +216,22 @@ class VLLMModel(ModelServer):
         )
         self._hooked: dict[str, bool] = {}
         self._provenance: dict[str, tuple[dict[str, Any] | None, dict[str, str] | None]] = {}
+        capture_dir = self.config.nemo_gym_token_capture_dir
+        self.capture_store = NeMoGymTokenStore(capture_dir) if capture_dir else None
+        app.add_middleware(RolloutPathMiddleware)
 
         @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest, session="optional"))
         async def chat_completions(request: Request) -> HTTPResponse:
             body = await json_object(request)
             self._check_forwarded(body)
-            chat = ChatCall.validated(body)
+            chat = ChatCall.validated(self._with_metadata(body))
             key = self.router.key_for(request, body)
+            self._check_capture(request, chat)
             if chat.stream:
                 return await self.router.call(key, lambda url: self.stream(chat, url))
-            return JSONBytesResponse(await self.router.call(key, lambda url: self.complete(chat, url)))
+            result = await self.router.call(key, lambda url: self.complete(chat, url))
+            await self._capture(request, result, chat)
+            return JSONBytesResponse(result)
 
         @app.post("/v1/responses", openapi_extra=json_body(ResponsesRequest, session="optional"))
         async def responses(request: Request) -> HTTPResponse:
@@ -227,14 +246,44 @@ class VLLMModel(ModelServer):
                 raise ApiError(400, message, param=param) from None
             # Validated as a chat body too: the conversion can give a message that an item allowed and a chat message
             # does not (a bundle on a user message), and the 400 must come before vLLM is called.
-            chat = ChatCall.validated(chat_body)
+            chat = ChatCall.validated(self._with_metadata(chat_body))
             key = self.router.key_for(request, raw)
+            self._check_capture(request, chat)
             echo = request_echo(responses_request)
             if chat.stream:  # `stream` is not a Responses-only field: the chat body carries it
                 return await self.router.call(key, lambda url: self.stream(chat, url, as_responses=echo))
             result = await self.router.call(key, lambda url: self.complete(chat, url))
-            response = _chat_result_to_response(result, self.config.model, echo)
-            return JSONBytesResponse(response.model_dump(exclude_none=True))
+            response = _chat_result_to_response(result, self.config.model, echo).model_dump(exclude_none=True)
+            await self._capture(request, response, chat)
+            return JSONBytesResponse(response)
+
+    def _with_metadata(self, chat_body: dict[str, Any]) -> dict[str, Any]:
+        """NeMo Gym's per-row `metadata` settings applied (request_metadata.py); the fields its `extra_body` adds
+        are held to `forwarded_fields` like the caller's own."""
+        body, added = apply_metadata(chat_body)
+        self._check_forwarded({name: body[name] for name in added})
+        return body
+
+    def _check_capture(self, request: Request, chat: ChatCall) -> None:
+        """400 for a call on NeMo Gym's training-capture path that the adapter could not capture."""
+        rollout = rollout_of(request)
+        if rollout is None or not rollout.training_capture:
+            return
+        if chat.stream and self.capture_store is not None:
+            raise ApiError(400, "stream: true on a training-capture path: the adapter records unstreamed calls only; "
+                           "send stream: false (NeMo Gym's agents do)", param="stream")
+        if self.capture_store is None and not self.config.return_token_id_information:
+            raise ApiError(
+                400, f"rollout {rollout.rollout_id}: training-token capture asked for, but this adapter neither "
+                "records (nemo_gym_token_capture_dir unset) nor returns token ids (return_token_id_information: false);"
+                " set either on the adapter", param="path",
+            )
+
+    async def _capture(self, request: Request, answer: dict[str, Any], chat: ChatCall) -> None:
+        rollout = rollout_of(request)
+        if rollout is not None and rollout.training_capture and self.capture_store is not None:
+            await self.capture_store.record(rollout.rollout_id, answer, chat_body=chat.body,
+                                            required_prefix=chat.required_prefix)
 
     def _check_forwarded(self, body: dict[str, Any], *, responses_api: bool = False) -> None:
         """400 naming the first top-level field outside `forwarded_fields` (when set): refused, never dropped

@@ -16,18 +16,21 @@ from fastapi import Request
 
 from nemo_gym_tok.servers.client import SESSION_HEADER
 from nemo_gym_tok.servers.errors import ApiError
+from responses_api_models.vllm_model.rollout_paths import rollout_of
 from responses_api_models.vllm_model.upstream import UpstreamUnavailable
 
 MAX_REMEMBERED_CONVERSATIONS = 100_000
 MAX_RECORDED_ATTEMPTS = 10_000
 DERIVED_KEY_PREFIX = "opening:"
+ROLLOUT_KEY_PREFIX = "rollout:"
 
 T = TypeVar("T")
 Probe = Callable[[str], Awaitable[bool]]
 
 
 def conversation_key(request: Request, body: Mapping[str, Any]) -> str:
-    """The `x-session-id` header when given, else a hash of what every turn of one conversation repeats.
+    """The `x-session-id` header when given, else the rollout id of a NeMo Gym rollout path, else a hash of what every
+    turn of one conversation repeats.
 
     A derived key hashes the model, the Responses `instructions` and the opening messages (every message up to and
     including the first user message, role and content only): a conversation's later turns resend them unchanged,
@@ -37,6 +40,9 @@ def conversation_key(request: Request, body: Mapping[str, Any]) -> str:
     session = request.headers.get(SESSION_HEADER)
     if session:
         return session
+    rollout = rollout_of(request)
+    if rollout is not None:  # NeMo Gym's /ng-rollout/<id>/... paths: one rollout is one conversation
+        return ROLLOUT_KEY_PREFIX + rollout.rollout_id
     material = {"model": body.get("model"), "instructions": body.get("instructions"), "opening": _opening(body)}
     text = json.dumps(material, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
     return DERIVED_KEY_PREFIX + hashlib.sha256(text.encode()).hexdigest()[:32]
