@@ -17,6 +17,7 @@ import httpx
 
 from nemo_gym_tok.config import GymConfig, ServerInstance
 from nemo_gym_tok.servers.auth import AUTH_TOKEN_ENV, auth_headers, auth_token_of
+from nemo_gym_tok.servers.nemo_gym_servers import NeMoGymStartError, is_nemo_gym_instance, start_nemo_gym_server
 from nemo_gym_tok.servers.registry import validate_instance
 from nemo_gym_tok.servers.serve import SPEC_ENV, spec_for
 from nemo_gym_tok.servers.supervision import (
@@ -24,6 +25,9 @@ from nemo_gym_tok.servers.supervision import (
 )
 
 HEAD_NAME = "head"
+EXTERNAL_URL_KEY = "url"
+"""An instance field: the server runs elsewhere at this base URL (e.g. a NeMo Gym resources server started by its own
+launcher); `ngt run` starts nothing for it, checks it answers, and gives every server and `ngt collect` that URL."""
 DEFAULT_HEAD_PORT = 11500
 STOP_GRACE_SECONDS = 10.0
 
@@ -67,6 +71,9 @@ class Gym:
         self.auth_token: str | None = None
         """The gym's bearer token (config `auth_token`, else $NGT_AUTH_TOKEN); set by `start()`."""
         self.restart = RestartPolicy()
+        self.nemo_gym_children: dict[str, subprocess.Popen[bytes]] = {}
+        """NeMo Gym servers started from their package (an instance with `nemo_gym_python`), by instance name: not
+        restarted (their state is NeMo Gym's), stopped with the rest."""
         self._listeners: dict[str, socket.socket] = {}
         self._probe: httpx.Client | None = None
 
@@ -78,15 +85,19 @@ class Gym:
         self.stop()
 
     def start(self) -> None:
-        for instance in self.config.instances.values():
-            validate_instance(instance)  # fail on config errors before any process starts
+        external = external_urls(self.config)
+        launched = {name: inst for name, inst in self.config.instances.items() if name not in external}
+        nemo_gym = {name: inst for name, inst in launched.items() if is_nemo_gym_instance(inst)}
+        for name, instance in launched.items():
+            if name not in nemo_gym:
+                validate_instance(instance)  # fail on config errors before any process starts
         self.auth_token = auth_token_of(self.config)
         self.restart = restart_policy(self.config)
         head_host, head_port = head_address(self.config)
         requests = [PortRequest(HEAD_NAME, head_host, head_port, "head_server.port")] + [
             PortRequest(name, _host_of(inst), int(inst.fields.get("port") or 0),
                         f"{name}.{inst.kind}.{inst.implementation}.port")
-            for name, inst in self.config.instances.items()
+            for name, inst in launched.items()
         ]
         try:
             # Every port, the head's included, is bound here before any process starts: one held by another
@@ -96,16 +107,19 @@ class Gym:
             raise LaunchError(str(exc)) from None
         ports = {name: int(sock.getsockname()[1]) for name, sock in self._listeners.items()}
         self.urls = {
-            name: f"http://{_client_host(_host_of(inst))}:{ports[name]}"
+            name: external[name] if name in external else f"http://{_client_host(_host_of(inst))}:{ports[name]}"
             for name, inst in self.config.instances.items()
         }
         self.head_url = f"http://{_client_host(head_host)}:{ports[HEAD_NAME]}"
         head = ServerInstance(HEAD_NAME, "head", "head", {"host": head_host, "servers": self.urls}, {})
         try:
             self._spawn(head, ports[HEAD_NAME], self.head_url)
-            for name, instance in self.config.instances.items():
-                self._spawn(instance, ports[name], self.urls[name])
-            self._wait_until_ready()
+            for name, instance in launched.items():
+                if name in nemo_gym:
+                    self._spawn_nemo_gym(instance, ports[name])
+                else:
+                    self._spawn(instance, ports[name], self.urls[name])
+            self._wait_until_ready({name: self.urls[name] for name in external})
         except BaseException:
             self.stop()
             raise
@@ -114,6 +128,15 @@ class Gym:
         listener = self._listeners[instance.name]
         process = self._popen(instance, port, listener)
         self.children.append(ChildServer(instance.name, url, process, instance, listener, CrashHistory(self.restart)))
+
+    def _spawn_nemo_gym(self, instance: ServerInstance, port: int) -> None:
+        # NeMo Gym's server binds its own socket: the port reserved for it is let go just before it starts.
+        self._listeners.pop(instance.name).close()
+        try:
+            process = start_nemo_gym_server(instance, _host_of(instance), port, preexec_fn=_die_with_parent)
+        except NeMoGymStartError as exc:
+            raise LaunchError(str(exc)) from None
+        self.nemo_gym_children[instance.name] = process
 
     def _popen(self, instance: ServerInstance, port: int, listener: socket.socket) -> subprocess.Popen[bytes]:
         spec = spec_for(instance, port=port, servers=self.urls, head_url=self.head_url, listen_fd=listener.fileno())
@@ -129,22 +152,25 @@ class Gym:
             preexec_fn=_die_with_parent,
         )
 
-    def _wait_until_ready(self) -> None:
+    def _wait_until_ready(self, external: dict[str, str]) -> None:
         deadline = time.monotonic() + self.ready_timeout
-        pending = list(self.children)
+        pending = [(child.name, child.url, child.process) for child in self.children]
+        pending += [(name, self.urls[name], process) for name, process in self.nemo_gym_children.items()]
         with httpx.Client(timeout=2.0, headers=auth_headers(self.auth_token)) as http:
+            _wait_external(http, external, deadline)
             while pending:
                 for child in list(pending):
-                    code = child.process.poll()
+                    name, url, process = child
+                    code = process.poll()
                     if code is not None:
-                        raise LaunchError(f"server {child.name!r} exited with code {code} before becoming healthy")
+                        raise LaunchError(f"server {name!r} exited with code {code} before becoming healthy")
                     try:
-                        if http.get(f"{child.url}/health").status_code == 200:
+                        if http.get(f"{url}/health").status_code == 200:
                             pending.remove(child)
                     except httpx.TransportError:
                         pass
                 if pending and time.monotonic() > deadline:
-                    names = ", ".join(c.name for c in pending)
+                    names = ", ".join(name for name, _, _ in pending)
                     raise LaunchError(f"not healthy after {self.ready_timeout:.0f}s: {names}")
                 if pending:
                     time.sleep(0.1)
@@ -160,6 +186,9 @@ class Gym:
         allows within its window), or None while everything is running or coming back.
         """
         now = time.monotonic()
+        for name, process in self.nemo_gym_children.items():
+            if process.poll() is not None:
+                return f"NeMo Gym server {name!r} {describe_exit(process.returncode)} (ngt run does not restart those)"
         for child in self.children:
             code = child.process.poll()
             if code is not None and child.restart_at is None:
@@ -201,23 +230,56 @@ class Gym:
 
     def stop(self) -> None:
         """SIGTERM every child, wait up to the grace period, then SIGKILL whatever is left."""
-        for child in self.children:
-            if child.process.poll() is None:
-                child.process.send_signal(signal.SIGTERM)
+        processes = [child.process for child in self.children] + list(self.nemo_gym_children.values())
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_SECONDS
-        for child in self.children:
+        for process in processes:
             try:
-                child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                child.process.kill()
-                child.process.wait()
+                process.kill()
+                process.wait()
         self.children.clear()
+        self.nemo_gym_children.clear()
         for listener in self._listeners.values():
             listener.close()
         self._listeners = {}
         if self._probe is not None:
             self._probe.close()
             self._probe = None
+
+
+def external_urls(config: GymConfig) -> dict[str, str]:
+    """Instance name -> base URL of the instances that run elsewhere (their `url` field); a bad URL is a LaunchError."""
+    found: dict[str, str] = {}
+    for name, instance in config.instances.items():
+        url = instance.fields.get(EXTERNAL_URL_KEY)
+        if url is None:
+            continue
+        where = f"{name}.{instance.kind}.{instance.implementation}.{EXTERNAL_URL_KEY}"
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise LaunchError(f"{where}: expected the server's base URL (http://host:port), got {url!r}")
+        found[name] = url.rstrip("/")
+    return found
+
+
+def _wait_external(http: httpx.Client, external: dict[str, str], deadline: float) -> None:
+    """Until each external server answers HTTP at all (any status: it is not ours to judge its /health)."""
+    pending = dict(external)
+    while pending:
+        for name, url in list(pending.items()):
+            try:
+                http.get(f"{url}/health")
+                del pending[name]
+            except httpx.TransportError:
+                pass
+        if pending and time.monotonic() > deadline:
+            names = ", ".join(f"{name} ({url})" for name, url in pending.items())
+            raise LaunchError(f"external servers not reachable: {names} (the `{EXTERNAL_URL_KEY}` field of each)")
+        if pending:
+            time.sleep(0.2)
 
 
 def _host_of(instance: ServerInstance) -> str:

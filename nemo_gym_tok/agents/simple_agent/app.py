@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from fastapi.responses import Response as HTTPResponse
 
+from nemo_gym_tok.agents.simple_agent import nemo_gym_protocol as nemo_gym
 from nemo_gym_tok.servers.base import RESERVED_PATHS, Agent, BaseServerConfig
 from nemo_gym_tok.servers.bodies import json_object
 from nemo_gym_tok.servers.client import SESSION_HEADER
@@ -38,6 +40,18 @@ class SimpleAgentConfig(BaseServerConfig):
     send_token_bundles: bool = True
     """Send the latest call's token bundle back with the history (the hook takes the next prompt's prefix from it,
     which keeps the episode token-exact). False strips every bundle: stock re-tokenization, for ablations."""
+    environment_protocol: Literal["ngt", "nemo_gym"] = "ngt"
+    """How the agent talks to `resources_server`. `ngt` (this project's environments): the episode is named by the
+    `x-session-id` header, tools are the names GET /tools lists, a tool's answer is unwrapped from `{"output": ...}`,
+    a turn without tool calls goes to POST /step (which may add a user turn), /verify gets the row + `response`.
+    `nemo_gym` (a NeMo Gym 0.7.0 resources server, e.g. one of the 145 it ships): the episode is the session cookie
+    /seed_session sets (tool answers may update it; sent back on every call), a tool call is posted to /<name> with
+    its raw arguments and the model reads the answer's whole body text, the rollout ends as NeMo Gym's simple agent
+    ends it (an incomplete answer, a call without function calls, or `max_steps` calls), /verify gets the row +
+    `response` as NeMo Gym's `NeMoGymResponse` reads it (the last answer, the whole episode with its token bundles,
+    the usage summed), then POST /close_session with an empty body where the server's OpenAPI says it takes one
+    (NeMo Gym's servers that hold resources per session release them so). The record is this project's either way
+    (schema 2, the row as sent), with `reward` and the verifier's other fields from /verify."""
 
 
 class SimpleAgent(Agent):
@@ -48,6 +62,8 @@ class SimpleAgent(Agent):
         super().__init__(*args, **kwargs)
         self._declared_tools: dict[str, frozenset[str] | None] = {}
         """Environment name -> the tool names its GET /tools lists (None: it serves no /tools)."""
+        self._closes_sessions: dict[str, bool] = {}
+        """NeMo Gym environment name -> whether its /close_session takes the empty body that closes a cookie session."""
 
     def setup_routes(self, app: FastAPI) -> None:
         @app.post("/run", openapi_extra=json_body(AgentRunRequest, session="optional"))
@@ -74,19 +90,18 @@ class SimpleAgent(Agent):
             raise ApiError(
                 400, f"the row needs {ROW_PARAMS_KEY} with an `input` (the episode's first messages)", param=ROW_PARAMS_KEY,
             )
-        env, model = self.config.resources_server, self.config.model_server
+        env = self.config.resources_server
         first_input = _as_items(params["input"])
         request_base = {k: v for k, v in params.items() if k != "input"} | self.config.request_overrides
         offered = _offered_tool_names(request_base.get("tools"))
+        if self.config.environment_protocol == nemo_gym.NEMO_GYM:
+            return await self._run_nemo_gym_episode(row, session, first_input, request_base)
         await self._call(env, "/seed_session", row, session, row_param=_same_field)
         episode = _Episode()
         responses: list[dict[str, Any]] = []
         for step in range(self.config.max_steps):
             body = {**request_base, "input": first_input + episode.for_model(self.config.send_token_bundles)}
-            if step == 0 and PREFIX_KEY in row:  # a harness's prefix for the episode's first call
-                body[PREFIX_KEY] = row[PREFIX_KEY]
-            # Only the first call is the row's as sent; a refusal later is about the episode the gym built.
-            response = await self._call(model, "/v1/responses", body, session, row_param=_row_field if step == 0 else None)
+            response = await self._model_call(row, body, step, session)
             responses.append(response)
             items = response.get("output") or []
             episode.add_call(items)
@@ -105,10 +120,87 @@ class SimpleAgent(Agent):
                 break  # a user_message that comes with done is the environment's last word, recorded as is
         summary = _episode_response(responses, episode.items)
         verdict = await self._call(env, "/verify", {**row, "response": summary}, session, row_param=_row_field_of_verify)
-        recorded = {**summary, "output": episode.recorded()}
-        record = {SCHEMA_VERSION_KEY: RECORD_SCHEMA_VERSION, **row, "response": recorded, **verdict}
-        record[SCHEMA_VERSION_KEY] = RECORD_SCHEMA_VERSION  # ours, even over a row or verifier field of that name
-        return record
+        return _record(row, {**summary, "output": episode.recorded()}, verdict)
+
+    async def _model_call(self, row: dict[str, Any], body: dict[str, Any], step: int, session: str) -> dict[str, Any]:
+        if step == 0 and PREFIX_KEY in row:  # a harness's prefix for the episode's first call
+            body[PREFIX_KEY] = row[PREFIX_KEY]
+        # Only the first call is the row's as sent; a refusal later is about the episode the gym built.
+        row_param = _row_field if step == 0 else None
+        return await self._call(self.config.model_server, "/v1/responses", body, session, row_param=row_param)
+
+    async def _run_nemo_gym_episode(
+        self, row: dict[str, Any], session: str, first_input: list[dict[str, Any]], request_base: dict[str, Any],
+    ) -> dict[str, Any]:
+        """One rollout against a NeMo Gym resources server (`environment_protocol: nemo_gym`)."""
+        env, jar = self.config.resources_server, nemo_gym.CookieJar()
+        await self._env_call(env, "/seed_session", row, jar, row_param=_same_field)
+        episode = _Episode()
+        responses: list[dict[str, Any]] = []
+        whole: list[dict[str, Any]] = []  # the episode with every call's bundle as it came: what /verify reads
+        try:
+            for step in range(self.config.max_steps):
+                body = {**request_base, "input": first_input + episode.for_model(self.config.send_token_bundles)}
+                response = await self._model_call(row, body, step, session)
+                responses.append(response)
+                items = response.get("output") or []
+                episode.add_call(items)
+                whole.extend(items)
+                if nemo_gym.ends_episode(response):
+                    break
+                for call in (item for item in items if item.get("type") == "function_call"):
+                    output = _tool_output(call, await self._nemo_gym_tool(env, call, jar))
+                    episode.add(output)
+                    whole.append(output)
+            summary = _episode_response(responses, episode.items)
+            verify_body = {**row, "response": nemo_gym.verify_response(responses, whole)}
+            verdict = await self._env_call(env, "/verify", verify_body, jar, row_param=_row_field_of_verify)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the episode's own failure is the one the caller must see
+                await self._nemo_gym_close(env, jar)
+            raise
+        await self._nemo_gym_close(env, jar)
+        return _record(row, {**summary, "output": episode.recorded()}, nemo_gym.verdict_fields(verdict, row))
+
+    async def _nemo_gym_tool(self, env: str, call: dict[str, Any], jar: nemo_gym.CookieJar) -> str:
+        """The text the model reads for one function call: the environment's whole answer body, as NeMo Gym's agent
+        gives it, or the agent's own JSON error for arguments that are not JSON and names that are no tool route."""
+        try:
+            arguments = json.loads(call.get("arguments") or "")
+        except (ValueError, TypeError) as exc:
+            return nemo_gym.invalid_arguments_text(exc)
+        route = nemo_gym.tool_route(call.get("name"))
+        if route is None:
+            return nemo_gym.refused_tool_text(call.get("name"))
+        answer = await self._post(env, route, arguments, None, jar.headers())
+        jar.update(answer)
+        return nemo_gym.tool_output_text(answer)
+
+    async def _closes_cookie_sessions(self, env: str) -> bool:
+        """Whether `env` releases a /run-seeded session on POST /close_session (read once from its OpenAPI)."""
+        if env not in self._closes_sessions:
+            try:
+                answer = await self.servers.get(env, "/openapi.json")
+                schema = answer.json() if answer.status_code == 200 else None
+            except (httpx.TransportError, ValueError):
+                schema = None
+            self._closes_sessions[env] = nemo_gym.closes_cookie_sessions(schema)
+        return self._closes_sessions[env]
+
+    async def _env_call(
+        self, env: str, path: str, body: dict[str, Any], jar: nemo_gym.CookieJar, row_param: RowParam,
+    ) -> Any:
+        answer = await self._post(env, path, body, None, jar.headers())
+        jar.update(answer)
+        return _checked_json(env, answer, row_param)
+
+    async def _nemo_gym_close(self, env: str, jar: nemo_gym.CookieJar) -> None:
+        """Release the episode's session on the environment (empty body: the session is the cookie's)."""
+        if not jar.headers() or not await self._closes_cookie_sessions(env):
+            return  # seeding failed before the server named a session, or the server keeps nothing to release
+        answer = await self._post(env, nemo_gym.CLOSE_SESSION_PATH, {}, None, jar.headers())
+        if answer.status_code >= 400 and answer.status_code not in nemo_gym.CLOSE_NOT_APPLICABLE:
+            raise ApiError(502, f"{env} could not close the session: HTTP {answer.status_code}: {error_message(answer)}")
 
     async def _run_tool(self, env: str, call: dict[str, Any], session: str, offered: set[str]) -> dict[str, Any]:
         """The tool's answer as a function_call_output item; the model's own mistakes become text it can read."""
@@ -155,9 +247,13 @@ class SimpleAgent(Agent):
         declared = self._declared_tools[env]
         return name not in RESERVED_PATHS if declared is None else name in declared
 
-    async def _post(self, server: str, path: str, body: dict[str, Any], session: str) -> httpx.Response:
+    async def _post(
+        self, server: str, path: str, body: Any, session: str | None, headers: dict[str, str] | None = None,
+    ) -> httpx.Response:
+        """POST to `server`: the episode named by the `x-session-id` header (`session`) and/or by `headers`."""
+        headers = {**(headers or {}), **({SESSION_HEADER: session} if session is not None else {})}
         try:
-            return await self.servers.post(server, path, json=body, headers={SESSION_HEADER: session})
+            return await self.servers.post(server, path, json=body, headers=headers)
         except httpx.TransportError as exc:
             raise ApiError(502, f"{server} is unreachable ({type(exc).__name__}: {exc})") from None
         except LookupError as exc:
@@ -167,6 +263,12 @@ class SimpleAgent(Agent):
 RowParam = Callable[[str | None], str | None]
 """Maps the field a server's 4xx names (error.param) to the row field it came from; None: not the row's fault."""
 _ROW_REFUSALS = (400, 413, 422)
+
+
+def _record(row: dict[str, Any], response: dict[str, Any], verdict: dict[str, Any]) -> dict[str, Any]:
+    record = {SCHEMA_VERSION_KEY: RECORD_SCHEMA_VERSION, **row, "response": response, **verdict}
+    record[SCHEMA_VERSION_KEY] = RECORD_SCHEMA_VERSION  # ours, even over a row or verifier field of that name
+    return record
 
 
 def _checked_json(server: str, answer: httpx.Response, row_param: RowParam | None = None) -> Any:
