@@ -144,7 +144,7 @@ clean:
 	rm -rf $(VENV) .venv-vllm-0.30 .venv-vllm-0.29 $(RENDERERS_VENV) $(CLIENTS_VENV) $(NEMO_GYM_VENV)
 
 # NeMo Gym 0.7.0's own servers (vllm_model, simple_agent, two shipped resources servers) on `ngt vllm-serve`
-# (docs/nemo-gym.md). Not in `make test` / .ci/run yet. NeMo Gym runs from its own venv (.venv-nemo-gym, Python
+# (docs/nemo-gym.md). Run by .ci/run after `make test`. NeMo Gym runs from its own venv (.venv-nemo-gym, Python
 # 3.13 from pyenv); vLLM and the hook stay in .venv. nemo-gym declares Requires-Python >=3.13.14 and the machine image
 # has 3.13.0, so pip installs it with --ignore-requires-python. No [vllm] extra (it pins vLLM 0.29 for GPUs): NeMo
 # Gym's servers only talk HTTP to vLLM. Its base dependencies pull no torch (ray, mlflow, wandb, datasets: ~1.4 GB,

@@ -26,7 +26,7 @@ from nemo_gym_tok.vllm.server import VLLMServer
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 from tests.nemo_gym import gym
 from tests.nemo_gym.nemo_rl_rule import check_collection
-from tests.nemo_gym.test_nemo_gym_prefix_backend import ENVIRONMENTS, MAX_STEPS, ROWS_PER_CASE, _metrics
+from tests.nemo_gym.test_nemo_gym_prefix_backend import ENVIRONMENTS, MAX_STEPS, ROWS_PER_CASE, _metrics, seeded
 
 pytestmark = pytest.mark.vllm
 
@@ -65,7 +65,8 @@ def _rows(environment: str) -> list[dict[str, Any]]:
     for index in range(ROWS_PER_CASE):
         row = copy.deepcopy(base[index % len(base)])
         row["responses_create_params"].update(
-            tool_choice="required", parallel_tool_calls=False, max_output_tokens=max_output_tokens, temperature=1.0)
+            tool_choice="required", parallel_tool_calls=False, max_output_tokens=max_output_tokens, temperature=1.0,
+            metadata=seeded(index))  # the adapter applies metadata.extra_body as NeMo Gym's vllm_model does
         rows.append(row)
     return rows
 

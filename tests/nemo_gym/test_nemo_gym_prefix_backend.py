@@ -24,6 +24,7 @@ pytestmark = pytest.mark.vllm
 MODEL_CONFIG = "responses_api_models/vllm_model/configs/vllm_model_for_training.yaml"
 SUPPLY_CONFIG = "responses_api_models/vllm_model/configs/vllm_model_supply_prefix.yaml"
 ROWS_PER_CASE = 30
+SEED_BASE = 1000
 MAX_STEPS = 4  # simple_agent's own cap on model calls per rollout
 # A city name longer than max_output_tokens: a call that picks it is cut by max_tokens (and simple_agent then ends
 # the rollout, as it does on any incomplete answer).
@@ -74,6 +75,13 @@ ENVIRONMENTS = {
 }
 
 
+def seeded(index: int) -> dict[str, str]:
+    """A per-row sampling seed the way NeMo Gym sends one (its `num_repeats_add_seed`): `metadata.extra_body`, a JSON
+    string its vllm_model merges into the vLLM request. Seeded rows sample the same every run, so the counts this
+    test asserts on (long rollouts, cut calls) do not move from run to run."""
+    return {"extra_body": json.dumps({"seed": SEED_BASE + index})}
+
+
 def _metrics(base_url: str) -> dict[str, float]:
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
     return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
@@ -109,7 +117,8 @@ def test_rollouts_contiguous(vllm_server: Any, environment: str, mode: str, tmp_
     for index in range(ROWS_PER_CASE):
         row = copy.deepcopy(base[index % len(base)])
         row["responses_create_params"].update(
-            tool_choice="required", parallel_tool_calls=False, max_output_tokens=max_output_tokens, temperature=1.0)
+            tool_choice="required", parallel_tool_calls=False, max_output_tokens=max_output_tokens, temperature=1.0,
+            metadata=seeded(index))
         if mode == "supply_prefix":
             row.update(_ng_task_index=index % len(base), _ng_rollout_index=index // len(base))
         rows.append(row)
