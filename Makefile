@@ -140,6 +140,10 @@ test-vllm-0.29: .venv-vllm-0.29/.ngt-installed
 	.venv-vllm-$*/bin/python -m pip install --quiet -e '.[test]' '$(OLD_VLLM_TRANSFORMERS)'
 	touch $@
 
+# Every side venv CI needs, installed without running anything: .ci/run builds them in the background while
+# `make test` runs (pip is mostly download and unpacking), one after the other (each installs this checkout with -e).
+extra-venvs: setup .venv-vllm-0.30/.ngt-installed .venv-vllm-0.29/.ngt-installed $(NEMO_GYM_STAMP)
+
 clean:
 	rm -rf $(VENV) .venv-vllm-0.30 .venv-vllm-0.29 $(RENDERERS_VENV) $(CLIENTS_VENV) $(NEMO_GYM_VENV)
 
@@ -149,10 +153,11 @@ clean:
 # has 3.13.0, so pip installs it with --ignore-requires-python. No [vllm] extra (it pins vLLM 0.29 for GPUs): NeMo
 # Gym's servers only talk HTTP to vLLM. Its base dependencies pull no torch (ray, mlflow, wandb, datasets: ~1.4 GB,
 # ~90 s).
-.PHONY: test-nemo-gym
+.PHONY: test-nemo-gym extra-venvs
 NEMO_GYM_VENV := .venv-nemo-gym
 NEMO_GYM_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13.*/bin/python3.13))
-NEMO_GYM_STAMP := $(NEMO_GYM_VENV)/.nemo-gym-0.7.0
+NEMO_GYM_VERSION := 0.7.0
+NEMO_GYM_STAMP := $(NEMO_GYM_VENV)/.nemo-gym-$(NEMO_GYM_VERSION)
 
 test-nemo-gym: setup $(NEMO_GYM_STAMP)
 	$(PY) -m pytest tests/nemo_gym -s $(PYTEST_ARGS)
@@ -161,5 +166,5 @@ $(NEMO_GYM_STAMP):
 	@test -n "$(NEMO_GYM_PYTHON)" || { echo "no Python 3.13 under ~/.pyenv/versions (set NEMO_GYM_PYTHON)"; exit 1; }
 	$(NEMO_GYM_PYTHON) -m venv $(NEMO_GYM_VENV)
 	$(NEMO_GYM_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(NEMO_GYM_VENV)/bin/python -m pip install --quiet --ignore-requires-python nemo-gym==0.7.0
+	$(NEMO_GYM_VENV)/bin/python -m pip install --quiet --ignore-requires-python nemo-gym==$(NEMO_GYM_VERSION)
 	touch $@

@@ -81,6 +81,10 @@ def think_block(server: VLLMServer) -> list[int]:
     return off[len(on):]
 
 
+def _thinking_off(row: dict[str, Any]) -> bool:
+    return "chat_template_kwargs" in (row["responses_create_params"].get("metadata") or {})
+
+
 def test_training_capture_and_metadata_through_adapter(vllm_server: VLLMServer, tmp_path: Path) -> None:
     capture_dir = tmp_path / "capture"
     config, agent_key, build_rows, _ = ENVIRONMENTS[ENVIRONMENT]
@@ -89,7 +93,8 @@ def test_training_capture_and_metadata_through_adapter(vllm_server: VLLMServer, 
     for index, row in enumerate(rows):
         row.update(_ng_task_index=index % distinct, _ng_rollout_index=index // distinct)
         if index % 2:
-            row["responses_create_params"]["metadata"] = {"chat_template_kwargs": THINKING_OFF}
+            metadata = row["responses_create_params"].setdefault("metadata", {})  # the row's seed stays
+            metadata["chat_template_kwargs"] = THINKING_OFF
     seen: list[dict[str, Any]] = []
     with serve_adapter(vllm_server, capture_dir, seen) as adapter_url:
         overrides = _overrides(adapter_url, agent_key)
@@ -128,7 +133,7 @@ def test_training_capture_and_metadata_through_adapter(vllm_server: VLLMServer, 
         resolved += len(decisions) - 1
         # The row's metadata reached the chat template: thinking off ends the first prompt with the empty block.
         first_prompt = ours[0]["prompt_token_ids"]
-        thinking_off = "metadata" in row["responses_create_params"]
+        thinking_off = _thinking_off(row)
         assert (first_prompt[-len(block):] == block) is thinking_off, read["rollout_id"]
     cookies = sorted({name for entry in seen for name in entry["cookies"]})
     rebuilt = sum(r["rebuilt"] == bundles(x.body["response"]["output"]) for r, x in zip(report, results))
@@ -138,7 +143,7 @@ def test_training_capture_and_metadata_through_adapter(vllm_server: VLLMServer, 
           f"{sum(len(r['entries']) for r in report)} equal to the bundles, parents resolved {resolved}, rebuilt by "
           f"NeMo Gym's collector equal {rebuilt}/{len(results)}, masked {sum(bool(r['mask_sample']) for r in report)}, "
           f"rows with metadata thinking off "
-          f"{sum('metadata' in r['responses_create_params'] for r in rows)}, cookies sent {cookies}, set-cookie "
+          f"{sum(map(_thinking_off, rows))}, cookies sent {cookies}, set-cookie "
           f"answers {sum(bool(e['set_cookie']) for e in seen)}")
     assert rollouts.long_rollouts >= 10 and resolved > 0
     assert not cookies and not any(entry["set_cookie"] for entry in seen)
