@@ -38,7 +38,12 @@ import httpx
 import orjson
 from transformers import AutoTokenizer
 
-import _common as c
+import _episode
+from _episode import Call, build_episode, nearest_calls
+from _figures import Figure, Table, command, fmt, run_standalone
+from _metrics import PREPROCESS_METRIC, has_preprocess_timer, preprocess_delta, scrape
+from _server import MODEL, BenchError, bench_model, note
+from _timing import median, post_ms, ratio, slope
 
 VARIANTS = ("stock", "hook", "token_in")
 TIMER_PATH = {"stock": "template", "hook": "spliced", "token_in": "token_in"}
@@ -49,7 +54,7 @@ EPISODE_ROWS = (2, 4, 8, 16, 32, 64, 96, 128)
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--vllm-url", help=f"a hooked vLLM serving the bench model as {c.MODEL!r} (else one is started)")
+    p.add_argument("--vllm-url", help=f"a hooked vLLM serving the bench model as {MODEL!r} (else one is started)")
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 7168, 16384, 32768],
                    help="history sizes (ids) of the size table: the episode's calls nearest to them")
     p.add_argument("--calls", type=int, default=128, help="model calls in the episode (default 128)")
@@ -70,16 +75,16 @@ class Measured:
     """Per variant, the timer's `path` labels its requests were counted under."""
 
     def e2e_median(self, variant: str) -> float:
-        return c.median(self.e2e.get(variant, []))
+        return median(self.e2e.get(variant, []))
 
     def server_median(self, variant: str) -> float:
-        return c.median(self.server.get(variant, []))
+        return median(self.server.get(variant, []))
 
     def paired(self, variant: str, baseline: str) -> float:
         """The median over rounds of variant / baseline end to end, each round's two requests sent back to back:
         the machine's drift from round to round cancels, which a ratio of the two medians keeps."""
         pairs = zip(self.e2e.get(variant, []), self.e2e.get(baseline, []))
-        return c.median([mine / theirs for mine, theirs in pairs if theirs > 0])
+        return median([mine / theirs for mine, theirs in pairs if theirs > 0])
 
 
 def measure(
@@ -89,16 +94,16 @@ def measure(
     variant's request of a round (round -1: the warm-up), each round's a request the server has not seen. /metrics is
     read between consecutive requests, so each request's server-side time is its own, whatever label it gets."""
     for body in bodies.values():
-        c.post_ms(http, path, body(-1))
+        post_ms(http, path, body(-1))
     result = Measured({v: [] for v in bodies}, {v: [] for v in bodies}, {v: Counter() for v in bodies})
     names = list(bodies)
-    before = c.scrape(url, http)
+    before = scrape(url, http)
     for round_ in range(repeats):
         shift = round_ % len(names)
         for name in names[shift:] + names[:shift]:
-            result.e2e[name].append(c.post_ms(http, path, bodies[name](round_)))
-            after = c.scrape(url, http)
-            timed = c.preprocess_delta(before, after)
+            result.e2e[name].append(post_ms(http, path, bodies[name](round_)))
+            after = scrape(url, http)
+            timed = preprocess_delta(before, after)
             before = after
             if timed is not None and timed[0] == 1:
                 result.server[name].append(timed[1] * 1000)
@@ -106,35 +111,35 @@ def measure(
     return result
 
 
-def _varied_body(call: c.Call, tokenizer: Any, variant: str) -> Callable[[int], bytes]:
+def _varied_body(call: Call, tokenizer: Any, variant: str) -> Callable[[int], bytes]:
     return lambda round_: orjson.dumps(call.varied(tokenizer, round_).chat(variant, max_tokens=1))
 
 
-def _varied_tokenize_body(call: c.Call, tokenizer: Any, variant: str) -> Callable[[int], bytes]:
+def _varied_tokenize_body(call: Call, tokenizer: Any, variant: str) -> Callable[[int], bytes]:
     def body(round_: int) -> bytes:
         varied = call.varied(tokenizer, 1000 + round_)  # not the chat rounds' requests
-        return orjson.dumps({"model": c.MODEL, "messages": varied.bundled if variant == "hook" else varied.plain,
+        return orjson.dumps({"model": MODEL, "messages": varied.bundled if variant == "hook" else varied.plain,
                              "add_generation_prompt": True})
 
     return body
 
 
-def _check_varied_ids(url: str, call: c.Call, tokenizer: Any) -> None:
+def _check_varied_ids(url: str, call: Call, tokenizer: Any) -> None:
     """The token-in variant's ids for a varied request are the hook's own for it (checked on a round never timed)."""
     probe = call.varied(tokenizer, -1000)
     with httpx.Client(base_url=url, timeout=600) as http:
-        if c.tokenize(http, probe.bundled) != probe.prompt_ids:
-            raise c.BenchError("the varied request's token-in ids are not the hook's spliced ids for it")
+        if _episode.tokenize(http, probe.bundled) != probe.prompt_ids:
+            raise BenchError("the varied request's token-in ids are not the hook's spliced ids for it")
 
 
-def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> c.Figure:
+def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> Figure:
     started = time.monotonic()
-    c.note(f"P2: building a {args.calls}-call episode on {url} ...")
-    episode = c.build_episode(url, args.calls)
-    tokenizer = AutoTokenizer.from_pretrained(c.bench_model())
+    note(f"P2: building a {args.calls}-call episode on {url} ...")
+    episode = build_episode(url, args.calls)
+    tokenizer = AutoTokenizer.from_pretrained(bench_model())
     _check_varied_ids(url, episode[len(episode) // 2], tokenizer)
-    checkpoints = {call.number: size for call, size in zip(c.nearest_calls(episode, args.sizes), args.sizes)}
-    timer = c.has_preprocess_timer(c.scrape(url))
+    checkpoints = {call.number: size for call, size in zip(nearest_calls(episode, args.sizes), args.sizes)}
+    timer = has_preprocess_timer(scrape(url))
     calls: list[dict[str, Any]] = []
     sizes: list[dict[str, Any]] = []
     labels: dict[str, Counter] = {v: Counter() for v in VARIANTS}
@@ -161,13 +166,13 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> c.Figure:
                               "tokenize_e2e": {v: t_measured.e2e_median(v) for v in tokenize},
                               "tokenize_server": {v: t_measured.server_median(v) for v in tokenize}})
             if call.number % 16 == 0:
-                c.note(f"P2: call {call.number}, {call.history_ids} ids: e2e ms " + ", ".join(
+                note(f"P2: call {call.number}, {call.history_ids} ids: e2e ms " + ", ".join(
                     f"{v} {row['e2e'][v]:.1f}" for v in VARIANTS))
-    figure = c.Figure("P2", "Preprocessing: hook vs stock templating vs token-in", c.command("p2_preprocess.py", argv))
+    figure = Figure("P2", "Preprocessing: hook vs stock templating vs token-in", command("p2_preprocess.py", argv))
     unavailable = "" if timer else " (server-side timer unavailable: this server's /metrics has no " \
-                                   f"{c.PREPROCESS_METRIC})"
+                                   f"{PREPROCESS_METRIC})"
 
-    table = c.Table(f"By history size: 1-token chat completion and /tokenize, ms{unavailable}",
+    table = Table(f"By history size: 1-token chat completion and /tokenize, ms{unavailable}",
                     ["size", "history ids", "request", "measure", "stock", "hook", "token-in", "hook/stock",
                      "token-in/stock", "hook/token-in", "hook/stock paired", "hook/token-in paired"])
     for row in sizes:
@@ -176,40 +181,40 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> c.Figure:
             values = row[key]
             paired = [row["paired"]["hook/stock"], row["paired"]["hook/token_in"]] if key == "e2e" else ["-", "-"]
             table.add(label, row["ids"], "chat, 1 token", measure_name, values["stock"], values["hook"],
-                      values["token_in"], c.ratio(values["hook"], values["stock"]),
-                      c.ratio(values["token_in"], values["stock"]), c.ratio(values["hook"], values["token_in"]),
+                      values["token_in"], ratio(values["hook"], values["stock"]),
+                      ratio(values["token_in"], values["stock"]), ratio(values["hook"], values["token_in"]),
                       *paired, digits=2)
         for measure_name, key in (("e2e median", "tokenize_e2e"), ("server-side median", "tokenize_server")):
             values = row[key]
             table.add(label, row["ids"], "/tokenize", measure_name, values["stock"], values["hook"], "-",
-                      c.ratio(values["hook"], values["stock"]), "-", "-", "-", "-", digits=2)
+                      ratio(values["hook"], values["stock"]), "-", "-", "-", "-", digits=2)
     figure.tables.append(table)
 
-    growth = c.Table(f"One episode growing to {episode[-1].number} calls (bundle of the last call each turn), ms",
+    growth = Table(f"One episode growing to {episode[-1].number} calls (bundle of the last call each turn), ms",
                      ["call", "history ids", "e2e stock", "e2e hook", "e2e token-in", "server stock", "server hook",
                       "server token-in", "hook/stock e2e", "hook/stock server"])
     for row in calls:
         if row["call"] in EPISODE_ROWS or row["call"] == calls[-1]["call"]:
             e2e, server = row["e2e"], row["server"]
             growth.add(row["call"], row["ids"], e2e["stock"], e2e["hook"], e2e["token_in"], server["stock"],
-                       server["hook"], server["token_in"], c.ratio(e2e["hook"], e2e["stock"]),
-                       c.ratio(server["hook"], server["stock"]), digits=2)
+                       server["hook"], server["token_in"], ratio(e2e["hook"], e2e["stock"]),
+                       ratio(server["hook"], server["stock"]), digits=2)
     figure.tables.append(growth)
 
-    slopes = c.Table("Slope over the episode (Theil-Sen linear fit): ms per 1k history ids",
+    slopes = Table("Slope over the episode (Theil-Sen linear fit): ms per 1k history ids",
                      ["variant", "server-side ms/1k ids", "vs stock", "e2e ms/1k ids", "vs stock"])
     xs = [row["ids"] / 1000 for row in calls]
-    fitted = {v: (c.slope(xs, [row["server"][v] for row in calls]), c.slope(xs, [row["e2e"][v] for row in calls]))
+    fitted = {v: (slope(xs, [row["server"][v] for row in calls]), slope(xs, [row["e2e"][v] for row in calls]))
               for v in VARIANTS}
     for v in VARIANTS:
-        slopes.add(v, fitted[v][0], c.ratio(fitted[v][0], fitted["stock"][0]), fitted[v][1],
-                   c.ratio(fitted[v][1], fitted["stock"][1]), digits=3)
+        slopes.add(v, fitted[v][0], ratio(fitted[v][0], fitted["stock"][0]), fitted[v][1],
+                   ratio(fitted[v][1], fitted["stock"][1]), digits=3)
     figure.tables.append(slopes)
-    hook_ratio = c.ratio(fitted["hook"][0], fitted["stock"][0])
+    hook_ratio = ratio(fitted["hook"][0], fitted["stock"][0])
     figure.notes.append(
-        f"Server-side slope hook/stock: {c.fmt(hook_ratio, 3)} (target <= 0.3)" if timer else
+        f"Server-side slope hook/stock: {fmt(hook_ratio, 3)} (target <= 0.3)" if timer else
         "Server-side slope hook/stock: unavailable (no preprocessing timer on this server's /metrics); "
-        f"end-to-end slope hook/stock: {c.fmt(c.ratio(fitted['hook'][1], fitted['stock'][1]), 3)}")
+        f"end-to-end slope hook/stock: {fmt(ratio(fitted['hook'][1], fitted['stock'][1]), 3)}")
     mislabelled = {v: dict(labels[v]) for v in VARIANTS if set(labels[v]) - {TIMER_PATH[v]}}
     if mislabelled:
         figure.notes.append("The server's timer labelled requests otherwise than expected (variant: {path: requests}): "
@@ -229,7 +234,7 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> c.Figure:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    c.run_standalone(parser, run, argv)
+    run_standalone(parser, run, argv)
 
 
 if __name__ == "__main__":

@@ -22,14 +22,18 @@ from typing import Any
 import httpx
 import orjson
 
-import _common as c
+from _episode import user_message
+from _figures import Figure, Table, command, run_standalone
+from _hops import adapter_instance, gym
+from _metrics import http_requests, scrape
+from _server import JSON_HEADERS, MODEL, BenchError
 
 BUNDLE = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--vllm-url", help=f"a hooked vLLM serving the bench model as {c.MODEL!r} (else one is started)")
+    p.add_argument("--vllm-url", help=f"a hooked vLLM serving the bench model as {MODEL!r} (else one is started)")
     p.add_argument("--stock-url", help="a stock vLLM serving it: also count splice: adapter")
     p.add_argument("--turns", type=int, default=10, help="turns per conversation (default 10)")
     p.add_argument("--max-tokens", type=int, default=16)
@@ -43,37 +47,37 @@ def without_bundle(item: dict[str, Any]) -> dict[str, Any]:
 def conversation(http: httpx.Client, adapter: str, vllm: str, endpoint: str, turns: int, max_tokens: int
                  ) -> list[dict[str, int]]:
     """Play `turns` turns; per turn, the requests vLLM answered, by handler."""
-    history: list[dict[str, Any]] = [c.user_message(0)]
+    history: list[dict[str, Any]] = [user_message(0)]
     counts = []
     for turn in range(1, turns + 1):
         if endpoint == "/v1/chat/completions":
-            body = {"model": c.MODEL, "messages": history, "max_tokens": max_tokens, "seed": turn}
+            body = {"model": MODEL, "messages": history, "max_tokens": max_tokens, "seed": turn}
         else:
-            body = {"model": c.MODEL, "input": history, "max_output_tokens": max_tokens, "seed": turn}
-        before = c.scrape(vllm, http)
-        answer = http.post(f"{adapter}{endpoint}", content=orjson.dumps(body), headers=c.JSON_HEADERS)
-        after = c.scrape(vllm, http)
+            body = {"model": MODEL, "input": history, "max_output_tokens": max_tokens, "seed": turn}
+        before = scrape(vllm, http)
+        answer = http.post(f"{adapter}{endpoint}", content=orjson.dumps(body), headers=JSON_HEADERS)
+        after = scrape(vllm, http)
         if answer.status_code != 200:
-            raise c.BenchError(f"the adapter answered HTTP {answer.status_code} on {endpoint}: {answer.text[:500]}")
-        counts.append(c.http_requests(before, after))
+            raise BenchError(f"the adapter answered HTTP {answer.status_code} on {endpoint}: {answer.text[:500]}")
+        counts.append(http_requests(before, after))
         result = answer.json()
         new = [result["choices"][0]["message"]] if endpoint == "/v1/chat/completions" else result["output"]
         if not any(all(k in item for k in BUNDLE) for item in new):
-            raise c.BenchError(f"turn {turn} on {endpoint} came back without a token bundle")
+            raise BenchError(f"turn {turn} on {endpoint} came back without a token bundle")
         # The next request carries the last call's bundle only (earlier ones stripped), as the agent sends it.
-        history = [without_bundle(item) for item in history] + new + [c.user_message(turn)]
+        history = [without_bundle(item) for item in history] + new + [user_message(turn)]
     return counts
 
 
-def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str | None = None) -> c.Figure:
+def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str | None = None) -> Figure:
     started = time.monotonic()
-    figure = c.Figure("P3", "vLLM requests per model call through the adapter", c.command("p3_upstream_calls.py", argv))
-    table = c.Table("HTTP requests vLLM answered per model call (vLLM's http_requests_total)",
+    figure = Figure("P3", "vLLM requests per model call through the adapter", command("p3_upstream_calls.py", argv))
+    table = Table("HTTP requests vLLM answered per model call (vLLM's http_requests_total)",
                     ["adapter", "endpoint", "turns", "requests / call", "min", "max", "first call", "by handler"])
     setups = [("splice: hook", "hook", url)] + ([("splice: adapter", "adapter", stock_url)] if stock_url else [])
-    instances = {f"policy_{mode}": c.adapter_instance(base, splice=mode) for _, mode, base in setups}
+    instances = {f"policy_{mode}": adapter_instance(base, splice=mode) for _, mode, base in setups}
     results: dict[str, Any] = {}
-    with c.gym(instances) as running, httpx.Client(timeout=600) as http:
+    with gym(instances) as running, httpx.Client(timeout=600) as http:
         for label, mode, base in setups:
             for endpoint in ("/v1/chat/completions", "/v1/responses"):
                 counts = conversation(http, running.urls[f"policy_{mode}"], base, endpoint, args.turns, args.max_tokens)
@@ -96,7 +100,7 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    c.run_standalone(parser, run, argv, with_stock=True)
+    run_standalone(parser, run, argv, with_stock=True)
 
 
 if __name__ == "__main__":

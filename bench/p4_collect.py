@@ -33,15 +33,20 @@ from typing import Any
 import httpx
 import orjson
 
-import _common as c
+import _hops
+from _figures import Figure, Table, command, run_standalone
+from _hops import RecordingProxy, adapter_instance, serve_app
+from _metrics import engine_work, http_requests, scrape
+from _server import JSON_HEADERS, MODEL, REPO, BenchError, note
+from _timing import median, process_cpu_seconds, ratio
 
-GAME = c.REPO / "resources_servers" / "number_guess" / "data" / "example.jsonl"
+GAME = REPO / "resources_servers" / "number_guess" / "data" / "example.jsonl"
 GYM_PROCESSES = ("head", "policy_model", "number_guess", "number_guess_agent")
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--vllm-url", help=f"a hooked vLLM serving the bench model as {c.MODEL!r} (else one is started)")
+    p.add_argument("--vllm-url", help=f"a hooked vLLM serving the bench model as {MODEL!r} (else one is started)")
     p.add_argument("--rollouts", type=int, default=128, help="rollouts per run (default 128)")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -82,9 +87,9 @@ async def bare(url: str, episodes: list[list[bytes]], concurrency: int) -> int:
             nonlocal made
             async with limit:
                 for body in bodies:
-                    answer = await http.post("/v1/chat/completions", content=body, headers=c.JSON_HEADERS)
+                    answer = await http.post("/v1/chat/completions", content=body, headers=JSON_HEADERS)
                     if answer.status_code != 200:
-                        raise c.BenchError(f"bare call answered HTTP {answer.status_code}: {answer.text[:300]}")
+                        raise BenchError(f"bare call answered HTTP {answer.status_code}: {answer.text[:300]}")
                     orjson.loads(answer.content)
                     made += 1
 
@@ -93,43 +98,43 @@ async def bare(url: str, episodes: list[list[bytes]], concurrency: int) -> int:
 
 
 def gym_cpu(running: Any) -> dict[str, float]:
-    return {child.name: c.process_cpu_seconds(child.process.pid) for child in running.children
+    return {child.name: process_cpu_seconds(child.process.pid) for child in running.children
             if child.name in GYM_PROCESSES}
 
 
-def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> c.Figure:
+def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> Figure:
     from nemo_gym_tok.collect import collect
 
     started = time.monotonic()
-    figure = c.Figure("P4", "ngt collect vs a bare asyncio loop, same model calls", c.command("p4_collect.py", argv))
-    proxy = c.RecordingProxy(url)
+    figure = Figure("P4", "ngt collect vs a bare asyncio loop, same model calls", command("p4_collect.py", argv))
+    proxy = RecordingProxy(url)
     agent = {"model_server": "policy_model", "resources_server": "number_guess", "max_steps": 6}
-    with tempfile.TemporaryDirectory(prefix="ngt-bench-p4-") as scratch, c.serve_app(proxy.app()) as proxy_url:
+    with tempfile.TemporaryDirectory(prefix="ngt-bench-p4-") as scratch, serve_app(proxy.app()) as proxy_url:
         directory = Path(scratch)
         input_path = directory / "rows.jsonl"
         input_path.write_text("".join(json.dumps(row) + "\n" for row in rows(args.rollouts, args.max_tokens)))
         instances = {
-            "policy_model": c.adapter_instance(url, splice="hook"),
-            "policy_model_rec": c.adapter_instance(proxy_url, splice="hook"),
+            "policy_model": adapter_instance(url, splice="hook"),
+            "policy_model_rec": adapter_instance(proxy_url, splice="hook"),
             "number_guess": {"resources_servers": {"number_guess": {"max_rounds": 4}}},
             "number_guess_agent": {"responses_api_agents": {"simple_agent": agent}},
             "number_guess_agent_rec": {"responses_api_agents": {"simple_agent": {
                 **agent, "model_server": "policy_model_rec"}}},
         }
-        with c.gym(instances) as running:
-            c.note(f"P4: recording run ({args.rollouts} rollouts, concurrency {args.concurrency}) ...")
+        with _hops.gym(instances) as running:
+            note(f"P4: recording run ({args.rollouts} rollouts, concurrency {args.concurrency}) ...")
             summary = asyncio.run(collect(
                 input_path, directory / "recorded.jsonl", running.urls["number_guess_agent_rec"],
                 agent="number_guess_agent_rec", concurrency=args.concurrency, progress=False, timeout=1200))
             if summary.failed:
-                raise c.BenchError(f"the recording run failed {summary.failed} rollout(s): {summary.failures_path}")
+                raise BenchError(f"the recording run failed {summary.failed} rollout(s): {summary.failures_path}")
             episodes = episodes_of([e.body for e in proxy.posts("/v1/chat/completions")])
             recorded_calls = sum(map(len, episodes))
             results: dict[str, list[dict[str, float]]] = {"gym": [], "bare": []}
             for index in range(args.runs):
                 for kind in ("gym", "bare") if index % 2 == 0 else ("bare", "gym"):
-                    c.note(f"P4: timed {kind} run {index + 1} of {args.runs} ...")
-                    before = c.scrape(url)
+                    note(f"P4: timed {kind} run {index + 1} of {args.runs} ...")
+                    before = scrape(url)
                     cpu_before, own_before = gym_cpu(running), time.process_time()
                     wall = time.perf_counter()
                     if kind == "gym":
@@ -138,51 +143,51 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> c.Figure:
                             input_path, output, running.urls["number_guess_agent"], agent="number_guess_agent",
                             concurrency=args.concurrency, progress=False, timeout=1200))
                         if summary.failed:
-                            raise c.BenchError(f"{summary.failed} rollout(s) failed: {summary.failures_path}")
+                            raise BenchError(f"{summary.failed} rollout(s) failed: {summary.failures_path}")
                         rollouts = summary.done_now
                     else:
                         asyncio.run(bare(url, episodes, args.concurrency))
                         rollouts = len(episodes)
                     wall = time.perf_counter() - wall
                     own = time.process_time() - own_before
-                    after = c.scrape(url)
+                    after = scrape(url)
                     cpu = {name: seconds - cpu_before[name] for name, seconds in gym_cpu(running).items()}
-                    requests = c.http_requests(before, after)
+                    requests = http_requests(before, after)
                     model_calls = requests.get("/v1/chat/completions", 0)
                     results[kind].append({
                         "seconds": wall, "rollouts": rollouts, "calls": model_calls,
                         "vllm_requests": sum(requests.values()),
                         "cpu_ms": (own + (sum(cpu.values()) if kind == "gym" else 0.0)) * 1000,
                         "collector_ms": own * 1000, **{f"{name}_ms": seconds * 1000 for name, seconds in cpu.items()},
-                        **c.engine_work(before, after),
+                        **engine_work(before, after),
                     })
 
-    table = c.Table(f"{args.rollouts} rollouts per run, concurrency {args.concurrency}, max_tokens {args.max_tokens}",
+    table = Table(f"{args.rollouts} rollouts per run, concurrency {args.concurrency}, max_tokens {args.max_tokens}",
                     ["run", "seconds", "rollouts", "model calls", "rollouts/s", "calls/s", "CPU ms / call",
                      "vLLM requests / call", "prompt tokens", "generated tokens", "prefix-cache hits"])
     for kind in ("gym", "bare"):
         for number, r in enumerate(results[kind], 1):
             table.add(f"{kind} {number}", r["seconds"], r["rollouts"], r["calls"], r["rollouts"] / r["seconds"],
-                      r["calls"] / r["seconds"], c.ratio(r["cpu_ms"], r["calls"]),
-                      c.ratio(r["vllm_requests"], r["calls"]),
+                      r["calls"] / r["seconds"], ratio(r["cpu_ms"], r["calls"]),
+                      ratio(r["vllm_requests"], r["calls"]),
                       int(r["prompt_tokens"]), int(r["generation_tokens"]), f"{r['cache_hit']:.1%}", digits=2)
     figure.tables.append(table)
 
     def med(kind: str, key: str) -> float:
-        return c.median([r[key] / r["seconds"] if key in ("rollouts", "calls") else r[key] for r in results[kind]])
+        return median([r[key] / r["seconds"] if key in ("rollouts", "calls") else r[key] for r in results[kind]])
 
-    summary_table = c.Table("Medians", ["measure", "gym", "bare", "gym/bare"])
+    summary_table = Table("Medians", ["measure", "gym", "bare", "gym/bare"])
     for label, key in (("rollouts/s", "rollouts"), ("model calls/s", "calls")):
         gym, bare_ = med("gym", key), med("bare", key)
-        summary_table.add(label, gym, bare_, c.ratio(gym, bare_), digits=2)
-    per_call = {kind: c.median([c.ratio(r["cpu_ms"], r["calls"]) for r in results[kind]]) for kind in results}
+        summary_table.add(label, gym, bare_, ratio(gym, bare_), digits=2)
+    per_call = {kind: median([ratio(r["cpu_ms"], r["calls"]) for r in results[kind]]) for kind in results}
     summary_table.add("client-side CPU ms per model call", per_call["gym"], per_call["bare"],
-                      c.ratio(per_call["gym"], per_call["bare"]), digits=2)
+                      ratio(per_call["gym"], per_call["bare"]), digits=2)
     figure.tables.append(summary_table)
-    breakdown = c.Table("Gym CPU ms per model call, by process (median over the gym runs)",
+    breakdown = Table("Gym CPU ms per model call, by process (median over the gym runs)",
                         ["process", "CPU ms / call"])
     for name in ("collector", *GYM_PROCESSES):
-        breakdown.add(name, c.median([c.ratio(r.get(f"{name}_ms", float("nan")), r["calls"]) for r in results["gym"]]),
+        breakdown.add(name, median([ratio(r.get(f"{name}_ms", float("nan")), r["calls"]) for r in results["gym"]]),
                       digits=2)
     figure.tables.append(breakdown)
     figure.notes.append(
@@ -196,7 +201,7 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> c.Figure:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    c.run_standalone(parser, run, argv)
+    run_standalone(parser, run, argv)
 
 
 if __name__ == "__main__":

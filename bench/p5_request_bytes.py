@@ -24,15 +24,18 @@ from typing import Any
 import httpx
 import orjson
 
-import _common as c
+from _figures import Figure, Table, command, run_standalone
+from _hops import Exchange, RecordingProxy, adapter_instance, serve_app
+from _server import MODEL, REPO, BenchError, note
+from _timing import ratio
 
-GAME = c.REPO / "resources_servers" / "number_guess" / "data" / "example.jsonl"
+GAME = REPO / "resources_servers" / "number_guess" / "data" / "example.jsonl"
 BUNDLE = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--vllm-url", help=f"a hooked vLLM serving the bench model as {c.MODEL!r} (else one is started)")
+    p.add_argument("--vllm-url", help=f"a hooked vLLM serving the bench model as {MODEL!r} (else one is started)")
     p.add_argument("--turns", type=int, default=20, help="model calls the episode must reach (default 20)")
     p.add_argument("--report", type=int, nargs="+", default=[1, 10, 20], help="turns in the table (default 1 10 20)")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -49,7 +52,7 @@ def bundle_bytes(body: dict[str, Any], key: str) -> tuple[int, int]:
     return carrying, size
 
 
-def play(url: str, args: argparse.Namespace) -> tuple[list[c.Exchange], list[c.Exchange]]:
+def play(url: str, args: argparse.Namespace) -> tuple[list[Exchange], list[Exchange]]:
     """One episode reaching args.turns model calls: (agent -> adapter posts, adapter -> vLLM chat posts)."""
     from nemo_gym_tok.agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
     from nemo_gym_tok.config import ServerInstance
@@ -58,19 +61,19 @@ def play(url: str, args: argparse.Namespace) -> tuple[list[c.Exchange], list[c.E
     from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 
     examples = [json.loads(line) for line in GAME.read_text().splitlines() if line.strip()]
-    to_vllm = c.RecordingProxy(url)
+    to_vllm = RecordingProxy(url)
     with ExitStack() as stack:
-        vllm_proxy = stack.enter_context(c.serve_app(to_vllm.app()))
-        config = VLLMModelConfig(**c.adapter_instance(vllm_proxy, splice="hook")["responses_api_models"]["vllm_model"])
-        adapter = stack.enter_context(c.serve_app(VLLMModel("policy_model", config).build_app()))
-        to_adapter = c.RecordingProxy(adapter)
-        adapter_proxy = stack.enter_context(c.serve_app(to_adapter.app()))
+        vllm_proxy = stack.enter_context(serve_app(to_vllm.app()))
+        config = VLLMModelConfig(**adapter_instance(vllm_proxy, splice="hook")["responses_api_models"]["vllm_model"])
+        adapter = stack.enter_context(serve_app(VLLMModel("policy_model", config).build_app()))
+        to_adapter = RecordingProxy(adapter)
+        adapter_proxy = stack.enter_context(serve_app(to_adapter.app()))
         env_class, env_config = validate_instance(ServerInstance(
             "number_guess", "resources_servers", "number_guess", {"max_rounds": args.turns}, {}))
-        env = stack.enter_context(c.serve_app(env_class("number_guess", env_config).build_app()))
+        env = stack.enter_context(serve_app(env_class("number_guess", env_config).build_app()))
         agent_config = SimpleAgentConfig(model_server="policy_model", resources_server="number_guess",
                                          max_steps=args.turns)
-        agent = stack.enter_context(c.serve_app(SimpleAgent(
+        agent = stack.enter_context(serve_app(SimpleAgent(
             "number_guess_agent", agent_config, ServerClient({"policy_model": adapter_proxy, "number_guess": env}),
         ).build_app()))
         for attempt, example in enumerate(examples):
@@ -81,20 +84,20 @@ def play(url: str, args: argparse.Namespace) -> tuple[list[c.Exchange], list[c.E
             to_vllm.exchanges.clear()
             answer = httpx.post(f"{agent}/run", json=row, timeout=1200)
             if answer.status_code != 200:
-                raise c.BenchError(f"the agent answered HTTP {answer.status_code}: {answer.text[:500]}")
+                raise BenchError(f"the agent answered HTTP {answer.status_code}: {answer.text[:500]}")
             calls = to_adapter.posts("/v1/responses")
             if len(calls) >= args.turns:
                 return calls, to_vllm.posts("/v1/chat/completions")
-            c.note(f"P5: episode {attempt} ended after {len(calls)} calls (a right guess); next row")
-    raise c.BenchError(f"no example row gave an episode of {args.turns} model calls")
+            note(f"P5: episode {attempt} ended after {len(calls)} calls (a right guess); next row")
+    raise BenchError(f"no example row gave an episode of {args.turns} model calls")
 
 
-def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> c.Figure:
+def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> Figure:
     started = time.monotonic()
-    figure = c.Figure("P5", "Request bytes per model call as one episode grows", c.command("p5_request_bytes.py", argv))
-    c.note(f"P5: playing a {args.turns}-call number_guess episode ...")
+    figure = Figure("P5", "Request bytes per model call as one episode grows", command("p5_request_bytes.py", argv))
+    note(f"P5: playing a {args.turns}-call number_guess episode ...")
     to_adapter, to_vllm = play(url, args)
-    table = c.Table("Bytes of each model call's request body",
+    table = Table("Bytes of each model call's request body",
                     ["turn", "prompt ids", "agent -> adapter", "bundles in it", "bundle bytes", "bytes / prompt id",
                      "vs turn 1", "adapter -> vLLM", "bytes / prompt id"])
     first = len(to_adapter[0].body)
@@ -107,8 +110,8 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> c.Figure:
         rows.append({"turn": turn, "prompt_ids": prompt_ids, "agent_bytes": len(sent.body), "bundles": bundles,
                      "bundle_bytes": size, "vllm_bytes": len(forwarded.body)})
         if turn in args.report:
-            table.add(turn, prompt_ids, len(sent.body), bundles, size, c.ratio(len(sent.body), prompt_ids),
-                      c.ratio(len(sent.body), first), len(forwarded.body), c.ratio(len(forwarded.body), prompt_ids),
+            table.add(turn, prompt_ids, len(sent.body), bundles, size, ratio(len(sent.body), prompt_ids),
+                      ratio(len(sent.body), first), len(forwarded.body), ratio(len(forwarded.body), prompt_ids),
                       digits=2)
     figure.tables.append(table)
     figure.notes.append(
@@ -121,7 +124,7 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> c.Figure:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    c.run_standalone(parser, run, argv)
+    run_standalone(parser, run, argv)
 
 
 if __name__ == "__main__":

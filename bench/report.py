@@ -18,12 +18,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import _common as c
 import p1_adapter
 import p2_preprocess
 import p3_upstream_calls
 import p4_collect
 import p5_request_bytes
+from _figures import Figure, command, fmt
+from _machine import machine_facts
+from _server import BENCH_ARGS, REPO, vllm_server
+from _timing import median, ratio
 
 FULL: dict[str, list[str]] = {"P1": [], "P2": [], "P3": [], "P4": [], "P5": []}
 QUICK: dict[str, list[str]] = {
@@ -48,13 +51,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--only", nargs="+", choices=list(MODULES), help="run these figures only")
     p.add_argument("--vllm-url", help="use this hooked bench vLLM instead of starting one")
     p.add_argument("--stock-url", help="use this stock bench vLLM instead of starting one")
-    p.add_argument("--docs", type=Path, default=c.REPO / "docs",
+    p.add_argument("--docs", type=Path, default=REPO / "docs",
                    help="where performance.md and .png go (default docs/)")
     p.add_argument("--no-docs", action="store_true", help="print the tables only")
     return p
 
 
-def run_figure(key: str, url: str, stock: str | None, argv: list[str]) -> list[c.Figure]:
+def run_figure(key: str, url: str, stock: str | None, argv: list[str]) -> list[Figure]:
     module = MODULES[key]
     args = module.parser().parse_args(argv)
     result = module.run(url, args, argv, stock_url=stock) if key in NEEDS_STOCK else module.run(url, args, argv)
@@ -66,21 +69,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     plan = QUICK if args.quick else FULL
     keys = [k for k in ORDER if not args.only or k in args.only]
-    figures: dict[str, c.Figure] = {}
-    load_before = c.machine_facts()["load"]
+    figures: dict[str, Figure] = {}
+    load_before = machine_facts()["load"]
     with contextlib.ExitStack() as stack:
-        url = stack.enter_context(c.vllm_server(args.vllm_url))
-        facts = c.machine_facts(url)
+        url = stack.enter_context(vllm_server(args.vllm_url))
+        facts = machine_facts(url)
         facts["load"] = load_before
         stock: str | None = None
         for key in keys:
             if key in NEEDS_STOCK and stock is None:
-                stock = stack.enter_context(c.vllm_server(args.stock_url, hook=False))
+                stock = stack.enter_context(vllm_server(args.stock_url, hook=False))
             for figure in run_figure(key, url, stock, plan[key]):
                 figures[figure.key] = figure
                 print(figure.text() + "\n", flush=True)
     total = time.monotonic() - started
-    print(f"report: {len(figures)} figures in {total / 60:.1f} min; command: {c.command('report.py', sys.argv[1:])}")
+    print(f"report: {len(figures)} figures in {total / 60:.1f} min; command: {command('report.py', sys.argv[1:])}")
     if not args.no_docs:
         args.docs.mkdir(parents=True, exist_ok=True)
         plotted = plot(figures.get("P2"), args.docs / "performance.png")
@@ -90,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def plot(figure: c.Figure | None, path: Path) -> bool:
+def plot(figure: Figure | None, path: Path) -> bool:
     """Per-call cost against history length for stock, hook and token-in (P2's episode): end-to-end latency, and the
     hook's server-side preprocessing timer where the server has it."""
     if figure is None or not figure.data.get("calls"):
@@ -129,9 +132,9 @@ def plot(figure: c.Figure | None, path: Path) -> bool:
     return True
 
 
-def document(figures: dict[str, c.Figure], facts: dict[str, str], total: float, args: argparse.Namespace,
+def document(figures: dict[str, Figure], facts: dict[str, str], total: float, args: argparse.Namespace,
              plotted: bool) -> str:
-    run_command = "make bench" if not args.quick else c.command("report.py", ["--quick"])
+    run_command = "make bench" if not args.quick else command("report.py", ["--quick"])
     lines = [
         "# Performance",
         "",
@@ -147,7 +150,7 @@ def document(figures: dict[str, c.Figure], facts: dict[str, str], total: float, 
         f"| CPU placement | {facts['placement']} (measured at the start) |",
         "| model | the embedded tiny random Qwen3 (2 layers, hidden 128) built with `max_position_embeddings` 32768 "
         "(`build_tiny_model(max_position_embeddings=32768)`, its own cache entry; the test build keeps 8192) |",
-        "| server | `ngt vllm-serve` (hook on) with `" + " ".join(c.BENCH_ARGS) + "`; a stock vLLM (hook off) with the "
+        "| server | `ngt vllm-serve` (hook on) with `" + " ".join(BENCH_ARGS) + "`; a stock vLLM (hook off) with the "
         "same flags for the stock comparisons; prefix caching on (vLLM's default) |",
         f"| run time | {total / 60:.1f} min in all, server start-ups included |",
         "",
@@ -175,52 +178,52 @@ def document(figures: dict[str, c.Figure], facts: dict[str, str], total: float, 
     return "\n".join(lines).rstrip() + "\n"
 
 
-def headlines(figures: dict[str, c.Figure]) -> list[str]:
+def headlines(figures: dict[str, Figure]) -> list[str]:
     """One line per figure with its main ratio."""
     lines: list[str] = []
     if (p1 := figures.get("P1")) and p1.data.get("hook"):
         for row in p1.data["hook"]:
             lines.append(f"| P1 | adapter (splice: hook) / direct vLLM at {row['ids']} history ids: p50 "
-                         f"{c.fmt(c.ratio(row['adapter'][0], row['direct'][0]), 2)}, p95 "
-                         f"{c.fmt(c.ratio(row['adapter'][1], row['direct'][1]), 2)} (target at 7k: <= 1.05, <= 1.10); "
-                         f"a bare forwarding hop / direct: p50 {c.fmt(c.ratio(row['bare hop'][0], row['direct'][0]), 2)}"
-                         f", p95 {c.fmt(c.ratio(row['bare hop'][1], row['direct'][1]), 2)} |")
+                         f"{fmt(ratio(row['adapter'][0], row['direct'][0]), 2)}, p95 "
+                         f"{fmt(ratio(row['adapter'][1], row['direct'][1]), 2)} (target at 7k: <= 1.05, <= 1.10); "
+                         f"a bare forwarding hop / direct: p50 {fmt(ratio(row['bare hop'][0], row['direct'][0]), 2)}"
+                         f", p95 {fmt(ratio(row['bare hop'][1], row['direct'][1]), 2)} |")
     if (p1a := figures.get("P1a")) and p1a.data.get("adapter"):
         last = p1a.data["adapter"][-1]
         lines.append(f"| P1a | adapter (splice: adapter, stock vLLM) at {last['ids']} history ids, p50: "
-                     f"{c.fmt(c.ratio(last['adapter'][0], last['direct stock'][0]), 2)} x direct stock, "
-                     f"{c.fmt(c.ratio(last['adapter'][0], last['direct token-in'][0]), 2)} x direct token-in |")
+                     f"{fmt(ratio(last['adapter'][0], last['direct stock'][0]), 2)} x direct stock, "
+                     f"{fmt(ratio(last['adapter'][0], last['direct token-in'][0]), 2)} x direct token-in |")
     if (p2 := figures.get("P2")) and p2.data.get("slopes"):
         slopes: dict[str, Any] = p2.data["slopes"]
-        server = c.ratio(slopes["hook"][0], slopes["stock"][0])
-        e2e = c.ratio(slopes["hook"][1], slopes["stock"][1])
-        lines.append(f"| P2 | preprocessing slope hook / stock: server-side {c.fmt(server, 2)} (target <= 0.3), "
-                     f"end to end {c.fmt(e2e, 2)} |")
+        server = ratio(slopes["hook"][0], slopes["stock"][0])
+        e2e = ratio(slopes["hook"][1], slopes["stock"][1])
+        lines.append(f"| P2 | preprocessing slope hook / stock: server-side {fmt(server, 2)} (target <= 0.3), "
+                     f"end to end {fmt(e2e, 2)} |")
         for row in p2.data.get("sizes", []):
             e2e_row, tokenize, paired = row["e2e"], row["tokenize_e2e"], row["paired"]
             lines.append(
                 f"| P2 | at {row['ids']} history ids, 1-token chat end to end, paired (ratio of medians): hook / stock "
-                f"{c.fmt(paired['hook/stock'], 2)} ({c.fmt(c.ratio(e2e_row['hook'], e2e_row['stock']), 2)}; target at "
-                f"7k: <= 0.8), hook / token-in {c.fmt(paired['hook/token_in'], 2)} "
-                f"({c.fmt(c.ratio(e2e_row['hook'], e2e_row['token_in']), 2)}; target <= 1.15); /tokenize hook / stock "
-                f"{c.fmt(c.ratio(tokenize['hook'], tokenize['stock']), 2)} (target <= 1) |"
+                f"{fmt(paired['hook/stock'], 2)} ({fmt(ratio(e2e_row['hook'], e2e_row['stock']), 2)}; target at "
+                f"7k: <= 0.8), hook / token-in {fmt(paired['hook/token_in'], 2)} "
+                f"({fmt(ratio(e2e_row['hook'], e2e_row['token_in']), 2)}; target <= 1.15); /tokenize hook / stock "
+                f"{fmt(ratio(tokenize['hook'], tokenize['stock']), 2)} (target <= 1) |"
             )
     if (p3 := figures.get("P3")) and p3.data:
         hook = [n for k, totals in p3.data.items() if k.startswith("hook") for n in totals]
         lines.append(f"| P3 | vLLM requests per model call through the adapter in hook mode: "
-                     f"{c.fmt(sum(hook) / len(hook), 2)} (expected 1) |")
+                     f"{fmt(sum(hook) / len(hook), 2)} (expected 1) |")
     if (p4 := figures.get("P4")) and p4.data.get("gym"):
         gym, bare = p4.data["gym"], p4.data["bare"]
-        speed = c.ratio(c.median([r["rollouts"] / r["seconds"] for r in gym]),
-                        c.median([r["rollouts"] / r["seconds"] for r in bare]))
-        cpu = c.median([c.ratio(r["cpu_ms"], r["calls"]) for r in gym])
-        lines.append(f"| P4 | `ngt collect` rollouts/s over a bare asyncio loop: {c.fmt(speed, 2)}; gym CPU "
-                     f"{c.fmt(cpu, 1)} ms per model call |")
+        speed = ratio(median([r["rollouts"] / r["seconds"] for r in gym]),
+                        median([r["rollouts"] / r["seconds"] for r in bare]))
+        cpu = median([ratio(r["cpu_ms"], r["calls"]) for r in gym])
+        lines.append(f"| P4 | `ngt collect` rollouts/s over a bare asyncio loop: {fmt(speed, 2)}; gym CPU "
+                     f"{fmt(cpu, 1)} ms per model call |")
     if (p5 := figures.get("P5")) and p5.data.get("turns"):
         rows = p5.data["turns"]
         last = rows[-1]
         lines.append(f"| P5 | agent -> adapter request at turn {last['turn']}: {last['agent_bytes']} bytes "
-                     f"({c.fmt(c.ratio(last['agent_bytes'], last['prompt_ids']), 1)} per prompt id, "
+                     f"({fmt(ratio(last['agent_bytes'], last['prompt_ids']), 1)} per prompt id, "
                      f"{last['bundles']} bundle(s)) |")
     return lines
 

@@ -26,7 +26,8 @@ from nemo_gym_tok.splice._ids import (
 from nemo_gym_tok.splice._memo import RenderMemo
 from nemo_gym_tok.splice._profile import Header, TemplateProfile, detect_profile
 from nemo_gym_tok.splice._render import ChatRenderer, HFChatRenderer, added_token_maps, text_encoder
-from nemo_gym_tok.splice._splice import RepairedTurn, SplicedPrompt, SpliceResult, splice_prefix, splice_prompt
+from nemo_gym_tok.splice._result import RepairedTurn, SplicedPrompt, SpliceResult
+from nemo_gym_tok.splice._splice import splice_prefix, splice_prompt
 
 __all__ = [
     "BUNDLE_KEYS",

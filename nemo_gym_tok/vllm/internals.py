@@ -1,0 +1,116 @@
+"""What the hook wraps and uses inside vLLM, the releases it supports, and the check that vLLM has them in place."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import re
+from typing import Any
+
+from nemo_gym_tok.vllm import routes
+from nemo_gym_tok.vllm.routes import ROUTE_METHODS
+
+ALLOW_UNTESTED_ENV = "NEMO_GYM_TOK_ALLOW_UNTESTED_VLLM"
+SUPPORTED_VLLM = ((0, 29), (0, 34))
+"""The vLLM releases the hook supports, as (major, minor): from the first (inclusive) to the second (exclusive), i.e.
+0.29 to 0.33 (docs/vllm-versions.md). Inside the range the hook installs whenever `check_internals()` finds what it
+wraps; outside it only with NEMO_GYM_TOK_ALLOW_UNTESTED_VLLM=1 (and the same check)."""
+
+
+# module, class, method: what the hook wraps. A vLLM upgrade that moves any of these fails `check_internals()`.
+PATCHED_METHODS = (
+    ("vllm.renderers.online_renderer", "OnlineRenderer", "preprocess_chat"),
+    ("vllm.renderers.online_renderer", "OnlineRenderer", "warmup"),
+    ("vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat", "chat_completion_full_generator"),
+    ("vllm.renderers.online_renderer", "OnlineRenderer", "_make_request_with_harmony"),
+    ("vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat", "chat_completion_stream_generator"),
+    ("vllm.renderers.base", "BaseRenderer", "tokenize_prompts_async"),
+)
+# Other internals the wrappers use.
+# preprocess_chat's parameters the splice reads (by name, as vLLM's callers pass them).
+PREPROCESS_CHAT_PARAMETERS = (
+    "request", "messages", "default_template", "default_template_content_format", "default_template_kwargs", "tool_dicts",
+)
+# tokenize_prompts_async's parameters: the rendered text prompts and the tokenization parameters. A prompt that
+# already holds `prompt_token_ids` is not tokenized again (the splice relies on that: `ngt vllm-compat` checks it).
+TOKENIZE_PROMPTS_PARAMETERS = ("prompts", "params")
+# _make_request_with_harmony's parameters, and what it returns: (Harmony messages, [{"prompt_token_ids": ...}]).
+HARMONY_PARAMETERS = ("request", "should_include_tools")
+USED_SYMBOLS = (
+    ("vllm.exceptions", "VLLMValidationError"),
+    ("vllm.renderers.params", "ChatParams"),
+    ("vllm.renderers.params", "merge_kwargs"),
+    ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionResponse"),
+    ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
+    ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionToolsParam"),
+)
+_MARKER = "__nemo_gym_tok_original__"
+
+
+class VLLMInternalsChanged(RuntimeError):
+    """The vLLM internals the hook wraps are not where this version of the hook expects them."""
+
+
+def check_internals() -> list[str]:
+    """Names of the patched or used vLLM symbols that are missing (empty when all are in place). A route method whose
+    route the installed vLLM does not serve (routes.not_served: a release that predates it, or an optional package
+    its routes need that does not import here) is not missing: there is no such route to guard."""
+    import vllm
+
+    missing = []
+    for module_name, class_name, method in (*PATCHED_METHODS, *ROUTE_METHODS):
+        owner = _lookup(module_name, class_name)
+        if owner is None or not callable(getattr(owner, method, None)):
+            if not routes.not_served((module_name, class_name, method), vllm.__version__):
+                missing.append(f"{module_name}.{class_name}.{method}")
+    checked = (
+        (PATCHED_METHODS[0], PREPROCESS_CHAT_PARAMETERS), (PATCHED_METHODS[3], HARMONY_PARAMETERS),
+        (PATCHED_METHODS[5], TOKENIZE_PROMPTS_PARAMETERS),
+    )
+    for patched, expected in checked:
+        method = getattr(_lookup(*patched[:2]), patched[2], None)
+        if method is not None:
+            parameters = inspect.signature(getattr(method, _MARKER, method)).parameters
+            missing.extend(f"{'.'.join(patched)}({name}=...)" for name in expected if name not in parameters)
+    for module_name, symbol in USED_SYMBOLS:
+        if _lookup(module_name, symbol) is None:
+            missing.append(f"{module_name}.{symbol}")
+    return missing
+
+
+def is_installed() -> bool:
+    module_name, class_name, method = PATCHED_METHODS[0]
+    owner = _lookup(module_name, class_name)
+    return owner is not None and hasattr(getattr(owner, method), _MARKER)
+
+
+def is_supported_vllm(version: str) -> bool:
+    """Whether a vLLM version string (`0.32.0`, `0.33.1rc1`, `0.30.0+cpu`) lies in SUPPORTED_VLLM."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        return False
+    release = (int(match[1]), int(match[2]))
+    return SUPPORTED_VLLM[0] <= release < SUPPORTED_VLLM[1]
+
+
+def supported_vllm_text() -> str:
+    """SUPPORTED_VLLM for people: `0.29 to 0.33`."""
+    (low_major, low_minor), (high_major, high_minor) = SUPPORTED_VLLM
+    # The upper bound is exclusive; within one major version the last supported minor is one below it.
+    last = f"{high_major}.{high_minor - 1}" if high_minor > 0 else f"below {high_major}.0"
+    return f"{low_major}.{low_minor} to {last}"
+
+
+def _wrap(owner: type, name: str, make_wrapper: Any) -> None:
+    original = getattr(owner, name)
+    wrapper = functools.wraps(original)(make_wrapper(original))
+    setattr(wrapper, _MARKER, original)
+    setattr(owner, name, wrapper)
+
+
+def _lookup(module_name: str, name: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module_name), name, None)
+    except ImportError:
+        return None
