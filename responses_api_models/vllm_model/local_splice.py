@@ -34,6 +34,7 @@ from nemo_gym_tok.splice import (
 )
 from nemo_gym_tok.token_sources import first_difference
 from responses_api_models.vllm_model.developer_role import as_server_renders
+from responses_api_models.vllm_model.hub_access import hub_unreachable, offline_advice
 from responses_api_models.vllm_model.upstream import answer_json
 
 TOKEN_FIELDS = (*BUNDLE_KEYS, "generation_log_probs")
@@ -79,19 +80,20 @@ class LocalTemplate:
     @classmethod
     def load(
         cls, source: str, *, chat_template: str | None, content_format: str, default_template_kwargs: Mapping[str, Any],
-        terminator_override: str | None = None,
+        terminator_override: str | None = None, local_files_only: bool = False,
     ) -> LocalTemplate:
-        """Load the tokenizer (directory or hub name) and the generation config's end ids; blocking."""
+        """Load the tokenizer (directory or hub name; `local_files_only`: from the hub cache, without asking the hub)
+        and the generation config's end ids; blocking."""
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_files_only)
         try:
-            model_config = AutoConfig.from_pretrained(source)
+            model_config = AutoConfig.from_pretrained(source, local_files_only=local_files_only)
             vocab_size = getattr(model_config.get_text_config(), "vocab_size", None)
         except (OSError, ValueError):  # a tokenizer-only directory: its own size is all there is to check against
             vocab_size = None
         try:
-            configured = GenerationConfig.from_pretrained(source).eos_token_id
+            configured = GenerationConfig.from_pretrained(source, local_files_only=local_files_only).eos_token_id
         except (OSError, ValueError):  # no generation config: the tokenizer's eos is the only end id
             configured = None
         ends = [value for value in (configured if isinstance(configured, list) else [configured]) if isinstance(value, int)]
@@ -183,17 +185,22 @@ class AdapterSplicer:
         async with self._lock:
             template = self._templates.get(source)
             if template is None:
+                # Offline, a hub name loads from the cache at once, or fails at once, instead of after the hub
+                # client's minute of retries.
+                unreachable = await hub_unreachable(source)
                 try:
                     template = await asyncio.to_thread(
                         LocalTemplate.load, source, chat_template=self.chat_template, content_format=self.content_format,
                         default_template_kwargs=self.default_template_kwargs,
-                        terminator_override=self.terminator_override,
+                        terminator_override=self.terminator_override, local_files_only=unreachable is not None,
                     )
                 except (OSError, ValueError) as exc:
+                    detail = offline_advice(source, unreachable) if unreachable is not None else (
+                        f"{exc}. Set vllm_model.tokenizer to the model's directory or hub name"
+                    )
                     raise ApiError(
                         502, f"the adapter splices prompts itself (splice: adapter) and needs the served tokenizer, but "
-                        f"could not load it from {source!r}: {exc}. Set vllm_model.tokenizer to the model's directory "
-                        "or hub name", error_type="adapter_tokenizer_unavailable",
+                        f"could not load it from {source!r}: {detail}", error_type="adapter_tokenizer_unavailable",
                     ) from None
                 self._templates[source] = template
         return template
