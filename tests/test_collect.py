@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from nemo_gym_tok._net import free_port
+from nemo_gym_tok.net import free_port
 from nemo_gym_tok.cli.main import main
 from nemo_gym_tok.collect import (
     DEFAULT_HEAD_URL,

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_gym_tok.splice import (
+    ChatRenderer,
     PrefixSource,
     TemplateProfile,
     find_prefix_source,
     splice_prefix,
 )
-from nemo_gym_tok.splice._render import ChatRenderer
 
 WORDS = (
     "the", "model", "said", "ok", "Paris", "42", "  spaced", "\n", "\n\n", "tab\t", "naïve", "日本語", "emoji🙂", "x=1;",

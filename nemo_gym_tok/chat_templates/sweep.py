@@ -44,10 +44,10 @@ from nemo_gym_tok.splice import (
     detect_profile,
     find_prefix_source,
     in_this_package,
+    neutralize,
     raised_in_this_package,
     splice_prefix,
 )
-from nemo_gym_tok.splice._neutral import neutralize
 
 OUTCOMES = ("exact", "refused", "crash", "wrong", "no chat turns")
 NO_TOOL_RESULTS = "the template renders no tool result (no tool support), so a tool-calling episode cannot be rendered"

@@ -24,6 +24,7 @@ from nemo_gym_tok.splice._ids import (
     find_prefix_source,
 )
 from nemo_gym_tok.splice._memo import RenderMemo
+from nemo_gym_tok.splice._neutral import neutralize
 from nemo_gym_tok.splice._profile import Header, TemplateProfile, detect_profile
 from nemo_gym_tok.splice._render import ChatRenderer, HFChatRenderer, added_token_maps, text_encoder
 from nemo_gym_tok.splice._result import RepairedTurn, SplicedPrompt, SpliceResult
@@ -55,6 +56,7 @@ __all__ = [
     "detect_profile",
     "find_prefix_source",
     "in_this_package",
+    "neutralize",
     "raised_in_this_package",
     "splice_prefix",
     "splice_prompt",

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from nemo_gym_tok.cache_dir import cache_root as cache_root  # the builders' root, re-exported
+
 logger = logging.getLogger(__name__)
 
 # Written last into the temporary build dir; a directory holding it (with a matching hash) is complete.
@@ -27,12 +29,6 @@ MARKER_FILE = "ngt_tiny_model.json"
 
 # Partial dirs of builds killed mid-way are removed once they are older than this; a live build takes seconds.
 STALE_PARTIAL_SECONDS = 3600.0
-
-
-def cache_root() -> Path:
-    """`$NGT_CACHE_DIR` if set, else `~/.cache/nemo_gym_tok`."""
-    configured = os.environ.get("NGT_CACHE_DIR")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "nemo_gym_tok"
 
 
 def file_sha256(path: Path) -> str:
