@@ -25,7 +25,7 @@ from nemo_gym_tok.splice._ids import (
 )
 from nemo_gym_tok.splice._memo import RenderMemo
 from nemo_gym_tok.splice._neutral import neutralize
-from nemo_gym_tok.splice._profile import Header, TemplateProfile, detect_profile
+from nemo_gym_tok.splice._profile import TERMINATOR_ENV, Header, TemplateProfile, detect_profile
 from nemo_gym_tok.splice._render import ChatRenderer, HFChatRenderer, added_token_maps, text_encoder
 from nemo_gym_tok.splice._result import RepairedTurn, SplicedPrompt, SpliceResult
 from nemo_gym_tok.splice._splice import splice_prefix, splice_prompt
@@ -34,6 +34,7 @@ __all__ = [
     "BUNDLE_KEYS",
     "NEW_SEGMENT_KEY",
     "PREFIX_KEY",
+    "TERMINATOR_ENV",
     "BoundaryNotFoundError",
     "ChatRenderer",
     "HFChatRenderer",

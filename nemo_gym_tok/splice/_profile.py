@@ -91,6 +91,11 @@ class TemplateProfile:
         )
 
 
+TERMINATOR_ENV = "NEMO_GYM_TOK_TURN_TERMINATOR"
+"""The environment variable that names a template's turn terminator where detection cannot (read by the vLLM hook and
+the adapter, passed here as `terminator_override`)."""
+
+
 def detect_profile(renderer: ChatRenderer, *, terminator_override: str | None = None) -> TemplateProfile:
     """Read the template's turn structure from probe conversations rendered with neutral assistant turns.
 
@@ -148,7 +153,7 @@ def detect_profile(renderer: ChatRenderer, *, terminator_override: str | None = 
         )
     if terminator_override:
         if terminator_override not in special:
-            raise UnsupportedTemplateError(f"NEMO_GYM_TOK_TURN_TERMINATOR={terminator_override!r} is not a special token")
+            raise UnsupportedTemplateError(f"{TERMINATOR_ENV}={terminator_override!r} is not a special token")
         closers = {terminator_override}
     if not closers and not renderer.end_token_ids:
         raise UnsupportedTemplateError(

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from nemo_gym_tok.splice import (
+    TERMINATOR_ENV as TERMINATOR_ENV,
     RenderMemo,
     TemplateProfile,
     UnsupportedTemplateError,
@@ -16,7 +17,6 @@ from nemo_gym_tok.splice import (
     text_encoder,
 )
 
-TERMINATOR_ENV = "NEMO_GYM_TOK_TURN_TERMINATOR"
 
 
 class _RequestRenderer:

@@ -25,7 +25,7 @@ from nemo_gym_tok.servers.json_response import JSONBytesResponse
 from nemo_gym_tok.servers.openapi import json_body
 from nemo_gym_tok.splice import PREFIX_KEY
 from nemo_gym_tok.types import ChatCompletionRequest, Response, ResponsesRequest
-from nemo_gym_tok.vllm.hook import TERMINATOR_ENV
+from nemo_gym_tok.splice import TERMINATOR_ENV
 from responses_api_models.vllm_model.sessions import SessionRouter
 from responses_api_models.vllm_model.token_capture import (
     attach_bundles,
