@@ -1,0 +1,172 @@
+"""docs/architecture.md stays true: every repo path it names exists, and the code keeps the layering it states."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "architecture.md"
+LIBRARY_ROOTS = ("nemo_gym_tok", "responses_api_models", "resources_servers")
+SERVING_PACKAGES = {"vllm", "fastapi", "starlette", "uvicorn", "httpx", "aiohttp", "transformers", "torch"}
+VLLM_IMPORTERS = ("nemo_gym_tok/vllm/", "nemo_gym_tok/cli/vllm_serve.py")
+
+
+def _doc() -> str:
+    return DOC.read_text(encoding="utf-8")
+
+
+def _looks_like_path(span: str) -> bool:
+    if span.startswith("/") or re.search(r"\s", span) or "://" in span:
+        return False  # HTTP routes (`/v1/responses`), commands, config snippets
+    return "/" in span or span.endswith((".py", ".md", ".yaml"))
+
+
+def doc_paths(text: str) -> list[str]:
+    """Every backticked span that names a repo path; `<name>` placeholders become `*`."""
+    spans = re.findall(r"`([^`\n]+)`", text)
+    return sorted({re.sub(r"<[^>]+>", "*", span) for span in spans if _looks_like_path(span)})
+
+
+def test_every_path_the_doc_names_exists() -> None:
+    paths = doc_paths(_doc())
+    assert len(paths) >= 60, f"the path extraction found only {len(paths)} paths: {paths}"
+    missing = [p for p in paths if not (any(ROOT.glob(p.rstrip("/"))) if "*" in p else (ROOT / p).exists())]
+    assert not missing, f"docs/architecture.md names paths that do not exist: {missing}"
+
+
+def test_where_to_change_what_names_files() -> None:
+    section = _doc().split("## Where to change what", 1)[1]
+    named = [p for p in doc_paths(section) if p.endswith((".py", ".md", ".yaml"))]
+    assert len(named) >= 25, named
+    for topic in ("chat-template quirk", "vLLM release", "new environment", "model server option", "NeMo Gym", "`ngt`"):
+        assert topic in section, f"'where to change what' lost its paragraph on {topic!r}"
+
+
+def _cells(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
+def layer_rows(text: str) -> list[tuple[str, list[str]]]:
+    """(layer, its path prefixes) for each row of the layers table, bottom first."""
+    section = text.split("## The layers, bottom up", 1)[1].split("\n## ", 1)[0]
+    table = section.split("\n\n| layer |", 1)[1].split("\n\n", 1)[0]
+    rows = []
+    for line in table.splitlines()[2:]:  # header remainder and separator
+        name, where = _cells(line)[:2]
+        prefixes = [p for p in re.findall(r"`([^`]+)`", where) if p.endswith(("/", ".py"))]
+        rows.append((name, prefixes))
+    return rows
+
+
+def _library_files() -> list[str]:
+    files = []
+    for root in LIBRARY_ROOTS:
+        for path in (ROOT / root).rglob("*.py"):
+            relative = path.relative_to(ROOT)
+            if "tests" not in relative.parts:
+                files.append(relative.as_posix())
+    return sorted(files)
+
+
+def _layer_of(file: str, rows: list[tuple[str, list[str]]]) -> int | None:
+    best: tuple[int, int] | None = None  # (prefix length, row)
+    for index, (_, prefixes) in enumerate(rows):
+        for prefix in prefixes:
+            if (file == prefix or (prefix.endswith("/") and file.startswith(prefix))) and (
+                best is None or len(prefix) > best[0]
+            ):
+                best = (len(prefix), index)
+    return None if best is None else best[1]
+
+
+def _module_file(module: str) -> str | None:
+    base = module.replace(".", "/")
+    for candidate in (f"{base}.py", f"{base}/__init__.py"):
+        if (ROOT / candidate).is_file():
+            return candidate
+    return None
+
+
+def imports(file: str) -> list[tuple[str, bool]]:
+    """(imported module, at module level) for every absolute import; `from X import Y` also yields X.Y."""
+    tree = ast.parse((ROOT / file).read_text(encoding="utf-8"))
+    found: list[tuple[str, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                found.extend((alias.name, not in_function) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+                found.append((child.module, not in_function))
+                found.extend((f"{child.module}.{alias.name}", not in_function) for alias in child.names)
+            visit(child, nested)
+
+    visit(tree, False)
+    return found
+
+
+def test_the_layers_table_covers_every_module() -> None:
+    rows = layer_rows(_doc())
+    assert len(rows) >= 10 and all(prefixes for _, prefixes in rows), f"the layers table did not parse: {rows}"
+    unplaced = [f for f in _library_files() if _layer_of(f, rows) is None]
+    assert not unplaced, f"modules in no row of docs/architecture.md's layers table: {unplaced}"
+
+
+def test_no_layer_imports_a_later_one() -> None:
+    rows = layer_rows(_doc())
+    upward = []
+    for file in _library_files():
+        own = _layer_of(file, rows)
+        for module, _ in imports(file):
+            target = _module_file(module) if module.split(".")[0] in LIBRARY_ROOTS else None
+            if target is None:
+                continue
+            their = _layer_of(target, rows)
+            if their is not None and own is not None and their > own:
+                upward.append(f"{file} ({rows[own][0]}) imports {module} ({rows[their][0]})")
+    assert not upward, "imports against the layer order of docs/architecture.md:\n" + "\n".join(upward)
+
+
+def _files_under(prefix: str) -> list[str]:
+    return [f for f in _library_files() if f.startswith(prefix)]
+
+
+@pytest.mark.parametrize(
+    ("prefix", "forbidden", "rule"),
+    [
+        ("nemo_gym_tok/splice/", lambda m: m.split(".")[0] in SERVING_PACKAGES, "no vLLM, HTTP, FastAPI, transformers"),
+        ("nemo_gym_tok/types/", lambda m: m.startswith("nemo_gym_tok.") and not m.startswith("nemo_gym_tok.types"),
+         "nothing of this project"),
+        ("nemo_gym_tok/servers/", lambda m: m.startswith(("nemo_gym_tok.splice", "nemo_gym_tok.vllm")),
+         "not the splice core, not nemo_gym_tok/vllm/"),
+        ("nemo_gym_tok/config/", lambda m: m.startswith(("nemo_gym_tok.splice", "nemo_gym_tok.vllm")),
+         "not the splice core, not nemo_gym_tok/vllm/"),
+        ("resources_servers/", lambda m: m.split(".")[0] in LIBRARY_ROOTS and not m.startswith(
+            ("nemo_gym_tok.servers", "resources_servers")), "of this project, only nemo_gym_tok/servers/"),
+    ],
+)
+def test_layer_rules(prefix: str, forbidden, rule: str) -> None:
+    assert _files_under(prefix), prefix
+    broken = [f"{file}: {module}" for file in _files_under(prefix) for module, _ in imports(file) if forbidden(module)]
+    assert not broken, f"{prefix} ({rule}):\n" + "\n".join(broken)
+
+
+def test_vllm_is_imported_only_by_the_vllm_package_and_inside_functions() -> None:
+    vllm_imports = [
+        (file, module, top)
+        for file in _library_files()
+        for module, top in imports(file)
+        if module.split(".")[0] == "vllm"
+    ]
+    assert any(file.startswith("nemo_gym_tok/vllm/") for file, _, _ in vllm_imports)  # the scan sees them at all
+    outside = [f"{file}: {module}" for file, module, _ in vllm_imports if not file.startswith(VLLM_IMPORTERS)]
+    assert not outside, "vllm imported outside nemo_gym_tok/vllm/:\n" + "\n".join(outside)
+    at_import_time = [f"{file}: {module}" for file, module, top in vllm_imports if top]
+    assert not at_import_time, "vllm imported at module level (importing the module would need vLLM):\n" + "\n".join(
+        at_import_time
+    )
