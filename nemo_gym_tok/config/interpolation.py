@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import yaml
@@ -173,7 +173,9 @@ def split_interpolations(text: str, fail: Callable[[str], ConfigError]) -> list[
     return parts
 
 
-def _closing_brace(text: str, start: int) -> int:
+def _top_level(text: str, start: int = 0) -> Iterator[tuple[int, str]]:
+    """The characters of `text` from `start` that stand outside quotes, escapes (`\\x`) and nested `${...}`, with
+    their positions: where an expression closes and where its arguments split."""
     depth, quote, i = 0, "", start
     while i < len(text):
         char = text[i]
@@ -187,45 +189,21 @@ def _closing_brace(text: str, start: int) -> int:
         elif text.startswith("${", i):
             depth += 1
             i += 1
-        elif char == "}":
-            if depth == 0:
-                return i
+        elif char == "}" and depth:
             depth -= 1
+        elif not depth:
+            yield i, char
         i += 1
-    return -1
+
+
+def _closing_brace(text: str, start: int) -> int:
+    return next((i for i, char in _top_level(text, start) if char == "}"), -1)
 
 
 def split_arguments(raw: str) -> list[str]:
     """Resolver arguments: split on the commas outside quotes and nested `${...}` (`\\,` stays in its argument)."""
-    args: list[str] = []
-    current: list[str] = []
-    depth, quote, i = 0, "", 0
-    while i < len(raw):
-        char = raw[i]
-        if char == "\\" and i + 1 < len(raw):
-            current.append(raw[i:i + 2])
-            i += 2
-            continue
-        if quote:
-            quote = "" if char == quote else quote
-        elif char in "'\"":
-            quote = char
-        elif raw.startswith("${", i):
-            depth += 1
-            current.append("${")
-            i += 2
-            continue
-        elif char == "}" and depth:
-            depth -= 1
-        elif char == "," and depth == 0:
-            args.append("".join(current))
-            current = []
-            i += 1
-            continue
-        current.append(char)
-        i += 1
-    args.append("".join(current))
-    return args
+    cuts = [i for i, char in _top_level(raw) if char == ","]
+    return [raw[a + 1:b] for a, b in zip([-1, *cuts], [*cuts, len(raw)])]
 
 
 def scalar(text: str) -> Any:
