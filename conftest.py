@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from nemo_gym_tok.tiny_model import build_tiny_model
-from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
 from nemo_gym_tok.vllm.hook import ENABLE_ENV
+from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
 from tests.servers import hooked_server
 
 # The fake agent's fixtures (`behaviour`, `agent_url`), shared by the collect tests.
@@ -35,8 +35,11 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     as `tiny-qwen3` (started the same way); CI never sets it, so CI always starts its own server.
     """
     with hooked_server(
-        tiny_model_dir, served_model_name=SERVED_MODEL_NAME, extra_args=(*CPU_SERVING_ARGS, *TEST_BED_ARGS),
-        env={**TEST_BED_ENV, **COHERE_API_ENV}, log_path=tmp_path_factory.mktemp("vllm") / "vllm.log",
+        tiny_model_dir,
+        served_model_name=SERVED_MODEL_NAME,
+        extra_args=(*CPU_SERVING_ARGS, *TEST_BED_ARGS),
+        env={**TEST_BED_ENV, **COHERE_API_ENV},
+        log_path=tmp_path_factory.mktemp("vllm") / "vllm.log",
         reuse_env="NGT_TEST_VLLM_URL",
     ) as server:
         yield server
@@ -48,8 +51,13 @@ def plain_vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFac
     started like the hooked one: what a user who cannot install anything into vLLM talks to. Shared by every test
     of the adapter-side splice. NGT_TEST_PLAIN_VLLM_URL reuses one for local iteration (CI never sets it)."""
     with hooked_server(
-        tiny_model_dir, served_model_name=SERVED_MODEL_NAME, extra_args=(*CPU_SERVING_ARGS, *TEST_BED_ARGS),
-        env={**TEST_BED_ENV, ENABLE_ENV: "0"}, log_path=tmp_path_factory.mktemp("plain-vllm") / "vllm.log",
-        reuse_env="NGT_TEST_PLAIN_VLLM_URL", hook=False, what="stock vLLM (no plugin): ",
+        tiny_model_dir,
+        served_model_name=SERVED_MODEL_NAME,
+        extra_args=(*CPU_SERVING_ARGS, *TEST_BED_ARGS),
+        env={**TEST_BED_ENV, ENABLE_ENV: "0"},
+        log_path=tmp_path_factory.mktemp("plain-vllm") / "vllm.log",
+        reuse_env="NGT_TEST_PLAIN_VLLM_URL",
+        hook=False,
+        what="stock vLLM (no plugin): ",
     ) as server:
         yield server

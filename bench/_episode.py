@@ -10,7 +10,6 @@ from typing import Any
 
 import httpx
 import orjson
-
 from _server import CONTEXT, JSON_HEADERS, MODEL, BenchError, bench_model
 
 GENERATED_PER_TURN = 232
@@ -47,7 +46,7 @@ class Call:
         would find its own). The spliced ids get the suffix's ids where the message's text ends."""
         suffix = f" (round {round_})"
         closing = tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-        if self.prompt_ids[-len(closing):] != closing:
+        if self.prompt_ids[-len(closing) :] != closing:
             raise BenchError("the bench prompt does not end with the Qwen generation prompt")
         ids = self.prompt_ids[: -len(closing)] + tokenizer.encode(suffix, add_special_tokens=False) + closing
         last = {**self.bundled[-1], "content": self.bundled[-1]["content"] + suffix}
@@ -61,8 +60,12 @@ class Call:
         if variant == "stock":
             return {"model": MODEL, "messages": self.plain, **fields}
         if variant == "token_in":
-            return {"model": MODEL, "messages": self.plain, "kv_transfer_params": {"prompt_token_ids": self.prompt_ids},
-                    **fields}
+            return {
+                "model": MODEL,
+                "messages": self.plain,
+                "kv_transfer_params": {"prompt_token_ids": self.prompt_ids},
+                **fields,
+            }
         raise ValueError(variant)
 
 
@@ -74,7 +77,12 @@ def word_ids(tokenizer: Any) -> list[int]:
 
 
 def build_episode(
-    url: str, calls: int, *, generated_per_turn: int = GENERATED_PER_TURN, seed: int = 0, limit: int = CONTEXT - 8,
+    url: str,
+    calls: int,
+    *,
+    generated_per_turn: int = GENERATED_PER_TURN,
+    seed: int = 0,
+    limit: int = CONTEXT - 8,
 ) -> list[Call]:
     """One episode of up to `calls` model calls, grown as the gym grows it: each call's assistant answer is
     `generated_per_turn` random ids, words but for ANY_ID_SHARE of any kind (decoded to its text; so some turns
@@ -93,12 +101,17 @@ def build_episode(
         for number in range(1, calls + 1):
             if episode:
                 previous = episode[-1]
-                generation = [rng.choice(vocabulary) if rng.random() >= ANY_ID_SHARE else rng.randrange(1000, 150000)
-                              for _ in range(generated_per_turn)]
+                generation = [
+                    rng.choice(vocabulary) if rng.random() >= ANY_ID_SHARE else rng.randrange(1000, 150000)
+                    for _ in range(generated_per_turn)
+                ]
                 text = tokenizer.decode(generation)
                 assistant = {"role": "assistant", "content": text}
-                bundle = {"prompt_token_ids": previous.prompt_ids, "generation_token_ids": generation,
-                          "generation_log_probs": [0.0] * len(generation)}
+                bundle = {
+                    "prompt_token_ids": previous.prompt_ids,
+                    "generation_token_ids": generation,
+                    "generation_log_probs": [0.0] * len(generation),
+                }
                 bundled = plain + [assistant | bundle, user_message(number - 1)]
                 plain = plain + [assistant, user_message(number - 1)]
             prompt = tokenize(http, bundled)
@@ -109,8 +122,11 @@ def build_episode(
 
 
 def tokenize(http: httpx.Client, messages: list[dict[str, Any]]) -> list[int]:
-    answer = http.post("/tokenize", content=orjson.dumps(
-        {"model": MODEL, "messages": messages, "add_generation_prompt": True}), headers=JSON_HEADERS)
+    answer = http.post(
+        "/tokenize",
+        content=orjson.dumps({"model": MODEL, "messages": messages, "add_generation_prompt": True}),
+        headers=JSON_HEADERS,
+    )
     if answer.status_code != 200:
         raise BenchError(f"/tokenize answered HTTP {answer.status_code}: {answer.text[:500]}")
     return list(answer.json()["tokens"])

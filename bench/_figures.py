@@ -30,8 +30,9 @@ class Table:
         self.rows.append([fmt(cell, digits) for cell in cells])
 
     def text(self) -> str:
-        widths = [max(len(h), *(len(r[i]) for r in self.rows)) if self.rows else len(h)
-                  for i, h in enumerate(self.headers)]
+        widths = [
+            max(len(h), *(len(r[i]) for r in self.rows)) if self.rows else len(h) for i, h in enumerate(self.headers)
+        ]
         lines = [self.title, "  ".join(h.rjust(w) for h, w in zip(self.headers, widths))]
         lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in self.rows]
         return "\n".join(lines)
@@ -39,8 +40,13 @@ class Table:
     def markdown(self) -> str:
         def escape(cell: str) -> str:
             return cell.replace("|", "\\|")
-        lines = [f"**{self.title}**", "", "| " + " | ".join(map(escape, self.headers)) + " |",
-                 "| " + " | ".join("---" for _ in self.headers) + " |"]
+
+        lines = [
+            f"**{self.title}**",
+            "",
+            "| " + " | ".join(map(escape, self.headers)) + " |",
+            "| " + " | ".join("---" for _ in self.headers) + " |",
+        ]
         lines += ["| " + " | ".join(map(escape, row)) + " |" for row in self.rows]
         return "\n".join(lines)
 
@@ -58,8 +64,12 @@ class Figure:
     seconds: float = 0.0
 
     def text(self) -> str:
-        parts = [f"== {self.key}: {self.title}", *(t.text() for t in self.tables), *self.notes,
-                 f"command: {self.command}  ({self.seconds:.0f} s)"]
+        parts = [
+            f"== {self.key}: {self.title}",
+            *(t.text() for t in self.tables),
+            *self.notes,
+            f"command: {self.command}  ({self.seconds:.0f} s)",
+        ]
         return "\n\n".join(parts)
 
 
@@ -69,8 +79,11 @@ def command(script: str, argv: Sequence[str]) -> str:
 
 
 def run_standalone(
-    make_parser: Callable[[], argparse.ArgumentParser], run: Callable[..., Figure | list[Figure]],
-    argv: Sequence[str] | None, *, with_stock: bool = False,
+    make_parser: Callable[[], argparse.ArgumentParser],
+    run: Callable[..., Figure | list[Figure]],
+    argv: Sequence[str] | None,
+    *,
+    with_stock: bool = False,
 ) -> None:
     """A figure's script run on its own: parse its arguments, start (or reuse) the server, print its tables."""
     argv = standalone_argv(argv)

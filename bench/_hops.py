@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
 from _server import MODEL, BenchError
 
 
@@ -48,12 +47,17 @@ class RecordingProxy:
             if client is None:
                 client = httpx.AsyncClient(base_url=self.target, timeout=600)
             raw = await request.body()
-            headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "authorization",
-                                                                                    "x-session-id", "accept")}
-            upstream = await client.request(request.method, request.url.path, content=raw, headers=headers,
-                                            params=request.query_params)
+            headers = {
+                k: v
+                for k, v in request.headers.items()
+                if k.lower() in ("content-type", "authorization", "x-session-id", "accept")
+            }
+            upstream = await client.request(
+                request.method, request.url.path, content=raw, headers=headers, params=request.query_params
+            )
             self.exchanges.append(
-                Exchange(request.method, request.url.path, raw, upstream.status_code, upstream.content))
+                Exchange(request.method, request.url.path, raw, upstream.status_code, upstream.content)
+            )
             kept = {k: v for k, v in upstream.headers.items() if k.lower() == "content-type"}
             return Response(upstream.content, status_code=upstream.status_code, headers=kept)
 
@@ -78,6 +82,7 @@ def gym(instances: dict[str, Any]) -> Iterator[Any]:
     {"responses_api_models": {"vllm_model": {...}}}}) started as `ngt run` starts them: one process each, plus the
     head, on free ports. Yields the running `Gym` (its `urls` by instance name, `children` with their processes)."""
     import yaml
+
     from nemo_gym_tok.config import load_config
     from nemo_gym_tok.servers.launcher import Gym
 
@@ -116,5 +121,8 @@ def passthrough(upstream: str) -> Iterator[str]:
 
 def adapter_instance(base_url: str, **fields: Any) -> dict[str, Any]:
     """A vllm_model adapter config (token information on, as the gym's training configs run it)."""
-    return {"responses_api_models": {"vllm_model": {
-        "base_url": f"{base_url}/v1", "model": MODEL, "return_token_id_information": True, **fields}}}
+    return {
+        "responses_api_models": {
+            "vllm_model": {"base_url": f"{base_url}/v1", "model": MODEL, "return_token_id_information": True, **fields}
+        }
+    }

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import httpx
 import orjson
-
 from _episode import user_message
 from _server import JSON_HEADERS, MODEL, server_version
 from _timing import process_cpu_seconds
@@ -29,8 +28,11 @@ def machine_facts(url: str | None = None) -> dict[str, str]:
         kib = int(Path("/proc/meminfo").read_text().splitlines()[0].split()[1])
         memory = f"{kib / 1024 / 1024:.0f} GiB"
     return {
-        "cpu": f"{os.cpu_count()} cores ({cpu})", "memory": memory, "python": platform.python_version(),
-        "vllm": server_version(url) if url else "unknown", "date": date.today().isoformat(),
+        "cpu": f"{os.cpu_count()} cores ({cpu})",
+        "memory": memory,
+        "python": platform.python_version(),
+        "vllm": server_version(url) if url else "unknown",
+        "date": date.today().isoformat(),
         "load": " ".join(f"{x:.1f}" for x in os.getloadavg()),
         "placement": cpu_placement(url) if url else "unknown",
     }
@@ -56,9 +58,11 @@ def cpu_placement(url: str, window: float = 0.5) -> str:
     except (OSError, httpx.HTTPError) as exc:
         return f"not measured ({type(exc).__name__}: {exc})"
     others = sorted(set(range(os.cpu_count() or 1)) - set(pinned))
-    return (f"vLLM's worker process is pinned to CPU {','.join(map(str, pinned))} and kept {busy:.2f} cores busy in "
-            f"the {window} s after a 1-token request; its API server, its engine core, the bench client and the "
-            f"adapter share CPU {','.join(map(str, others)) or 'none'}")
+    return (
+        f"vLLM's worker process is pinned to CPU {','.join(map(str, pinned))} and kept {busy:.2f} cores busy in "
+        f"the {window} s after a 1-token request; its API server, its engine core, the bench client and the "
+        f"adapter share CPU {','.join(map(str, others)) or 'none'}"
+    )
 
 
 def _pids() -> list[int]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 
 import httpx
-
 from _timing import ratio
 
 PREPROCESS_METRIC = "nemo_gym_tok_preprocess_seconds"

@@ -40,6 +40,9 @@ def app(upstream: str) -> Starlette:
 
 if __name__ == "__main__":
     uvicorn.run(
-        app(sys.argv[1].rstrip("/")), host="127.0.0.1", port=int(sys.argv[2]), log_level="warning",
+        app(sys.argv[1].rstrip("/")),
+        host="127.0.0.1",
+        port=int(sys.argv[2]),
+        log_level="warning",
         timeout_keep_alive=SERVER_KEEPALIVE_SECONDS,
     )

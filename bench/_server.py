@@ -26,8 +26,14 @@ CONTEXT = 32768
 prompt fits one step: no chunked prefill, which the CPU engine cannot do for seeded requests)."""
 
 BENCH_ARGS = (
-    *CPU_SERVING_ARGS, "--max-model-len", str(CONTEXT), "--max-num-batched-tokens", str(CONTEXT),
-    "--no-enable-chunked-prefill", "--seed", "0",
+    *CPU_SERVING_ARGS,
+    "--max-model-len",
+    str(CONTEXT),
+    "--max-num-batched-tokens",
+    str(CONTEXT),
+    "--no-enable-chunked-prefill",
+    "--seed",
+    "0",
 )
 """Prefix caching stays on (vLLM's default): a repeated prompt is computed once, so repeats time preprocessing."""
 
@@ -55,8 +61,14 @@ def vllm_server(url: str | None, *, hook: bool = True, log_dir: Path | None = No
     model = bench_model()
     kind = "hooked" if hook else "stock"
     log = (log_dir or Path(tempfile.mkdtemp(prefix="ngt-bench-"))) / f"vllm-{kind}.log"
-    server = VLLMServer(model, served_model_name=MODEL, extra_args=BENCH_ARGS, env={ENABLE_ENV: "1" if hook else "0"},
-                        hook=hook, log_path=log)
+    server = VLLMServer(
+        model,
+        served_model_name=MODEL,
+        extra_args=BENCH_ARGS,
+        env={ENABLE_ENV: "1" if hook else "0"},
+        hook=hook,
+        log_path=log,
+    )
     started = time.monotonic()
     note(f"starting {kind} vLLM on {model.name} (--max-model-len {CONTEXT}), log {log} ...")
     server.start()

@@ -9,7 +9,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httpx
-
 from _server import JSON_HEADERS, BenchError
 
 
@@ -57,7 +56,7 @@ def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     """Theil-Sen slope (the median of the slopes between every two points): a linear fit that a few load spikes on a
     shared machine do not tilt, as they tilt least squares. NaN with fewer than two points."""
     points = [(x, y) for x, y in zip(xs, ys) if y == y]
-    slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points) for x2, y2 in points[i + 1:] if x2 != x1]
+    slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points) for x2, y2 in points[i + 1 :] if x2 != x1]
     return statistics.median(slopes) if slopes else float("nan")
 
 

@@ -26,7 +26,6 @@ from typing import Any
 
 import httpx
 import orjson
-
 from _episode import Call, build_episode, calls_for, nearest_calls
 from _figures import Figure, Table, command, run_standalone
 from _hops import RecordingProxy, adapter_instance, gym, passthrough, serve_app
@@ -58,25 +57,37 @@ def recorded_adapter(vllm_url: str, splice: str) -> Iterator[tuple[str, Recordin
 
 def upstream_chat_body(adapter_url: str, proxy: RecordingProxy, body: dict[str, Any]) -> dict[str, Any]:
     """The chat body the adapter sends vLLM for `body`."""
-    answer = httpx.post(f"{adapter_url}/v1/chat/completions", content=orjson.dumps(body), headers=JSON_HEADERS,
-                        timeout=600)
+    answer = httpx.post(
+        f"{adapter_url}/v1/chat/completions", content=orjson.dumps(body), headers=JSON_HEADERS, timeout=600
+    )
     if answer.status_code != 200:
         raise BenchError(f"the adapter answered HTTP {answer.status_code}: {answer.text[:500]}")
     return orjson.loads(proxy.posts("/v1/chat/completions")[-1].body)
 
 
-def timed_table(title: str, baselines: Sequence[str], calls: list[Call],
-                bodies: dict[int, dict[str, tuple[str, bytes]]], repeats: int) -> tuple[Table, list[dict[str, Any]]]:
+def timed_table(
+    title: str,
+    baselines: Sequence[str],
+    calls: list[Call],
+    bodies: dict[int, dict[str, tuple[str, bytes]]],
+    repeats: int,
+) -> tuple[Table, list[dict[str, Any]]]:
     """Per call, its variants (name -> (URL, body)) interleaved; p50/p95 of each, and the first over each baseline."""
     rows: list[dict[str, Any]] = []
     for call in calls:
         targets = bodies[call.number]
         with httpx.Client(timeout=600) as http:
-            requests = {name: (lambda url=url, body=body: post_ms(http, url, body))
-                        for name, (url, body) in targets.items()}
+            requests = {
+                name: (lambda url=url, body=body: post_ms(http, url, body)) for name, (url, body) in targets.items()
+            }
             times = interleaved(requests, repeats, warmup=2)
-        rows.append({"call": call.number, "ids": call.history_ids,
-                     **{name: (percentile(t, 50), percentile(t, 95)) for name, t in times.items()}})
+        rows.append(
+            {
+                "call": call.number,
+                "ids": call.history_ids,
+                **{name: (percentile(t, 50), percentile(t, 95)) for name, t in times.items()},
+            }
+        )
     names = list(bodies[calls[0].number])
     headers = ["history ids"] + [f"{n} {q}" for n in names for q in ("p50", "p95")]
     headers += [f"{names[0]}/{b} {q}" for b in baselines for q in ("p50", "p95")]
@@ -91,11 +102,14 @@ def timed_table(title: str, baselines: Sequence[str], calls: list[Call],
 def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str | None = None) -> list[Figure]:
     """The hook-mode figure (P1) and, unless --no-adapter-splice, the splice: adapter figure (P1a)."""
     started = time.monotonic()
-    method = (f"p50 and p95 of {args.repeats} timed requests per variant after 2 untimed rounds, variants interleaved "
-              "(order rotated each round), one keep-alive client; the adapter runs as its own process (as `ngt run` "
-              "starts it). Prefix caching is on: repeats hit the cache alike.")
-    figure = Figure("P1", "Adapter (splice: hook) vs direct vLLM, 1-token chat completion",
-                      command("p1_adapter.py", argv))
+    method = (
+        f"p50 and p95 of {args.repeats} timed requests per variant after 2 untimed rounds, variants interleaved "
+        "(order rotated each round), one keep-alive client; the adapter runs as its own process (as `ngt run` "
+        "starts it). Prefix caching is on: repeats hit the cache alike."
+    )
+    figure = Figure(
+        "P1", "Adapter (splice: hook) vs direct vLLM, 1-token chat completion", command("p1_adapter.py", argv)
+    )
     note(f"P1: building the episode on {url} ...")
     episode = build_episode(url, calls_for(max(args.sizes)))
     calls = nearest_calls(episode, args.sizes)
@@ -105,22 +119,31 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
         direct = {call.number: upstream_chat_body(recorder, proxy, call.chat("hook", max_tokens=1)) for call in calls}
     with gym({"policy_model": adapter_instance(url, splice="hook")}) as running, passthrough(url) as hop:
         adapter_url = running.urls["policy_model"]
-        bodies = {call.number: {
-            "adapter": (f"{adapter_url}/v1/chat/completions", orjson.dumps(call.chat("hook", max_tokens=1))),
-            "direct": (f"{url}/v1/chat/completions", orjson.dumps(direct[call.number])),
-            "bare hop": (f"{hop}/v1/chat/completions", orjson.dumps(direct[call.number])),
-        } for call in calls}
+        bodies = {
+            call.number: {
+                "adapter": (f"{adapter_url}/v1/chat/completions", orjson.dumps(call.chat("hook", max_tokens=1))),
+                "direct": (f"{url}/v1/chat/completions", orjson.dumps(direct[call.number])),
+                "bare hop": (f"{hop}/v1/chat/completions", orjson.dumps(direct[call.number])),
+            }
+            for call in calls
+        }
         note("P1: timing the adapter (splice: hook) vs direct vLLM ...")
         table, rows = timed_table(
             "Adapter (splice: hook) in front of the hooked vLLM vs direct, same token capture, ms",
-            ["direct", "bare hop"], calls, bodies, args.repeats)
+            ["direct", "bare hop"],
+            calls,
+            bodies,
+            args.repeats,
+        )
     figure.tables.append(table)
     figure.data["hook"] = rows
     capture = sorted(k for k in direct[calls[0].number] if k not in ("model", "messages", "max_tokens"))
-    figure.notes.append("Direct requests carry what the adapter sends vLLM: the messages with the bundle, max_tokens 1 "
-                        f"and {', '.join(capture)}. Bare hop: the same direct requests through bench/_passthrough.py, "
-                        "a process that only forwards bytes (served and forwarding as the adapter is): what any hop "
-                        "costs here before doing any work; adapter/bare hop is the adapter's own share.")
+    figure.notes.append(
+        "Direct requests carry what the adapter sends vLLM: the messages with the bundle, max_tokens 1 "
+        f"and {', '.join(capture)}. Bare hop: the same direct requests through bench/_passthrough.py, "
+        "a process that only forwards bytes (served and forwarding as the adapter is): what any hop "
+        "costs here before doing any work; adapter/bare hop is the adapter's own share."
+    )
     figure.notes.append(method)
     figure.seconds = time.monotonic() - started
     figures = [figure]
@@ -128,12 +151,16 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
         return figures
 
     started = time.monotonic()
-    adapter_figure = Figure("P1a", "Adapter (splice: adapter) against stock vLLM vs direct, 1-token chat completion",
-                              command("p1_adapter.py", argv))
+    adapter_figure = Figure(
+        "P1a",
+        "Adapter (splice: adapter) against stock vLLM vs direct, 1-token chat completion",
+        command("p1_adapter.py", argv),
+    )
     with vllm_server(stock_url, hook=False) as stock:
         with recorded_adapter(stock, "adapter") as (recorder, proxy):
-            token_in = {call.number: upstream_chat_body(recorder, proxy, call.chat("hook", max_tokens=1))
-                        for call in calls}
+            token_in = {
+                call.number: upstream_chat_body(recorder, proxy, call.chat("hook", max_tokens=1)) for call in calls
+            }
             upstream_per_call = len(proxy.exchanges) / len(calls)
         with gym({"policy_model": adapter_instance(stock, splice="adapter")}) as running:
             adapter_url = running.urls["policy_model"]
@@ -149,14 +176,19 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
             note("P1a: timing the adapter (splice: adapter) vs direct stock vLLM ...")
             table, rows = timed_table(
                 "Adapter (splice: adapter) in front of a stock vLLM vs direct stock and direct token-in, ms",
-                ["direct stock", "direct token-in"], calls, bodies, args.repeats)
+                ["direct stock", "direct token-in"],
+                calls,
+                bodies,
+                args.repeats,
+            )
     adapter_figure.tables.append(table)
     adapter_figure.data["adapter"] = rows
     adapter_figure.notes.append(
         "splice: adapter makes a /tokenize call, a local render and the splice before its token-in chat call "
         f"({upstream_per_call:.1f} vLLM requests per call while recording, the first call's /v1/models included). "
         "direct stock: the same messages without a bundle and the same capture fields (vLLM templates the text); "
-        "direct token-in: exactly the adapter's final call. The stock vLLM runs with NEMO_GYM_TOK_PREFIX_SPLICE=0.")
+        "direct token-in: exactly the adapter's final call. The stock vLLM runs with NEMO_GYM_TOK_PREFIX_SPLICE=0."
+    )
     adapter_figure.notes.append(method)
     adapter_figure.seconds = time.monotonic() - started
     return figures + [adapter_figure]

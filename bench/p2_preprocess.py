@@ -15,7 +15,8 @@ Each variant is sent once untimed first (warm-up). Every request, timed or not, 
 holds what a real next turn finds there: the prompt it spliced for the previous call (while the episode was built),
 never this request's own; and the placement rendering, which has every text a placeholder and so depends only on the
 conversation's shape: every round after the warm-up finds this call's, as the turns of a tool-less environment find
-each other's across rollouts (with tool calls, whose ids differ per rollout, a real turn renders its own). The prefix cache holds the history for every variant alike; only the last
+each other's across rollouts (with tool calls, whose ids differ per rollout, a real turn renders its own). The prefix
+cache holds the history for every variant alike; only the last
 few ids (the varied message) are computed again, so the difference is preprocessing. Reported: end-to-end median
 latency, and the median of the hook's server-side timer (`nemo_gym_tok_preprocess_seconds` on /metrics, paths
 `spliced`, `template`, `token_in`; /metrics is read between consecutive requests, so each request's time is its
@@ -34,16 +35,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import _episode
 import httpx
 import orjson
-from transformers import AutoTokenizer
-
-import _episode
 from _episode import Call, build_episode, nearest_calls
 from _figures import Figure, Table, command, fmt, run_standalone
 from _metrics import PREPROCESS_METRIC, has_preprocess_timer, preprocess_delta, scrape
 from _server import MODEL, BenchError, bench_model, note
 from _timing import median, post_ms, ratio, slope
+from transformers import AutoTokenizer
 
 VARIANTS = ("stock", "hook", "token_in")
 TIMER_PATH = {"stock": "template", "hook": "spliced", "token_in": "token_in"}
@@ -55,11 +55,17 @@ EPISODE_ROWS = (2, 4, 8, 16, 32, 64, 96, 128)
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vllm-url", help=f"a hooked vLLM serving the bench model as {MODEL!r} (else one is started)")
-    p.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 7168, 16384, 32768],
-                   help="history sizes (ids) of the size table: the episode's calls nearest to them")
+    p.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=[1024, 4096, 7168, 16384, 32768],
+        help="history sizes (ids) of the size table: the episode's calls nearest to them",
+    )
     p.add_argument("--calls", type=int, default=128, help="model calls in the episode (default 128)")
-    p.add_argument("--repeats", type=int, default=40,
-                   help="timed repeats per variant at the size-table calls (default 40)")
+    p.add_argument(
+        "--repeats", type=int, default=40, help="timed repeats per variant at the size-table calls (default 40)"
+    )
     p.add_argument("--episode-repeats", type=int, default=3, help="timed repeats per variant at the other calls")
     p.add_argument("--episode-step", type=int, default=1, help="measure every Nth call of the episode (default 1)")
     return p
@@ -118,8 +124,13 @@ def _varied_body(call: Call, tokenizer: Any, variant: str) -> Callable[[int], by
 def _varied_tokenize_body(call: Call, tokenizer: Any, variant: str) -> Callable[[int], bytes]:
     def body(round_: int) -> bytes:
         varied = call.varied(tokenizer, 1000 + round_)  # not the chat rounds' requests
-        return orjson.dumps({"model": MODEL, "messages": varied.bundled if variant == "hook" else varied.plain,
-                             "add_generation_prompt": True})
+        return orjson.dumps(
+            {
+                "model": MODEL,
+                "messages": varied.bundled if variant == "hook" else varied.plain,
+                "add_generation_prompt": True,
+            }
+        )
 
     return body
 
@@ -149,85 +160,174 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> Figure:
             if not checkpoint and (call.number - 2) % args.episode_step and call.number != episode[-1].number:
                 continue
             chat = {v: _varied_body(call, tokenizer, v) for v in VARIANTS}
-            measured = measure(http, url, "/v1/chat/completions", chat,
-                               args.repeats if checkpoint else args.episode_repeats)
-            row = {"call": call.number, "ids": call.history_ids,
-                   "e2e": {v: measured.e2e_median(v) for v in VARIANTS},
-                   "server": {v: measured.server_median(v) for v in VARIANTS},
-                   "paired": {"hook/stock": measured.paired("hook", "stock"),
-                              "hook/token_in": measured.paired("hook", "token_in")}}
+            measured = measure(
+                http, url, "/v1/chat/completions", chat, args.repeats if checkpoint else args.episode_repeats
+            )
+            row = {
+                "call": call.number,
+                "ids": call.history_ids,
+                "e2e": {v: measured.e2e_median(v) for v in VARIANTS},
+                "server": {v: measured.server_median(v) for v in VARIANTS},
+                "paired": {
+                    "hook/stock": measured.paired("hook", "stock"),
+                    "hook/token_in": measured.paired("hook", "token_in"),
+                },
+            }
             calls.append(row)
             for v in VARIANTS:
                 labels[v].update(measured.paths[v])
             if checkpoint:
                 tokenize = {v: _varied_tokenize_body(call, tokenizer, v) for v in ("stock", "hook")}
                 t_measured = measure(http, url, "/tokenize", tokenize, args.repeats)
-                sizes.append({**row, "size": checkpoints[call.number],
-                              "tokenize_e2e": {v: t_measured.e2e_median(v) for v in tokenize},
-                              "tokenize_server": {v: t_measured.server_median(v) for v in tokenize}})
+                sizes.append(
+                    {
+                        **row,
+                        "size": checkpoints[call.number],
+                        "tokenize_e2e": {v: t_measured.e2e_median(v) for v in tokenize},
+                        "tokenize_server": {v: t_measured.server_median(v) for v in tokenize},
+                    }
+                )
             if call.number % 16 == 0:
-                note(f"P2: call {call.number}, {call.history_ids} ids: e2e ms " + ", ".join(
-                    f"{v} {row['e2e'][v]:.1f}" for v in VARIANTS))
+                note(
+                    f"P2: call {call.number}, {call.history_ids} ids: e2e ms "
+                    + ", ".join(f"{v} {row['e2e'][v]:.1f}" for v in VARIANTS)
+                )
     figure = Figure("P2", "Preprocessing: hook vs stock templating vs token-in", command("p2_preprocess.py", argv))
-    unavailable = "" if timer else " (server-side timer unavailable: this server's /metrics has no " \
-                                   f"{PREPROCESS_METRIC})"
+    unavailable = (
+        "" if timer else f" (server-side timer unavailable: this server's /metrics has no {PREPROCESS_METRIC})"
+    )
 
-    table = Table(f"By history size: 1-token chat completion and /tokenize, ms{unavailable}",
-                    ["size", "history ids", "request", "measure", "stock", "hook", "token-in", "hook/stock",
-                     "token-in/stock", "hook/token-in", "hook/stock paired", "hook/token-in paired"])
+    table = Table(
+        f"By history size: 1-token chat completion and /tokenize, ms{unavailable}",
+        [
+            "size",
+            "history ids",
+            "request",
+            "measure",
+            "stock",
+            "hook",
+            "token-in",
+            "hook/stock",
+            "token-in/stock",
+            "hook/token-in",
+            "hook/stock paired",
+            "hook/token-in paired",
+        ],
+    )
     for row in sizes:
         label = f"{row['size'] / 1024:g}k"
         for measure_name, key in (("e2e median", "e2e"), ("server-side median", "server")):
             values = row[key]
             paired = [row["paired"]["hook/stock"], row["paired"]["hook/token_in"]] if key == "e2e" else ["-", "-"]
-            table.add(label, row["ids"], "chat, 1 token", measure_name, values["stock"], values["hook"],
-                      values["token_in"], ratio(values["hook"], values["stock"]),
-                      ratio(values["token_in"], values["stock"]), ratio(values["hook"], values["token_in"]),
-                      *paired, digits=2)
+            table.add(
+                label,
+                row["ids"],
+                "chat, 1 token",
+                measure_name,
+                values["stock"],
+                values["hook"],
+                values["token_in"],
+                ratio(values["hook"], values["stock"]),
+                ratio(values["token_in"], values["stock"]),
+                ratio(values["hook"], values["token_in"]),
+                *paired,
+                digits=2,
+            )
         for measure_name, key in (("e2e median", "tokenize_e2e"), ("server-side median", "tokenize_server")):
             values = row[key]
-            table.add(label, row["ids"], "/tokenize", measure_name, values["stock"], values["hook"], "-",
-                      ratio(values["hook"], values["stock"]), "-", "-", "-", "-", digits=2)
+            table.add(
+                label,
+                row["ids"],
+                "/tokenize",
+                measure_name,
+                values["stock"],
+                values["hook"],
+                "-",
+                ratio(values["hook"], values["stock"]),
+                "-",
+                "-",
+                "-",
+                "-",
+                digits=2,
+            )
     figure.tables.append(table)
 
-    growth = Table(f"One episode growing to {episode[-1].number} calls (bundle of the last call each turn), ms",
-                     ["call", "history ids", "e2e stock", "e2e hook", "e2e token-in", "server stock", "server hook",
-                      "server token-in", "hook/stock e2e", "hook/stock server"])
+    growth = Table(
+        f"One episode growing to {episode[-1].number} calls (bundle of the last call each turn), ms",
+        [
+            "call",
+            "history ids",
+            "e2e stock",
+            "e2e hook",
+            "e2e token-in",
+            "server stock",
+            "server hook",
+            "server token-in",
+            "hook/stock e2e",
+            "hook/stock server",
+        ],
+    )
     for row in calls:
         if row["call"] in EPISODE_ROWS or row["call"] == calls[-1]["call"]:
             e2e, server = row["e2e"], row["server"]
-            growth.add(row["call"], row["ids"], e2e["stock"], e2e["hook"], e2e["token_in"], server["stock"],
-                       server["hook"], server["token_in"], ratio(e2e["hook"], e2e["stock"]),
-                       ratio(server["hook"], server["stock"]), digits=2)
+            growth.add(
+                row["call"],
+                row["ids"],
+                e2e["stock"],
+                e2e["hook"],
+                e2e["token_in"],
+                server["stock"],
+                server["hook"],
+                server["token_in"],
+                ratio(e2e["hook"], e2e["stock"]),
+                ratio(server["hook"], server["stock"]),
+                digits=2,
+            )
     figure.tables.append(growth)
 
-    slopes = Table("Slope over the episode (Theil-Sen linear fit): ms per 1k history ids",
-                     ["variant", "server-side ms/1k ids", "vs stock", "e2e ms/1k ids", "vs stock"])
+    slopes = Table(
+        "Slope over the episode (Theil-Sen linear fit): ms per 1k history ids",
+        ["variant", "server-side ms/1k ids", "vs stock", "e2e ms/1k ids", "vs stock"],
+    )
     xs = [row["ids"] / 1000 for row in calls]
-    fitted = {v: (slope(xs, [row["server"][v] for row in calls]), slope(xs, [row["e2e"][v] for row in calls]))
-              for v in VARIANTS}
+    fitted = {
+        v: (slope(xs, [row["server"][v] for row in calls]), slope(xs, [row["e2e"][v] for row in calls]))
+        for v in VARIANTS
+    }
     for v in VARIANTS:
-        slopes.add(v, fitted[v][0], ratio(fitted[v][0], fitted["stock"][0]), fitted[v][1],
-                   ratio(fitted[v][1], fitted["stock"][1]), digits=3)
+        slopes.add(
+            v,
+            fitted[v][0],
+            ratio(fitted[v][0], fitted["stock"][0]),
+            fitted[v][1],
+            ratio(fitted[v][1], fitted["stock"][1]),
+            digits=3,
+        )
     figure.tables.append(slopes)
     hook_ratio = ratio(fitted["hook"][0], fitted["stock"][0])
     figure.notes.append(
-        f"Server-side slope hook/stock: {fmt(hook_ratio, 3)} (target <= 0.3)" if timer else
-        "Server-side slope hook/stock: unavailable (no preprocessing timer on this server's /metrics); "
-        f"end-to-end slope hook/stock: {fmt(ratio(fitted['hook'][1], fitted['stock'][1]), 3)}")
+        f"Server-side slope hook/stock: {fmt(hook_ratio, 3)} (target <= 0.3)"
+        if timer
+        else "Server-side slope hook/stock: unavailable (no preprocessing timer on this server's /metrics); "
+        f"end-to-end slope hook/stock: {fmt(ratio(fitted['hook'][1], fitted['stock'][1]), 3)}"
+    )
     mislabelled = {v: dict(labels[v]) for v in VARIANTS if set(labels[v]) - {TIMER_PATH[v]}}
     if mislabelled:
-        figure.notes.append("The server's timer labelled requests otherwise than expected (variant: {path: requests}): "
-                            f"{mislabelled}; the figures above are per request and do not depend on the label.")
+        figure.notes.append(
+            "The server's timer labelled requests otherwise than expected (variant: {path: requests}): "
+            f"{mislabelled}; the figures above are per request and do not depend on the label."
+        )
     figure.notes.append(
         f"{args.repeats} timed repeats per variant at the size-table calls, {args.episode_repeats} at the other calls, "
         "after one untimed warm-up each; variants interleaved, order rotated each round. e2e: client wall time of the "
         "request, answer read; paired: the median over rounds of the two variants' ratio within a round (sent back to "
-        "back), which the machine's drift between rounds does not move as it moves a ratio of medians. Server-side: the hook's timer (nemo_gym_tok_preprocess_seconds), one request at a time: "
+        "back), which the machine's drift between rounds does not move as it moves a ratio of medians. Server-side: "
+        "the hook's timer (nemo_gym_tok_preprocess_seconds), one request at a time: "
         "/metrics is read between consecutive requests and each request's sum delta is its own; medians. "
         "Prefix caching is on: repeated prompts hit the cache for all three variants alike. The hook finds the prompt "
         "it spliced for the previous call (a real next turn does) and the placement rendering of the call's shape "
-        "(shared by requests of that shape; a conversation with tool calls renders its own, one more rendering).")
+        "(shared by requests of that shape; a conversation with tool calls renders its own, one more rendering)."
+    )
     figure.data = {"calls": calls, "sizes": sizes, "timer": timer, "slopes": fitted}
     figure.seconds = time.monotonic() - started
     return figure

@@ -21,7 +21,6 @@ from typing import Any
 
 import httpx
 import orjson
-
 from _episode import user_message
 from _figures import Figure, Table, command, run_standalone
 from _hops import adapter_instance, gym
@@ -44,8 +43,9 @@ def without_bundle(item: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in item.items() if k not in BUNDLE}
 
 
-def conversation(http: httpx.Client, adapter: str, vllm: str, endpoint: str, turns: int, max_tokens: int
-                 ) -> list[dict[str, int]]:
+def conversation(
+    http: httpx.Client, adapter: str, vllm: str, endpoint: str, turns: int, max_tokens: int
+) -> list[dict[str, int]]:
     """Play `turns` turns; per turn, the requests vLLM answered, by handler."""
     history: list[dict[str, Any]] = [user_message(0)]
     counts = []
@@ -72,8 +72,10 @@ def conversation(http: httpx.Client, adapter: str, vllm: str, endpoint: str, tur
 def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str | None = None) -> Figure:
     started = time.monotonic()
     figure = Figure("P3", "vLLM requests per model call through the adapter", command("p3_upstream_calls.py", argv))
-    table = Table("HTTP requests vLLM answered per model call (vLLM's http_requests_total)",
-                    ["adapter", "endpoint", "turns", "requests / call", "min", "max", "first call", "by handler"])
+    table = Table(
+        "HTTP requests vLLM answered per model call (vLLM's http_requests_total)",
+        ["adapter", "endpoint", "turns", "requests / call", "min", "max", "first call", "by handler"],
+    )
     setups = [("splice: hook", "hook", url)] + ([("splice: adapter", "adapter", stock_url)] if stock_url else [])
     instances = {f"policy_{mode}": adapter_instance(base, splice=mode) for _, mode, base in setups}
     results: dict[str, Any] = {}
@@ -85,15 +87,25 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
                 handlers = Counter()
                 for turn in counts:
                     handlers.update(turn)
-                table.add(label, endpoint, len(counts), sum(totals) / len(totals), min(totals), max(totals), totals[0],
-                          ", ".join(f"{h} {n}" for h, n in sorted(handlers.items())), digits=2)
+                table.add(
+                    label,
+                    endpoint,
+                    len(counts),
+                    sum(totals) / len(totals),
+                    min(totals),
+                    max(totals),
+                    totals[0],
+                    ", ".join(f"{h} {n}" for h, n in sorted(handlers.items())),
+                    digits=2,
+                )
                 results[f"{mode} {endpoint}"] = totals
     figure.tables.append(table)
     figure.notes.append(
         f"{args.turns} turns per conversation, max_tokens {args.max_tokens}; each request carries the previous call's "
         "bundle on the last assistant message. Expected: 1 per call with the hook (the chat call; token ids come back "
         "on it), 2 with splice: adapter (/tokenize, then the token-in chat call; its first call also asks /v1/models "
-        "once for the tokenizer path).")
+        "once for the tokenizer path)."
+    )
     figure.data = results
     figure.seconds = time.monotonic() - started
     return figure

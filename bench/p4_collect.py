@@ -30,10 +30,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import _hops
 import httpx
 import orjson
-
-import _hops
 from _figures import Figure, Table, command, run_standalone
 from _hops import RecordingProxy, adapter_instance, serve_app
 from _metrics import engine_work, http_requests, scrape
@@ -81,8 +80,8 @@ async def bare(url: str, episodes: list[list[bytes]], concurrency: int) -> int:
     """Each episode's bodies in order, `concurrency` episodes at a time; returns the calls made."""
     limit = asyncio.Semaphore(concurrency)
     made = 0
-    async with httpx.AsyncClient(base_url=url, timeout=600,
-                                 limits=httpx.Limits(max_connections=concurrency)) as http:
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=concurrency)) as http:
+
         async def episode(bodies: list[bytes]) -> None:
             nonlocal made
             async with limit:
@@ -98,8 +97,9 @@ async def bare(url: str, episodes: list[list[bytes]], concurrency: int) -> int:
 
 
 def gym_cpu(running: Any) -> dict[str, float]:
-    return {child.name: process_cpu_seconds(child.process.pid) for child in running.children
-            if child.name in GYM_PROCESSES}
+    return {
+        child.name: process_cpu_seconds(child.process.pid) for child in running.children if child.name in GYM_PROCESSES
+    }
 
 
 def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> Figure:
@@ -118,14 +118,23 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> Figure:
             "policy_model_rec": adapter_instance(proxy_url, splice="hook"),
             "number_guess": {"resources_servers": {"number_guess": {"max_rounds": 4}}},
             "number_guess_agent": {"responses_api_agents": {"simple_agent": agent}},
-            "number_guess_agent_rec": {"responses_api_agents": {"simple_agent": {
-                **agent, "model_server": "policy_model_rec"}}},
+            "number_guess_agent_rec": {
+                "responses_api_agents": {"simple_agent": {**agent, "model_server": "policy_model_rec"}}
+            },
         }
         with _hops.gym(instances) as running:
             note(f"P4: recording run ({args.rollouts} rollouts, concurrency {args.concurrency}) ...")
-            summary = asyncio.run(collect(
-                input_path, directory / "recorded.jsonl", running.urls["number_guess_agent_rec"],
-                agent="number_guess_agent_rec", concurrency=args.concurrency, progress=False, timeout=1200))
+            summary = asyncio.run(
+                collect(
+                    input_path,
+                    directory / "recorded.jsonl",
+                    running.urls["number_guess_agent_rec"],
+                    agent="number_guess_agent_rec",
+                    concurrency=args.concurrency,
+                    progress=False,
+                    timeout=1200,
+                )
+            )
             if summary.failed:
                 raise BenchError(f"the recording run failed {summary.failed} rollout(s): {summary.failures_path}")
             episodes = episodes_of([e.body for e in proxy.posts("/v1/chat/completions")])
@@ -139,9 +148,17 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> Figure:
                     wall = time.perf_counter()
                     if kind == "gym":
                         output = directory / f"gym-{index}.jsonl"
-                        summary = asyncio.run(collect(
-                            input_path, output, running.urls["number_guess_agent"], agent="number_guess_agent",
-                            concurrency=args.concurrency, progress=False, timeout=1200))
+                        summary = asyncio.run(
+                            collect(
+                                input_path,
+                                output,
+                                running.urls["number_guess_agent"],
+                                agent="number_guess_agent",
+                                concurrency=args.concurrency,
+                                progress=False,
+                                timeout=1200,
+                            )
+                        )
                         if summary.failed:
                             raise BenchError(f"{summary.failed} rollout(s) failed: {summary.failures_path}")
                         rollouts = summary.done_now
@@ -154,23 +171,51 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> Figure:
                     cpu = {name: seconds - cpu_before[name] for name, seconds in gym_cpu(running).items()}
                     requests = http_requests(before, after)
                     model_calls = requests.get("/v1/chat/completions", 0)
-                    results[kind].append({
-                        "seconds": wall, "rollouts": rollouts, "calls": model_calls,
-                        "vllm_requests": sum(requests.values()),
-                        "cpu_ms": (own + (sum(cpu.values()) if kind == "gym" else 0.0)) * 1000,
-                        "collector_ms": own * 1000, **{f"{name}_ms": seconds * 1000 for name, seconds in cpu.items()},
-                        **engine_work(before, after),
-                    })
+                    results[kind].append(
+                        {
+                            "seconds": wall,
+                            "rollouts": rollouts,
+                            "calls": model_calls,
+                            "vllm_requests": sum(requests.values()),
+                            "cpu_ms": (own + (sum(cpu.values()) if kind == "gym" else 0.0)) * 1000,
+                            "collector_ms": own * 1000,
+                            **{f"{name}_ms": seconds * 1000 for name, seconds in cpu.items()},
+                            **engine_work(before, after),
+                        }
+                    )
 
-    table = Table(f"{args.rollouts} rollouts per run, concurrency {args.concurrency}, max_tokens {args.max_tokens}",
-                    ["run", "seconds", "rollouts", "model calls", "rollouts/s", "calls/s", "CPU ms / call",
-                     "vLLM requests / call", "prompt tokens", "generated tokens", "prefix-cache hits"])
+    table = Table(
+        f"{args.rollouts} rollouts per run, concurrency {args.concurrency}, max_tokens {args.max_tokens}",
+        [
+            "run",
+            "seconds",
+            "rollouts",
+            "model calls",
+            "rollouts/s",
+            "calls/s",
+            "CPU ms / call",
+            "vLLM requests / call",
+            "prompt tokens",
+            "generated tokens",
+            "prefix-cache hits",
+        ],
+    )
     for kind in ("gym", "bare"):
         for number, r in enumerate(results[kind], 1):
-            table.add(f"{kind} {number}", r["seconds"], r["rollouts"], r["calls"], r["rollouts"] / r["seconds"],
-                      r["calls"] / r["seconds"], ratio(r["cpu_ms"], r["calls"]),
-                      ratio(r["vllm_requests"], r["calls"]),
-                      int(r["prompt_tokens"]), int(r["generation_tokens"]), f"{r['cache_hit']:.1%}", digits=2)
+            table.add(
+                f"{kind} {number}",
+                r["seconds"],
+                r["rollouts"],
+                r["calls"],
+                r["rollouts"] / r["seconds"],
+                r["calls"] / r["seconds"],
+                ratio(r["cpu_ms"], r["calls"]),
+                ratio(r["vllm_requests"], r["calls"]),
+                int(r["prompt_tokens"]),
+                int(r["generation_tokens"]),
+                f"{r['cache_hit']:.1%}",
+                digits=2,
+            )
     figure.tables.append(table)
 
     def med(kind: str, key: str) -> float:
@@ -181,20 +226,26 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> Figure:
         gym, bare_ = med("gym", key), med("bare", key)
         summary_table.add(label, gym, bare_, ratio(gym, bare_), digits=2)
     per_call = {kind: median([ratio(r["cpu_ms"], r["calls"]) for r in results[kind]]) for kind in results}
-    summary_table.add("client-side CPU ms per model call", per_call["gym"], per_call["bare"],
-                      ratio(per_call["gym"], per_call["bare"]), digits=2)
+    summary_table.add(
+        "client-side CPU ms per model call",
+        per_call["gym"],
+        per_call["bare"],
+        ratio(per_call["gym"], per_call["bare"]),
+        digits=2,
+    )
     figure.tables.append(summary_table)
-    breakdown = Table("Gym CPU ms per model call, by process (median over the gym runs)",
-                        ["process", "CPU ms / call"])
+    breakdown = Table("Gym CPU ms per model call, by process (median over the gym runs)", ["process", "CPU ms / call"])
     for name in ("collector", *GYM_PROCESSES):
-        breakdown.add(name, median([ratio(r.get(f"{name}_ms", float("nan")), r["calls"]) for r in results["gym"]]),
-                      digits=2)
+        breakdown.add(
+            name, median([ratio(r.get(f"{name}_ms", float("nan")), r["calls"]) for r in results["gym"]]), digits=2
+        )
     figure.tables.append(breakdown)
     figure.notes.append(
         f"The recording run made {recorded_calls} model calls in {len(episodes)} episodes; the bare loop replays "
         "them. CPU of the gym: user + system time of its processes (/proc) during the run, plus this process's "
         "(the collector's) own; of the bare loop: this process's. Both runs hit vLLM's prefix cache warmed by the "
-        "recording run; rows carry a seed each, so the gym's runs regenerate what was recorded.")
+        "recording run; rows carry a seed each, so the gym's runs regenerate what was recorded."
+    )
     figure.data = results
     figure.seconds = time.monotonic() - started
     return figure

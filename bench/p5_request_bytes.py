@@ -23,7 +23,6 @@ from typing import Any
 
 import httpx
 import orjson
-
 from _figures import Figure, Table, command, run_standalone
 from _hops import Exchange, RecordingProxy, adapter_instance, serve_app
 from _server import MODEL, REPO, BenchError, note
@@ -68,14 +67,22 @@ def play(url: str, args: argparse.Namespace) -> tuple[list[Exchange], list[Excha
         adapter = stack.enter_context(serve_app(VLLMModel("policy_model", config).build_app()))
         to_adapter = RecordingProxy(adapter)
         adapter_proxy = stack.enter_context(serve_app(to_adapter.app()))
-        env_class, env_config = validate_instance(ServerInstance(
-            "number_guess", "resources_servers", "number_guess", {"max_rounds": args.turns}, {}))
+        env_class, env_config = validate_instance(
+            ServerInstance("number_guess", "resources_servers", "number_guess", {"max_rounds": args.turns}, {})
+        )
         env = stack.enter_context(serve_app(env_class("number_guess", env_config).build_app()))
-        agent_config = SimpleAgentConfig(model_server="policy_model", resources_server="number_guess",
-                                         max_steps=args.turns)
-        agent = stack.enter_context(serve_app(SimpleAgent(
-            "number_guess_agent", agent_config, ServerClient({"policy_model": adapter_proxy, "number_guess": env}),
-        ).build_app()))
+        agent_config = SimpleAgentConfig(
+            model_server="policy_model", resources_server="number_guess", max_steps=args.turns
+        )
+        agent = stack.enter_context(
+            serve_app(
+                SimpleAgent(
+                    "number_guess_agent",
+                    agent_config,
+                    ServerClient({"policy_model": adapter_proxy, "number_guess": env}),
+                ).build_app()
+            )
+        )
         for attempt, example in enumerate(examples):
             row = json.loads(json.dumps(example))
             row["responses_create_params"]["max_output_tokens"] = args.max_tokens
@@ -97,9 +104,20 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> Figure:
     figure = Figure("P5", "Request bytes per model call as one episode grows", command("p5_request_bytes.py", argv))
     note(f"P5: playing a {args.turns}-call number_guess episode ...")
     to_adapter, to_vllm = play(url, args)
-    table = Table("Bytes of each model call's request body",
-                    ["turn", "prompt ids", "agent -> adapter", "bundles in it", "bundle bytes", "bytes / prompt id",
-                     "vs turn 1", "adapter -> vLLM", "bytes / prompt id"])
+    table = Table(
+        "Bytes of each model call's request body",
+        [
+            "turn",
+            "prompt ids",
+            "agent -> adapter",
+            "bundles in it",
+            "bundle bytes",
+            "bytes / prompt id",
+            "vs turn 1",
+            "adapter -> vLLM",
+            "bytes / prompt id",
+        ],
+    )
     first = len(to_adapter[0].body)
     rows = []
     for turn in range(1, len(to_adapter) + 1):
@@ -107,17 +125,35 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> Figure:
         forwarded = to_vllm[turn - 1]
         prompt_ids = orjson.loads(forwarded.answer).get("usage", {}).get("prompt_tokens", 0)
         bundles, size = bundle_bytes(orjson.loads(sent.body), "input")
-        rows.append({"turn": turn, "prompt_ids": prompt_ids, "agent_bytes": len(sent.body), "bundles": bundles,
-                     "bundle_bytes": size, "vllm_bytes": len(forwarded.body)})
+        rows.append(
+            {
+                "turn": turn,
+                "prompt_ids": prompt_ids,
+                "agent_bytes": len(sent.body),
+                "bundles": bundles,
+                "bundle_bytes": size,
+                "vllm_bytes": len(forwarded.body),
+            }
+        )
         if turn in args.report:
-            table.add(turn, prompt_ids, len(sent.body), bundles, size, ratio(len(sent.body), prompt_ids),
-                      ratio(len(sent.body), first), len(forwarded.body), ratio(len(forwarded.body), prompt_ids),
-                      digits=2)
+            table.add(
+                turn,
+                prompt_ids,
+                len(sent.body),
+                bundles,
+                size,
+                ratio(len(sent.body), prompt_ids),
+                ratio(len(sent.body), first),
+                len(forwarded.body),
+                ratio(len(forwarded.body), prompt_ids),
+                digits=2,
+            )
     figure.tables.append(table)
     figure.notes.append(
         f"One episode of {len(to_adapter)} model calls (max_output_tokens {args.max_tokens}); bytes are the raw "
         "request bodies as sent (JSON). Bundle bytes: the prompt_token_ids, generation_token_ids and "
-        "generation_log_probs fields of the input items that carry them.")
+        "generation_log_probs fields of the input items that carry them."
+    )
     figure.data = {"turns": rows}
     figure.seconds = time.monotonic() - started
     return figure

@@ -31,15 +31,31 @@ from _timing import median, ratio
 FULL: dict[str, list[str]] = {"P1": [], "P2": [], "P3": [], "P4": [], "P5": []}
 QUICK: dict[str, list[str]] = {
     "P1": ["--sizes", "1024", "7168", "--repeats", "5"],
-    "P2": ["--calls", "24", "--sizes", "1024", "4096", "--repeats", "3", "--episode-repeats", "2",
-           "--episode-step", "4"],
+    "P2": [
+        "--calls",
+        "24",
+        "--sizes",
+        "1024",
+        "4096",
+        "--repeats",
+        "3",
+        "--episode-repeats",
+        "2",
+        "--episode-step",
+        "4",
+    ],
     "P3": ["--turns", "4"],
     "P4": ["--rollouts", "32", "--concurrency", "16", "--runs", "1"],
     "P5": ["--turns", "10", "--report", "1", "5", "10"],
 }
 MODULES = {"P1": p1_adapter, "P2": p2_preprocess, "P3": p3_upstream_calls, "P4": p4_collect, "P5": p5_request_bytes}
-SCRIPTS = {"P1": "p1_adapter.py", "P2": "p2_preprocess.py", "P3": "p3_upstream_calls.py", "P4": "p4_collect.py",
-           "P5": "p5_request_bytes.py"}
+SCRIPTS = {
+    "P1": "p1_adapter.py",
+    "P2": "p2_preprocess.py",
+    "P3": "p3_upstream_calls.py",
+    "P4": "p4_collect.py",
+    "P5": "p5_request_bytes.py",
+}
 ORDER = ("P2", "P5", "P4", "P1", "P3")
 """The hooked-only figures first; then the stock server joins for P1 and P3."""
 NEEDS_STOCK = ("P1", "P3")
@@ -51,8 +67,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--only", nargs="+", choices=list(MODULES), help="run these figures only")
     p.add_argument("--vllm-url", help="use this hooked bench vLLM instead of starting one")
     p.add_argument("--stock-url", help="use this stock bench vLLM instead of starting one")
-    p.add_argument("--docs", type=Path, default=REPO / "docs",
-                   help="where performance.md and .png go (default docs/)")
+    p.add_argument("--docs", type=Path, default=REPO / "docs", help="where performance.md and .png go (default docs/)")
     p.add_argument("--no-docs", action="store_true", help="print the tables only")
     return p
 
@@ -106,10 +121,15 @@ def plot(figure: Figure | None, path: Path) -> bool:
     calls = figure.data["calls"]
     ids = [row["ids"] for row in calls]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    labels = {"stock": "stock (vLLM templating)", "hook": "hook (bundle spliced)",
-              "token_in": "token-in (kv_transfer_params ids)"}
-    for ax, key, title in ((axes[0], "e2e", "1-token chat completion, end to end (median)"),
-                           (axes[1], "server", "server-side preprocessing (hook's timer, median)")):
+    labels = {
+        "stock": "stock (vLLM templating)",
+        "hook": "hook (bundle spliced)",
+        "token_in": "token-in (kv_transfer_params ids)",
+    }
+    for ax, key, title in (
+        (axes[0], "e2e", "1-token chat completion, end to end (median)"),
+        (axes[1], "server", "server-side preprocessing (hook's timer, median)"),
+    ):
         plotted = False
         for variant, style in (("stock", "o-"), ("hook", "s-"), ("token_in", "^-")):
             ys = [row[key][variant] for row in calls]
@@ -123,8 +143,15 @@ def plot(figure: Figure | None, path: Path) -> bool:
         if plotted:
             ax.legend(fontsize=8)
         else:
-            ax.text(0.5, 0.5, "unavailable: no nemo_gym_tok_preprocess_seconds\non this server's /metrics",
-                    ha="center", va="center", transform=ax.transAxes, fontsize=9)
+            ax.text(
+                0.5,
+                0.5,
+                "unavailable: no nemo_gym_tok_preprocess_seconds\non this server's /metrics",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+                fontsize=9,
+            )
     fig.suptitle("Per-call cost as one episode grows (bench/p2_preprocess.py)", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -132,8 +159,9 @@ def plot(figure: Figure | None, path: Path) -> bool:
     return True
 
 
-def document(figures: dict[str, Figure], facts: dict[str, str], total: float, args: argparse.Namespace,
-             plotted: bool) -> str:
+def document(
+    figures: dict[str, Figure], facts: dict[str, str], total: float, args: argparse.Namespace, plotted: bool
+) -> str:
     run_command = "make bench" if not args.quick else command("report.py", ["--quick"])
     lines = [
         "# Performance",
@@ -183,22 +211,28 @@ def headlines(figures: dict[str, Figure]) -> list[str]:
     lines: list[str] = []
     if (p1 := figures.get("P1")) and p1.data.get("hook"):
         for row in p1.data["hook"]:
-            lines.append(f"| P1 | adapter (splice: hook) / direct vLLM at {row['ids']} history ids: p50 "
-                         f"{fmt(ratio(row['adapter'][0], row['direct'][0]), 2)}, p95 "
-                         f"{fmt(ratio(row['adapter'][1], row['direct'][1]), 2)} (target at 7k: <= 1.05, <= 1.10); "
-                         f"a bare forwarding hop / direct: p50 {fmt(ratio(row['bare hop'][0], row['direct'][0]), 2)}"
-                         f", p95 {fmt(ratio(row['bare hop'][1], row['direct'][1]), 2)} |")
+            lines.append(
+                f"| P1 | adapter (splice: hook) / direct vLLM at {row['ids']} history ids: p50 "
+                f"{fmt(ratio(row['adapter'][0], row['direct'][0]), 2)}, p95 "
+                f"{fmt(ratio(row['adapter'][1], row['direct'][1]), 2)} (target at 7k: <= 1.05, <= 1.10); "
+                f"a bare forwarding hop / direct: p50 {fmt(ratio(row['bare hop'][0], row['direct'][0]), 2)}"
+                f", p95 {fmt(ratio(row['bare hop'][1], row['direct'][1]), 2)} |"
+            )
     if (p1a := figures.get("P1a")) and p1a.data.get("adapter"):
         last = p1a.data["adapter"][-1]
-        lines.append(f"| P1a | adapter (splice: adapter, stock vLLM) at {last['ids']} history ids, p50: "
-                     f"{fmt(ratio(last['adapter'][0], last['direct stock'][0]), 2)} x direct stock, "
-                     f"{fmt(ratio(last['adapter'][0], last['direct token-in'][0]), 2)} x direct token-in |")
+        lines.append(
+            f"| P1a | adapter (splice: adapter, stock vLLM) at {last['ids']} history ids, p50: "
+            f"{fmt(ratio(last['adapter'][0], last['direct stock'][0]), 2)} x direct stock, "
+            f"{fmt(ratio(last['adapter'][0], last['direct token-in'][0]), 2)} x direct token-in |"
+        )
     if (p2 := figures.get("P2")) and p2.data.get("slopes"):
         slopes: dict[str, Any] = p2.data["slopes"]
         server = ratio(slopes["hook"][0], slopes["stock"][0])
         e2e = ratio(slopes["hook"][1], slopes["stock"][1])
-        lines.append(f"| P2 | preprocessing slope hook / stock: server-side {fmt(server, 2)} (target <= 0.3), "
-                     f"end to end {fmt(e2e, 2)} |")
+        lines.append(
+            f"| P2 | preprocessing slope hook / stock: server-side {fmt(server, 2)} (target <= 0.3), "
+            f"end to end {fmt(e2e, 2)} |"
+        )
         for row in p2.data.get("sizes", []):
             e2e_row, tokenize, paired = row["e2e"], row["tokenize_e2e"], row["paired"]
             lines.append(
@@ -210,21 +244,28 @@ def headlines(figures: dict[str, Figure]) -> list[str]:
             )
     if (p3 := figures.get("P3")) and p3.data:
         hook = [n for k, totals in p3.data.items() if k.startswith("hook") for n in totals]
-        lines.append(f"| P3 | vLLM requests per model call through the adapter in hook mode: "
-                     f"{fmt(sum(hook) / len(hook), 2)} (expected 1) |")
+        lines.append(
+            f"| P3 | vLLM requests per model call through the adapter in hook mode: "
+            f"{fmt(sum(hook) / len(hook), 2)} (expected 1) |"
+        )
     if (p4 := figures.get("P4")) and p4.data.get("gym"):
         gym, bare = p4.data["gym"], p4.data["bare"]
-        speed = ratio(median([r["rollouts"] / r["seconds"] for r in gym]),
-                        median([r["rollouts"] / r["seconds"] for r in bare]))
+        speed = ratio(
+            median([r["rollouts"] / r["seconds"] for r in gym]), median([r["rollouts"] / r["seconds"] for r in bare])
+        )
         cpu = median([ratio(r["cpu_ms"], r["calls"]) for r in gym])
-        lines.append(f"| P4 | `ngt collect` rollouts/s over a bare asyncio loop: {fmt(speed, 2)}; gym CPU "
-                     f"{fmt(cpu, 1)} ms per model call |")
+        lines.append(
+            f"| P4 | `ngt collect` rollouts/s over a bare asyncio loop: {fmt(speed, 2)}; gym CPU "
+            f"{fmt(cpu, 1)} ms per model call |"
+        )
     if (p5 := figures.get("P5")) and p5.data.get("turns"):
         rows = p5.data["turns"]
         last = rows[-1]
-        lines.append(f"| P5 | agent -> adapter request at turn {last['turn']}: {last['agent_bytes']} bytes "
-                     f"({fmt(ratio(last['agent_bytes'], last['prompt_ids']), 1)} per prompt id, "
-                     f"{last['bundles']} bundle(s)) |")
+        lines.append(
+            f"| P5 | agent -> adapter request at turn {last['turn']}: {last['agent_bytes']} bytes "
+            f"({fmt(ratio(last['agent_bytes'], last['prompt_ids']), 1)} per prompt id, "
+            f"{last['bundles']} bundle(s)) |"
+        )
     return lines
 
 

@@ -48,8 +48,10 @@ def constrained_by(request: Mapping[str, Any] | Any) -> list[str]:
     if strict:
         labels.append(STRICT_TOOLS)
     structured = _get(request, "structured_outputs")
-    if structured is not None and not strict and any(
-        _get(structured, name) not in (None, False) for name in _GRAMMAR_FIELDS
+    if (
+        structured is not None
+        and not strict
+        and any(_get(structured, name) not in (None, False) for name in _GRAMMAR_FIELDS)
     ):
         labels.append(STRUCTURED_OUTPUTS)
     return labels
@@ -73,8 +75,10 @@ def valid_fields(labels: Any, mask: Any, generation_length: int) -> bool:
     """Whether `labels` and `mask` (as found on a message) are well-formed constraint fields for a generation of
     `generation_length` ids: a list of strings, and a list of 0/1 of that length."""
     return (
-        isinstance(labels, list) and all(isinstance(label, str) for label in labels)
-        and isinstance(mask, list) and len(mask) == generation_length
+        isinstance(labels, list)
+        and all(isinstance(label, str) for label in labels)
+        and isinstance(mask, list)
+        and len(mask) == generation_length
         and all(type(flag) is int and flag in (0, 1) for flag in mask)
     )
 

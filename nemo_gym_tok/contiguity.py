@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,13 +66,15 @@ def bundled_turns(record: dict[str, Any]) -> list[BundledTurn]:
     for index, item in enumerate(output):
         if item.get("prompt_token_ids") is None:
             continue
-        turns.append(BundledTurn(
-            item_index=index,
-            prompt_token_ids=list(item["prompt_token_ids"]),
-            generation_token_ids=list(item["generation_token_ids"]),
-            generation_log_probs=list(item["generation_log_probs"]),
-            prefix_splice=item.get("prefix_splice"),
-        ))
+        turns.append(
+            BundledTurn(
+                item_index=index,
+                prompt_token_ids=list(item["prompt_token_ids"]),
+                generation_token_ids=list(item["generation_token_ids"]),
+                generation_log_probs=list(item["generation_log_probs"]),
+                prefix_splice=item.get("prefix_splice"),
+            )
+        )
     return turns
 
 
@@ -109,10 +111,7 @@ def _context(seen: list[int], prompt: list[int], position: int, decode: Decode |
     if decode is None:
         return ""
     start = max(0, position - 8)
-    return (
-        f"; before: {decode(seen[start:position + 8])!r}, "
-        f"this prompt: {decode(prompt[start:position + 8])!r}"
-    )
+    return f"; before: {decode(seen[start : position + 8])!r}, this prompt: {decode(prompt[start : position + 8])!r}"
 
 
 @dataclass

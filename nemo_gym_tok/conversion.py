@@ -10,8 +10,20 @@ from nemo_gym_tok.types.tokens import bundle_of
 
 # Responses fields that have a chat-side meaning of their own (translated below) or none at all.
 _RESPONSES_ONLY_FIELDS = {
-    "input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "reasoning", "store",
-    "previous_response_id", "include", "truncation", "background", "prompt", "conversation",
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "tools",
+    "tool_choice",
+    "text",
+    "reasoning",
+    "store",
+    "previous_response_id",
+    "include",
+    "truncation",
+    "background",
+    "prompt",
+    "conversation",
 }
 
 
@@ -77,22 +89,33 @@ def chat_message_to_items(message: dict[str, Any]) -> list[ResponseItem]:
     items: list[ResponseItem] = []
     reasoning = message.get("reasoning_content") or message.get("reasoning")
     if reasoning:
-        items.append(ResponseItem(
-            type="reasoning", id=_new_id("rs"), summary=[{"type": "summary_text", "text": reasoning}]
-        ))
+        items.append(
+            ResponseItem(type="reasoning", id=_new_id("rs"), summary=[{"type": "summary_text", "text": reasoning}])
+        )
     tool_calls = message.get("tool_calls") or []
     content = message.get("content")
     if content or not tool_calls:
-        items.append(ResponseItem(
-            type="message", id=_new_id("msg"), role="assistant", status="completed",
-            content=[{"type": "output_text", "text": content or "", "annotations": []}],
-        ))
+        items.append(
+            ResponseItem(
+                type="message",
+                id=_new_id("msg"),
+                role="assistant",
+                status="completed",
+                content=[{"type": "output_text", "text": content or "", "annotations": []}],
+            )
+        )
     for call in tool_calls:
         function = call.get("function", {})
-        items.append(ResponseItem(
-            type="function_call", id=_new_id("fc"), call_id=call.get("id") or _new_id("call"),
-            name=function.get("name", ""), arguments=function.get("arguments", ""), status="completed",
-        ))
+        items.append(
+            ResponseItem(
+                type="function_call",
+                id=_new_id("fc"),
+                call_id=call.get("id") or _new_id("call"),
+                name=function.get("name", ""),
+                arguments=function.get("arguments", ""),
+                status="completed",
+            )
+        )
     bundle = bundle_of(message)
     if message.get("context_overflow"):  # the adapter's marker that the history no longer fits: ends the episode
         bundle["context_overflow"] = message["context_overflow"]
@@ -119,14 +142,15 @@ def _assistant_message(items: list[ResponseItem]) -> dict[str, Any]:
     texts = [_text_of(i.content) for i in items if i.type == "message"]
     if any(texts):
         message["content"] = "".join(texts)
-    reasoning = "".join(_text_of(i.summary) + _text_of(getattr(i, "content", None)) for i in items if i.type == "reasoning")
+    reasoning = "".join(
+        _text_of(i.summary) + _text_of(getattr(i, "content", None)) for i in items if i.type == "reasoning"
+    )
     if reasoning:
         message["reasoning_content"] = reasoning
     calls = [i for i in items if i.type == "function_call"]
     if calls:
         message["tool_calls"] = [
-            {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in calls
+            {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
         ]
     message.update(bundle_of(items[-1].model_dump()))
     return message

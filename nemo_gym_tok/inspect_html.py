@@ -1,4 +1,4 @@
-"""`ngt inspect --html`: one self-contained page showing where each id of a collection's training sequences came from."""
+"""`ngt inspect --html`: one self-contained page showing where each id of a collection's training sequences came from"""
 
 from __future__ import annotations
 
@@ -21,13 +21,13 @@ TEMPLATE, MODEL, REPAIRED = "t", "m", "r"
 
 LEGEND = {
     "tok-template": "template: an id the prompt supplied (system, user and tool turns, the chat template's text); "
-                    "loss mask 0",
+    "loss mask 0",
     "tok-model": "model-generated: an id the model sampled, kept as sampled; loss mask 1",
     "tok-repaired": "repaired span: model-sampled ids (loss mask 1) where the chat template, re-rendering the "
-                    "history, would have written other ids; the prefix splice kept the model's ids (bundle "
-                    "telemetry prefix_splice.repaired_turns), from the first differing id to the last",
+    "history, would have written other ids; the prefix splice kept the model's ids (bundle "
+    "telemetry prefix_splice.repaired_turns), from the first differing id to the last",
     "tok-forced": "underlined: forced by a constrained-decoding grammar (generation_forced_mask 1; its log prob is "
-                  "0.0 of the masked distribution)",
+    "0.0 of the masked distribution)",
 }
 
 
@@ -79,9 +79,16 @@ def repaired_spans(record: dict[str, Any], tokenizer: Tokenizer | None) -> list[
                 spans.append(RepairedSpan(k - 1, start, end, replaced, None, previous.generation_token_ids))
                 continue
             (t0, t1), (m0, m1), context = span
-            spans.append(RepairedSpan(
-                k - 1, m0, m1, replaced, template[t0 - context:t1], call.prompt_token_ids[m0 - context:m1],
-            ))
+            spans.append(
+                RepairedSpan(
+                    k - 1,
+                    m0,
+                    m1,
+                    replaced,
+                    template[t0 - context : t1],
+                    call.prompt_token_ids[m0 - context : m1],
+                )
+            )
         result.append(spans)
     return result
 
@@ -93,9 +100,7 @@ def _template_ids(
     try:
         items = [ResponseItem.model_validate(item) for item in output]
         # The next call's messages: everything up to its own first model-output item.
-        stop = next(
-            (i for i in range(previous.item_index + 1, len(items)) if items[i].is_model_output), len(items)
-        )
+        stop = next((i for i in range(previous.item_index + 1, len(items)) if items[i].is_model_output), len(items))
         params = dict(record.get("responses_create_params") or {})
         request = ResponsesRequest.model_validate(params)
         params["input"] = [i.model_dump(exclude_none=True) for i in request.input_items()] + output[:stop]
@@ -108,7 +113,10 @@ def _template_ids(
                 except (TypeError, ValueError):
                     pass
         text = tokenizer.apply_chat_template(
-            chat["messages"], tools=chat.get("tools"), add_generation_prompt=True, tokenize=False,
+            chat["messages"],
+            tools=chat.get("tools"),
+            add_generation_prompt=True,
+            tokenize=False,
             **(chat.get("chat_template_kwargs") or {}),
         )
         return list(tokenizer.encode(text, add_special_tokens=False))
@@ -146,7 +154,10 @@ def page_data(records: Iterable[dict[str, Any]], tokenizer: Tokenizer | None, ti
     rollouts: list[dict[str, Any]] = []
     for number, record in enumerate(records):
         entry: dict[str, Any] = {
-            "label": _label(number, record), "reward": record.get("reward"), "sequences": [], "error": None,
+            "label": _label(number, record),
+            "reward": record.get("reward"),
+            "sequences": [],
+            "error": None,
         }
         try:
             turns = bundled_turns(record)
@@ -161,22 +172,31 @@ def page_data(records: Iterable[dict[str, Any]], tokenizer: Tokenizer | None, ti
         for sequence, spans in zip(sequences, repairs):
             kinds = [MODEL if flag else TEMPLATE for flag in sequence.loss_mask]
             for span in spans:
-                kinds[span.start:span.end] = [REPAIRED] * (span.end - span.start)
+                kinds[span.start : span.end] = [REPAIRED] * (span.end - span.start)
             for token_id in sequence.token_ids:
                 piece(token_id)
-            entry["sequences"].append({
-                "ids": sequence.token_ids,
-                "kinds": "".join(kinds),
-                "forced": "".join(map(str, sequence.forced_mask)) if sequence.forced_mask is not None else None,
-                "turns": [list(turn) for turn in sequence.turns],
-                "constrained_by": sequence.constrained_by,
-                "repaired": [{
-                    "turn": span.turn, "start": span.start, "end": span.end,
-                    "replaced_tokens": span.replaced_tokens,
-                    "template_ids": span.template_ids, "model_ids": span.model_ids,
-                    "template_text": text(span.template_ids), "model_text": text(span.model_ids),
-                } for span in spans],
-            })
+            entry["sequences"].append(
+                {
+                    "ids": sequence.token_ids,
+                    "kinds": "".join(kinds),
+                    "forced": "".join(map(str, sequence.forced_mask)) if sequence.forced_mask is not None else None,
+                    "turns": [list(turn) for turn in sequence.turns],
+                    "constrained_by": sequence.constrained_by,
+                    "repaired": [
+                        {
+                            "turn": span.turn,
+                            "start": span.start,
+                            "end": span.end,
+                            "replaced_tokens": span.replaced_tokens,
+                            "template_ids": span.template_ids,
+                            "model_ids": span.model_ids,
+                            "template_text": text(span.template_ids),
+                            "model_text": text(span.model_ids),
+                        }
+                        for span in spans
+                    ],
+                }
+            )
         rollouts.append(entry)
     return {"title": title, "legend": LEGEND, "rollouts": rollouts, "pieces": {str(k): v for k, v in pieces.items()}}
 
@@ -191,12 +211,18 @@ def _label(number: int, record: dict[str, Any]) -> str:
 def render_page(data: dict[str, Any]) -> str:
     """The HTML page: styles, script and data inline, nothing fetched."""
     # The data sits in a <script> element: escape what could close it or open a comment there.
-    payload = json.dumps(data, ensure_ascii=False).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    payload = (
+        json.dumps(data, ensure_ascii=False).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    )
     return _PAGE.replace("__TITLE__", html.escape(data["title"])).replace("__DATA__", payload)
 
 
-def write_page(path: str | Path, out: str | Path, tokenizer: Tokenizer | None,
-               read: Callable[[str | Path], list[dict[str, Any]]] | None = None) -> dict[str, Any]:
+def write_page(
+    path: str | Path,
+    out: str | Path,
+    tokenizer: Tokenizer | None,
+    read: Callable[[str | Path], list[dict[str, Any]]] | None = None,
+) -> dict[str, Any]:
     """Render the rollouts JSONL at `path` to `out`; returns the page's data (counts for the caller)."""
     records = (read or read_records)(path)
     data = page_data(records, tokenizer, f"ngt inspect: {Path(path).name}")
@@ -307,7 +333,9 @@ data.rollouts.forEach((rollout, n) => {
         const wrap = el("span", {class: "repaired", "data-turn": repair.turn,
                                  title: "turn " + repair.turn + " repaired: " + repair.replaced_tokens +
                                         " template ids replaced by the model's"});
-        for (; i < repair.end; i++) wrap.append(tokenSpan(seq.ids[i], seq.kinds[i], seq.forced && seq.forced[i] === "1"));
+        for (; i < repair.end; i++) {
+          wrap.append(tokenSpan(seq.ids[i], seq.kinds[i], seq.forced && seq.forced[i] === "1"));
+        }
         strip.append(wrap);
         continue;
       }
@@ -325,7 +353,8 @@ data.rollouts.forEach((rollout, n) => {
         const col = el("div");
         col.append(el("strong", {}, who));
         if (ids === null) {
-          col.append(el("p", {}, "the template's rendering could not be rebuilt from the record; the whole turn is marked"));
+          col.append(el("p", {},
+                        "the template's rendering could not be rebuilt from the record; the whole turn is marked"));
         } else {
           col.append(el("pre", {}, text ?? ""), el("div", {class: "ids"}, ids.join(" ")));
         }

@@ -54,7 +54,11 @@ class LogprobReport:
         diffs = [diff for turn in turns for diff in turn.abs_diffs]
         sums = [abs(turn.recomputed_sum - turn.recorded_sum) for turn in turns]
         return (
-            len(turns), len(diffs), _mean(diffs), max(diffs, default=math.nan), _mean(sums),
+            len(turns),
+            len(diffs),
+            _mean(diffs),
+            max(diffs, default=math.nan),
+            _mean(sums),
             max(sums, default=math.nan),
         )
 
@@ -120,8 +124,9 @@ class LogprobReport:
 
 
 def check_records(
-    records: Iterable[tuple[str, dict[str, Any]]], score: Scorer, naive: Callable[[dict[str, Any]], NaiveSequence]
-    | None = None,
+    records: Iterable[tuple[str, dict[str, Any]]],
+    score: Scorer,
+    naive: Callable[[dict[str, Any]], NaiveSequence] | None = None,
 ) -> LogprobReport:
     """Check each (name, record); `naive` rebuilds a record's sequence the naive way (adds the contrast)."""
     report = LogprobReport(naive=naive is not None)
@@ -155,12 +160,18 @@ def check_records(
                     naive_end = min(naive_end, naive_start + end - start)
                     changed = changed_positions(sequence.token_ids[start:end], rebuilt.token_ids[naive_start:naive_end])
                     naive_sum = sum(naive_scores[naive_start:naive_end])
-                report.turns.append(TurnCheck(
-                    rollout=name, turn=number, constrained_by=_labels(sequence, index),
-                    abs_diffs=[abs(a - b) for a, b in zip(recorded, recomputed)],
-                    recorded_sum=sum(recorded), recomputed_sum=sum(recomputed),
-                    naive_changed=changed, naive_sum=naive_sum,
-                ))
+                report.turns.append(
+                    TurnCheck(
+                        rollout=name,
+                        turn=number,
+                        constrained_by=_labels(sequence, index),
+                        abs_diffs=[abs(a - b) for a, b in zip(recorded, recomputed)],
+                        recorded_sum=sum(recorded),
+                        recomputed_sum=sum(recomputed),
+                        naive_changed=changed,
+                        naive_sum=naive_sum,
+                    )
+                )
                 number += 1
     return report
 
@@ -197,9 +208,14 @@ def naive_sequence(record: dict[str, Any], tokenizer: Any) -> NaiveSequence:
     messages, tools = chat["messages"], chat.get("tools")
 
     def render(upto: int, prompt: bool) -> str:
-        return str(tokenizer.apply_chat_template(
-            messages[:upto], tools=tools, tokenize=False, add_generation_prompt=prompt,
-        ))
+        return str(
+            tokenizer.apply_chat_template(
+                messages[:upto],
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=prompt,
+            )
+        )
 
     text = render(len(messages), False)
     char_spans: list[tuple[int, int]] = []
@@ -211,7 +227,7 @@ def naive_sequence(record: dict[str, Any], tokenizer: Any) -> NaiveSequence:
         if text.startswith(before) and text.startswith(through) and len(through) > len(before):
             start, end = len(before), len(through)
         else:  # the template rewrites earlier turns (drops reasoning, ...): find this turn's rendering instead
-            chunk = through[len(before):] if through.startswith(before) else through
+            chunk = through[len(before) :] if through.startswith(before) else through
             found = text.find(chunk.rstrip(), cursor)
             if found < 0:
                 raise ValueError(f"cannot find assistant message {index} in the rendered conversation")

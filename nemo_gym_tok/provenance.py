@@ -18,8 +18,13 @@ top-k/top-p (a grammar's mask still applies: see constrained_by). The server's f
 # vLLM's ChatCompletionRequest._DEFAULT_SAMPLING_PARAMS: what applies when neither the request nor the model's
 # generation_config.json sets a parameter.
 VLLM_DEFAULTS: dict[str, Any] = {
-    "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "temperature": 1.0, "top_p": 1.0,
-    "top_k": 0, "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
 }
 # The generation_config.json keys vLLM (ModelConfig.get_diff_sampling_param, --generation-config auto) reads as
 # server defaults; max_new_tokens becomes max_tokens.
@@ -88,6 +93,9 @@ def record_fingerprints(record: Mapping[str, Any]) -> set[str]:
     """The distinct `model_fingerprint.sha256` of a rollout record's model calls (empty for older records)."""
     output = (record.get("response") or {}).get("output") or []
     return {
-        item[FINGERPRINT_KEY]["sha256"] for item in output
-        if isinstance(item, dict) and isinstance(item.get(FINGERPRINT_KEY), dict) and item[FINGERPRINT_KEY].get("sha256")
+        item[FINGERPRINT_KEY]["sha256"]
+        for item in output
+        if isinstance(item, dict)
+        and isinstance(item.get(FINGERPRINT_KEY), dict)
+        and item[FINGERPRINT_KEY].get("sha256")
     }

@@ -76,9 +76,7 @@ def rollout_to_training_sequences(record: dict[str, Any], decode: Decode | None 
     check_contiguous(turns, decode)
     reward = record.get("reward")
     output = (record.get("response") or {}).get("output") or []
-    return [
-        _sequence(segment, float(reward) if reward is not None else None, output) for segment in segments(turns)
-    ]
+    return [_sequence(segment, float(reward) if reward is not None else None, output) for segment in segments(turns)]
 
 
 def _sequence(turns: list[BundledTurn], reward: float | None, output: list[Any]) -> TrainingSequence:
@@ -96,7 +94,7 @@ def _sequence(turns: list[BundledTurn], reward: float | None, output: list[Any])
         item = output[turn.item_index]
         labels, mask = item.get(CONSTRAINED_BY_KEY), item.get(FORCED_MASK_KEY)
         constraints.append(list(labels) if isinstance(labels, list) else None)
-        supplied = turn.prompt_token_ids[len(token_ids):]
+        supplied = turn.prompt_token_ids[len(token_ids) :]
         if forced is not None and isinstance(mask, list) and len(mask) == len(turn.generation_token_ids):
             forced += [0] * len(supplied) + [int(flag) for flag in mask]
         else:

@@ -69,8 +69,14 @@ async def converse(
         if not (tools and turn > 0):
             messages.append({"role": "user", "content": f"Conversation {seed}, turn {turn}: where next?"})
         body: dict[str, Any] = {
-            "model": model, "messages": messages, "seed": seed * 100 + turn, "temperature": 1.0,
-            "logprobs": True, "top_logprobs": 0, "return_token_ids": True, **turn_settings(turn),
+            "model": model,
+            "messages": messages,
+            "seed": seed * 100 + turn,
+            "temperature": 1.0,
+            "logprobs": True,
+            "top_logprobs": 0,
+            "return_token_ids": True,
+            **turn_settings(turn),
         }
         if tools:
             body.update(tools=[MOVE_TOOL], tool_choice="required", parallel_tool_calls=False, max_tokens=60)

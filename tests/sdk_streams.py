@@ -33,7 +33,11 @@ class SdkTurn:
         calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in self.tool_calls]
         ids = {key: value for key, value in self.bundle.items() if key != "generation_log_probs"}
         return {
-            "text": self.text, "calls": calls, "finish": self.finish_reason, "ids": ids, "telemetry": self.telemetry,
+            "text": self.text,
+            "calls": calls,
+            "finish": self.finish_reason,
+            "ids": ids,
+            "telemetry": self.telemetry,
         }
 
     def history_message(self) -> dict[str, Any]:
@@ -69,9 +73,13 @@ def from_stream(chunks: Iterable[Any]) -> SdkTurn:
     bundle_keys = (*BUNDLE_FIELDS, "token_source")
     delta = final["choices"][0]["delta"] if final.get("choices") else {}
     return SdkTurn(
-        text=text, tool_calls=[calls[index] for index in sorted(calls)], finish_reason=finish,
-        bundle={key: delta[key] for key in bundle_keys if key in delta}, telemetry=final.get("prefix_splice"),
-        first_chunk_telemetry=dumped[0].get("prefix_splice") if dumped else None, chunks=dumped,
+        text=text,
+        tool_calls=[calls[index] for index in sorted(calls)],
+        finish_reason=finish,
+        bundle={key: delta[key] for key in bundle_keys if key in delta},
+        telemetry=final.get("prefix_splice"),
+        first_chunk_telemetry=dumped[0].get("prefix_splice") if dumped else None,
+        chunks=dumped,
     )
 
 
@@ -79,7 +87,8 @@ def from_completion(completion: Any) -> SdkTurn:
     choice = completion.choices[0]
     message = choice.message.model_dump(exclude_none=True)
     return SdkTurn(
-        text=message.get("content") or "", tool_calls=message.get("tool_calls") or [],
+        text=message.get("content") or "",
+        tool_calls=message.get("tool_calls") or [],
         finish_reason=choice.finish_reason,
         bundle={key: message[key] for key in (*BUNDLE_FIELDS, "token_source") if key in message},
         telemetry=(completion.model_extra or {}).get("prefix_splice"),
@@ -92,12 +101,19 @@ def converse(
     """A seeded conversation with the bundles sent back: turn 1 a forced tool call (answered by a tool message), the
     others text ending on <|im_end|> (turns 0 and 2) or cut by max_tokens (turn 3). `options` go into every create()."""
     messages: list[dict[str, Any]] = [
-        {"role": "system", "content": f"You steer robot {seed}."}, {"role": "user", "content": "Where next?"},
+        {"role": "system", "content": f"You steer robot {seed}."},
+        {"role": "user", "content": "Where next?"},
     ]
     played = []
     for turn in range(turns):
-        kwargs: dict[str, Any] = {"model": model, "messages": messages, "seed": seed * 10 + turn, "temperature": 1.0,
-                                  "tools": [MOVE_TOOL], **options}
+        kwargs: dict[str, Any] = {
+            "model": model,
+            "messages": messages,
+            "seed": seed * 10 + turn,
+            "temperature": 1.0,
+            "tools": [MOVE_TOOL],
+            **options,
+        }
         extra: dict[str, Any] = {}
         if turn == 1:
             kwargs.update(tool_choice="required", parallel_tool_calls=False, max_tokens=60)
@@ -106,9 +122,11 @@ def converse(
             kwargs["max_tokens"] = settings.pop("max_tokens")
             extra.update(settings)
         if stream:
-            got = from_stream(client.chat.completions.create(
-                stream=True, stream_options={"include_usage": True}, extra_body=extra, **kwargs
-            ))
+            got = from_stream(
+                client.chat.completions.create(
+                    stream=True, stream_options={"include_usage": True}, extra_body=extra, **kwargs
+                )
+            )
         else:
             got = from_completion(client.chat.completions.create(extra_body=extra, **kwargs))
         played.append(got)

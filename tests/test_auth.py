@@ -1,4 +1,4 @@
-"""auth_token: every route of every gym server but /health answers 401 without it; `ngt run` and `ngt collect` work with it."""
+"""auth_token: every gym server route but /health answers 401 without it; `ngt run` and `ngt collect` work with it."""
 
 from __future__ import annotations
 
@@ -37,17 +37,22 @@ NGT = [sys.executable, "-m", "nemo_gym_tok"]
 
 def every_kind(token: str | None) -> dict[str, BaseServer]:
     """One server of each kind (head, model adapter, environment, agent), built with the gym's token."""
-    def client() -> ServerClient:
-        return ServerClient({"policy_model": "http://127.0.0.1:9", "number_guess": "http://127.0.0.1:9"},
-                            auth_token=token)
 
-    env_class, env_config = validate_instance(ServerInstance("number_guess", "resources_servers", "number_guess", {}, {}))
+    def client() -> ServerClient:
+        return ServerClient(
+            {"policy_model": "http://127.0.0.1:9", "number_guess": "http://127.0.0.1:9"}, auth_token=token
+        )
+
+    env_class, env_config = validate_instance(
+        ServerInstance("number_guess", "resources_servers", "number_guess", {}, {})
+    )
     return {
         "head": HeadServer("head", HeadServerConfig(servers={"a": "http://127.0.0.1:9"}), client()),
         "adapter": VLLMModel("policy_model", VLLMModelConfig(base_url="http://127.0.0.1:9/v1", model="m"), client()),
         "environment": env_class("number_guess", env_config, client()),
-        "agent": SimpleAgent("agent", SimpleAgentConfig(model_server="policy_model", resources_server="number_guess"),
-                             client()),
+        "agent": SimpleAgent(
+            "agent", SimpleAgentConfig(model_server="policy_model", resources_server="number_guess"), client()
+        ),
     }
 
 
@@ -69,8 +74,13 @@ def test_every_route_but_health_is_401_without_the_token(kind: str) -> None:
     assert ("GET", "/openapi.json") in pairs and ("GET", "/docs") in pairs and len(pairs) > 4
     http = TestClient(app)  # no `with`: no lifespan, nothing upstream is reached
     for method, path in pairs:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN},
-                        {"Authorization": f"Basic {TOKEN}"}, {"Authorization": f"Bearer {TOKEN}x"}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": TOKEN},
+            {"Authorization": f"Basic {TOKEN}"},
+            {"Authorization": f"Bearer {TOKEN}x"},
+        ):
             answer = http.request(method, path, headers=headers, json={})
             if path == "/health":
                 assert answer.status_code == 200, (method, path)
@@ -78,7 +88,9 @@ def test_every_route_but_health_is_401_without_the_token(kind: str) -> None:
             assert answer.status_code == 401, (method, path, headers, answer.status_code)
             assert answer.headers["www-authenticate"] == "Bearer"
             error = answer.json()["error"]
-            assert error["code"] == 401 and error["type"] == "authentication_error" and "bearer token" in error["message"]
+            assert (
+                error["code"] == 401 and error["type"] == "authentication_error" and "bearer token" in error["message"]
+            )
     assert http.get("/nowhere").status_code == 401  # unknown paths too: nothing is told without the token
     authorized = {"Authorization": f"Bearer {TOKEN}"}
     for path in ("/openapi.json", "/docs"):
@@ -145,10 +157,29 @@ def test_ngt_run_and_collect_with_the_token(fake_vllm: tuple[str, list[str]], tm
         assert httpx.get(f"{urls['head']}/servers").status_code == 401
 
         output = tmp_path / "rollouts.jsonl"
-        command = [*NGT, "collect", "--input", str(ROWS), "--output", str(output), "--agent", "number_guess_agent",
-                   "--head-url", urls["head"], "--limit", "2", "--repeats", "2"]
-        refused = subprocess.run(command, env={k: v for k, v in env.items() if k != AUTH_TOKEN_ENV},
-                                 capture_output=True, text=True, timeout=120)
+        command = [
+            *NGT,
+            "collect",
+            "--input",
+            str(ROWS),
+            "--output",
+            str(output),
+            "--agent",
+            "number_guess_agent",
+            "--head-url",
+            urls["head"],
+            "--limit",
+            "2",
+            "--repeats",
+            "2",
+        ]
+        refused = subprocess.run(
+            command,
+            env={k: v for k, v in env.items() if k != AUTH_TOKEN_ENV},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert refused.returncode == 2 and AUTH_TOKEN_ENV in refused.stderr
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr

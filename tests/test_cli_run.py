@@ -93,15 +93,23 @@ def _is_alive(pid: int) -> bool:
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ("alpha.resources_servers.echo.repeats=many", "--set: alpha.resources_servers.echo.repeats: Input should be a valid integer"),
-        ("beta.resources_servers.echo.greeting=${nope}", "--set: beta.resources_servers.echo.greeting: ${nope} is not defined"),
+        (
+            "alpha.resources_servers.echo.repeats=many",
+            "--set: alpha.resources_servers.echo.repeats: Input should be a valid integer",
+        ),
+        (
+            "beta.resources_servers.echo.greeting=${nope}",
+            "--set: beta.resources_servers.echo.greeting: ${nope} is not defined",
+        ),
         ("restart.max_restarts=-1", "--set: restart.max_restarts: Input should be greater than or equal to 0"),
     ],
 )
 def test_config_errors_are_one_line_and_start_nothing(override: str, expected: str) -> None:
     result = subprocess.run(
         [*NGT, "run", "-c", str(FIXTURES / "two_servers.yaml"), "--set", override],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2
     assert result.stderr.startswith(f"ngt: {expected}")
@@ -125,7 +133,15 @@ def test_vllm_serve_help_and_plugin_registration() -> None:
     assert result.returncode == 0 and "NEMO_GYM_TOK_PREFIX_SPLICE=1" in result.stdout
     assert plugin_is_registered()  # the vllm.general_plugins entry point vLLM loads in each process
     assert vllm_command("m", ["--port", "9"])[1:] == [
-        "-m", "nemo_gym_tok.cli.vllm_serve", "serve", "m", "--host", "127.0.0.1", "--port", "9"]  # loopback by default
+        "-m",
+        "nemo_gym_tok.cli.vllm_serve",
+        "serve",
+        "m",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "9",
+    ]  # loopback by default
 
 
 @pytest.mark.parametrize("port_key", ["head_server.port", "beta.resources_servers.echo.port"])
@@ -137,7 +153,9 @@ def test_a_port_held_by_another_process_is_refused_before_anything_starts(port_k
         started = time.monotonic()
         result = subprocess.run(
             [*NGT, "run", "-c", str(FIXTURES / "two_servers.yaml"), "--set", f"{port_key}={port}"],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
     assert result.returncode == 1
     assert result.stdout == ""  # no "healthy" line, no URLs: nothing was started
@@ -149,7 +167,9 @@ def test_a_port_held_by_another_process_is_refused_before_anything_starts(port_k
 def test_a_server_that_keeps_exiting_past_max_restarts_stops_the_gym() -> None:
     process = subprocess.Popen(
         [*NGT, "run", "-c", str(FIXTURES / "relay_gym.yaml"), "--set", "restart.max_restarts=0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         urls = read_urls(process)
@@ -159,8 +179,10 @@ def test_a_server_that_keeps_exiting_past_max_restarts_stops_the_gym() -> None:
         if process.poll() is None:
             process.kill()
     stderr = process.stderr.read() if process.stderr else ""
-    assert ("server 'slow_env' was killed by SIGKILL: 1 exits within 60s, more than restart.max_restarts=0 allows; "
-            "stopping all") in stderr
+    assert (
+        "server 'slow_env' was killed by SIGKILL: 1 exits within 60s, more than restart.max_restarts=0 allows; "
+        "stopping all"
+    ) in stderr
 
 
 def test_a_resources_server_killed_mid_collection_is_restarted_and_a_rerun_completes_every_rollout_once(
@@ -170,13 +192,30 @@ def test_a_resources_server_killed_mid_collection_is_restarted_and_a_rerun_compl
     rows.write_text("".join(json.dumps({"id": i}) + "\n" for i in range(10)))
     output = tmp_path / "out.jsonl"
     gym = subprocess.Popen(
-        [*NGT, "run", "-c", str(FIXTURES / "relay_gym.yaml")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [*NGT, "run", "-c", str(FIXTURES / "relay_gym.yaml")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         urls = read_urls(gym)
         first_pid = httpx.get(f"{urls['slow_env']}/pid").json()["pid"]
-        command = [*NGT, "collect", "--input", str(rows), "--output", str(output), "--agent", "relay_agent",
-                   "--head-url", urls["head"], "--repeats", "2", "--concurrency", "3"]
+        command = [
+            *NGT,
+            "collect",
+            "--input",
+            str(rows),
+            "--output",
+            str(output),
+            "--agent",
+            "relay_agent",
+            "--head-url",
+            urls["head"],
+            "--repeats",
+            "2",
+            "--concurrency",
+            "3",
+        ]
         collect = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             deadline = time.monotonic() + 60

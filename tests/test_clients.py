@@ -40,13 +40,21 @@ def test_trl_chat_with_a_bundle_is_spliced(vllm_server: VLLMServer, trl_client) 
     turn = trl_client.chat([first], max_tokens=12, generation_kwargs={"seed": 7})
     prompt, completion = turn["prompt_ids"][0], turn["completion_ids"][0]
     logprobs = [step[0] for step in turn["logprobs"][0]]
-    assistant = {"role": "assistant", "content": "", "prompt_token_ids": prompt, "generation_token_ids": completion,
-                 "generation_log_probs": logprobs}
+    assistant = {
+        "role": "assistant",
+        "content": "",
+        "prompt_token_ids": prompt,
+        "generation_token_ids": completion,
+        "generation_log_probs": logprobs,
+    }
     # The content as the model wrote it (TRL returns ids only): the server's /detokenize of the completion.
     import httpx
 
-    assistant["content"] = httpx.post(f"{vllm_server.base_url}/detokenize", json={
-        "model": vllm_server.served_model_name, "tokens": completion}, timeout=60).json()["prompt"]
+    assistant["content"] = httpx.post(
+        f"{vllm_server.base_url}/detokenize",
+        json={"model": vllm_server.served_model_name, "tokens": completion},
+        timeout=60,
+    ).json()["prompt"]
     second = trl_client.chat([[*first, assistant, {"role": "user", "content": "And then?"}]], max_tokens=2)
     assert second["prompt_ids"][0][: len(prompt) + len(completion)] == prompt + completion
     stale = {**assistant, "prompt_token_ids": [*prompt[:-1], 11]}
@@ -59,8 +67,17 @@ def test_verifiers_renderers_client(vllm_server: VLLMServer, tiny_model_dir: Pat
     assert CLIENTS_PYTHON.exists(), "run `make clients-venv` (verifiers 0.4 in .venv-clients)"
     script = ROOT / "tests" / "clients" / "verifiers_turns.py"
     completed = subprocess.run(
-        [str(CLIENTS_PYTHON), str(script), vllm_server.base_url, vllm_server.served_model_name, str(tiny_model_dir),
-         "qwen3"], capture_output=True, text=True, timeout=300,
+        [
+            str(CLIENTS_PYTHON),
+            str(script),
+            vllm_server.base_url,
+            vllm_server.served_model_name,
+            str(tiny_model_dir),
+            "qwen3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     out = json.loads(completed.stdout.strip().splitlines()[-1])

@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 
-from nemo_gym_tok.net import free_port
 from nemo_gym_tok.cli.main import main
 from nemo_gym_tok.collect import (
     DEFAULT_HEAD_URL,
@@ -34,12 +33,11 @@ from nemo_gym_tok.collect import (
     row_hash,
 )
 from nemo_gym_tok.collect.files import lock_output
+from nemo_gym_tok.net import free_port
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from tests.fixtures.collect_agent import AgentBehaviour, create_head_app
 
 NGT = [sys.executable, "-m", "nemo_gym_tok"]
-
-
 
 
 @pytest.fixture
@@ -83,8 +81,9 @@ def run_collect(tmp_path: Path, agent_url: str, **kwargs: Any) -> CollectSummary
 def test_every_row_times_repeats_is_written_once_within_the_concurrency_limit(
     tmp_path: Path, agent_url: str, behaviour: AgentBehaviour
 ) -> None:
-    write_rows(tmp_path / "rows.jsonl", [{"id": f"q{i}", "question": f"what is {i}?"} for i in range(5)],
-               blank_lines=True)
+    write_rows(
+        tmp_path / "rows.jsonl", [{"id": f"q{i}", "question": f"what is {i}?"} for i in range(5)], blank_lines=True
+    )
     behaviour.delay = 0.05
 
     summary = run_collect(tmp_path, agent_url, repeats=3, concurrency=4)
@@ -121,8 +120,19 @@ def test_failed_rollout_goes_to_the_failures_file_and_is_retried_by_the_next_run
     write_rows(tmp_path / "rows.jsonl", rows)
     output = tmp_path / "out.jsonl"
     failures = failures_path_for(output)
-    argv = ["collect", "--input", str(tmp_path / "rows.jsonl"), "--output", str(output), "--agent", "my_agent",
-            "--head-url", head_url, "--repeats", "2"]
+    argv = [
+        "collect",
+        "--input",
+        str(tmp_path / "rows.jsonl"),
+        "--output",
+        str(output),
+        "--agent",
+        "my_agent",
+        "--head-url",
+        head_url,
+        "--repeats",
+        "2",
+    ]
     behaviour.fail_ids = {2}
 
     assert main(argv) == 1
@@ -143,13 +153,16 @@ def test_failed_rollout_goes_to_the_failures_file_and_is_retried_by_the_next_run
 
 
 def test_bad_agent_answers_and_timeouts_are_failures_with_clear_reasons(tmp_path: Path, agent_url: str) -> None:
-    write_rows(tmp_path / "rows.jsonl", [
-        {"id": 0},
-        {"id": 1, "mode": "no_response"},
-        {"id": 2, "mode": "not_object"},
-        {"id": 3, "mode": "not_json"},
-        {"id": 4, "sleep": 1.5},
-    ])
+    write_rows(
+        tmp_path / "rows.jsonl",
+        [
+            {"id": 0},
+            {"id": 1, "mode": "no_response"},
+            {"id": 2, "mode": "not_object"},
+            {"id": 3, "mode": "not_json"},
+            {"id": 4, "sleep": 1.5},
+        ],
+    )
 
     summary = run_collect(tmp_path, agent_url, timeout=0.3)
 
@@ -231,8 +244,22 @@ def test_sigkill_at_any_moment_then_rerun_leaves_every_rollout_exactly_once(
     write_rows(tmp_path / "rows.jsonl", [{"id": i, "pad": "x" * 20_000 * (i % 3)} for i in range(12)])
     output = tmp_path / "out.jsonl"
     behaviour.delay = 0.15
-    command = [*NGT, "collect", "--input", str(tmp_path / "rows.jsonl"), "--output", str(output),
-               "--agent", "my_agent", "--head-url", head_url, "--repeats", "2", "--concurrency", "3"]
+    command = [
+        *NGT,
+        "collect",
+        "--input",
+        str(tmp_path / "rows.jsonl"),
+        "--output",
+        str(output),
+        "--agent",
+        "my_agent",
+        "--head-url",
+        head_url,
+        "--repeats",
+        "2",
+        "--concurrency",
+        "3",
+    ]
 
     seen_before_kill = []
     for _ in range(2):  # two kill / rerun cycles, each killed after some but not all lines
@@ -263,14 +290,21 @@ def test_sigkill_at_any_moment_then_rerun_leaves_every_rollout_exactly_once(
     assert all(rec["pad"] == "x" * 20_000 * (rec["id"] % 3) for rec in records)
 
 
-def test_input_errors_exit_2_before_anything_runs(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_input_errors_exit_2_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     unreachable = f"http://127.0.0.1:{free_port()}"  # input errors come first, so no head is needed
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"id": 0}\n\n[1, 2]\n')
-    argv = ["collect", "--input", str(rows), "--output", str(tmp_path / "out.jsonl"), "--agent", "a",
-            "--head-url", unreachable]
+    argv = [
+        "collect",
+        "--input",
+        str(rows),
+        "--output",
+        str(tmp_path / "out.jsonl"),
+        "--agent",
+        "a",
+        "--head-url",
+        unreachable,
+    ]
 
     assert main(argv) == 2
     assert f"{rows}:3: expected a JSON object, got list" in capsys.readouterr().err
@@ -292,8 +326,17 @@ def test_unknown_agent_lists_known_names(head_url: str, tmp_path: Path, capsys: 
     assert resolve_agent_url(head_url + "/", "my_agent").startswith("http://127.0.0.1:")
 
     write_rows(tmp_path / "rows.jsonl", [{"id": 0}])
-    argv = ["collect", "--input", str(tmp_path / "rows.jsonl"), "--output", str(tmp_path / "o.jsonl"),
-            "--agent", "nope", "--head-url", head_url]
+    argv = [
+        "collect",
+        "--input",
+        str(tmp_path / "rows.jsonl"),
+        "--output",
+        str(tmp_path / "o.jsonl"),
+        "--agent",
+        "nope",
+        "--head-url",
+        head_url,
+    ]
     assert main(argv) == 2
     assert "known: my_agent, policy_model" in capsys.readouterr().err
 
@@ -305,8 +348,17 @@ def test_unreachable_head_is_a_clear_error_and_the_env_var_sets_the_default(
     monkeypatch.setenv("NGT_HEAD_URL", unreachable)
     write_rows(tmp_path / "rows.jsonl", [{"id": 0}])
 
-    code = main(["collect", "--input", str(tmp_path / "rows.jsonl"), "--output", str(tmp_path / "o.jsonl"),
-                 "--agent", "my_agent"])
+    code = main(
+        [
+            "collect",
+            "--input",
+            str(tmp_path / "rows.jsonl"),
+            "--output",
+            str(tmp_path / "o.jsonl"),
+            "--agent",
+            "my_agent",
+        ]
+    )
 
     assert code == 2
     err = capsys.readouterr().err
@@ -337,13 +389,30 @@ def test_sigint_drops_the_rollouts_in_flight_and_a_resume_runs_each_rollout_once
     write_rows(tmp_path / "rows.jsonl", [{"id": i} for i in range(rows)])
     output = tmp_path / "out.jsonl"
     behaviour.delay = 0.3
-    command = [*NGT, "collect", "--input", str(tmp_path / "rows.jsonl"), "--output", str(output),
-               "--agent", "my_agent", "--head-url", head_url, "--repeats", "2", "--concurrency", "3"]
+    command = [
+        *NGT,
+        "collect",
+        "--input",
+        str(tmp_path / "rows.jsonl"),
+        "--output",
+        str(output),
+        "--agent",
+        "my_agent",
+        "--head-url",
+        head_url,
+        "--repeats",
+        "2",
+        "--concurrency",
+        "3",
+    ]
 
     # As from a terminal: a shell that starts a job in the background (CI's does) has it ignore SIGINT, and Python
     # keeps an inherited SIG_IGN instead of raising KeyboardInterrupt.
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
@@ -403,9 +472,13 @@ def test_repeated_rows_stay_distinct_and_added_or_reordered_rows_resume_by_conte
 
     assert (first.done_now, first.total) == (6, 6)
     records = read_records(tmp_path / "out.jsonl")
-    assert rollout_keys(records) == Counter({RolloutKey(row_hash(row), occurrence, repeat): 1
-                                             for row, occurrence in ((same, 0), (same, 1), (other, 0))
-                                             for repeat in (0, 1)})
+    assert rollout_keys(records) == Counter(
+        {
+            RolloutKey(row_hash(row), occurrence, repeat): 1
+            for row, occurrence in ((same, 0), (same, 1), (other, 0))
+            for repeat in (0, 1)
+        }
+    )
     assert {r["rollout_id"]["agent"] for r in records} == {"my_agent"}
 
     # A row inserted at the top and the others reordered: only the new row runs.

@@ -16,9 +16,9 @@ from nemo_gym_tok.collect import collect, runner
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from tests.fixtures.collect_agent import AgentBehaviour, create_head_app
 
-LINE = re.compile(r"^ngt collect: (\d+)/(\d+) rollouts finished \((\d+)%\), (\d+) failed, [\d.]+ rollouts/s, \d+s elapsed$")
-
-
+LINE = re.compile(
+    r"^ngt collect: (\d+)/(\d+) rollouts finished \((\d+)%\), (\d+) failed, [\d.]+ rollouts/s, \d+s elapsed$"
+)
 
 
 def write_rows(path: Path, count: int) -> Path:
@@ -31,8 +31,9 @@ def progress_lines(err: str) -> list[tuple[int, int, int, int]]:
 
 
 def run(tmp_path: Path, agent_url: str, **options: object) -> None:
-    asyncio.run(collect(tmp_path / "rows.jsonl", tmp_path / "out.jsonl", agent_url, concurrency=1, timeout=30.0,
-                        **options))
+    asyncio.run(
+        collect(tmp_path / "rows.jsonl", tmp_path / "out.jsonl", agent_url, concurrency=1, timeout=30.0, **options)
+    )
 
 
 def test_without_a_terminal_each_tenth_of_the_run_is_a_plain_line(
@@ -83,9 +84,7 @@ class _Terminal(io.StringIO):
         return True
 
 
-def test_on_a_terminal_it_is_the_bar_not_lines(
-    tmp_path: Path, agent_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_on_a_terminal_it_is_the_bar_not_lines(tmp_path: Path, agent_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     write_rows(tmp_path / "rows.jsonl", 5)
     terminal = _Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
@@ -101,9 +100,23 @@ def test_ngt_collect_with_stderr_to_a_file_logs_progress(tmp_path: Path, agent_u
     rows = write_rows(tmp_path / "rows.jsonl", 4)
     with serve_in_thread(create_head_app({"my_agent": agent_url})) as head_url:
         finished = subprocess.run(
-            [sys.executable, "-m", "nemo_gym_tok", "collect", "--input", str(rows), "--output",
-             str(tmp_path / "out.jsonl"), "--agent", "my_agent", "--head-url", head_url],
-            capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                "-m",
+                "nemo_gym_tok",
+                "collect",
+                "--input",
+                str(rows),
+                "--output",
+                str(tmp_path / "out.jsonl"),
+                "--agent",
+                "my_agent",
+                "--head-url",
+                head_url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
     assert finished.returncode == 0, finished.stderr
     assert progress_lines(finished.stderr)[-1] == (4, 4, 100, 0)

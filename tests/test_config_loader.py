@@ -46,7 +46,10 @@ def test_set_override_parses_yaml_scalars_and_beats_files(tmp_path: Path) -> Non
 
 
 def test_whole_value_reference_keeps_type_and_embedded_reference_is_text(tmp_path: Path) -> None:
-    text = "n: 4\nurl_base: http://h\nenv:\n  resources_servers:\n    x:\n      steps: ${n}\n      url: ${url_base}:${n}/v1\n"
+    text = (
+        "n: 4\nurl_base: http://h\nenv:\n  resources_servers:\n    x:\n"
+        "      steps: ${n}\n      url: ${url_base}:${n}/v1\n"
+    )
     config = load_config([write(tmp_path, "a.yaml", text)])
     assert config.instance("env").fields == {"steps": 4, "url": "http://h:4/v1"}
 

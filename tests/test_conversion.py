@@ -25,10 +25,20 @@ EPISODE = [
     {"role": "system", "content": "be brief"},
     {"role": "user", "content": "weather in Paris and Rome?"},
     {
-        "role": "assistant", "content": "", "reasoning_content": "need two lookups",
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "need two lookups",
         "tool_calls": [
-            {"id": "call_a", "type": "function", "function": {"name": "weather", "arguments": json.dumps({"city": "Paris"})}},
-            {"id": "call_b", "type": "function", "function": {"name": "weather", "arguments": json.dumps({"city": "Rome"})}},
+            {
+                "id": "call_a",
+                "type": "function",
+                "function": {"name": "weather", "arguments": json.dumps({"city": "Paris"})},
+            },
+            {
+                "id": "call_b",
+                "type": "function",
+                "function": {"name": "weather", "arguments": json.dumps({"city": "Rome"})},
+            },
         ],
         **bundle(12, 30),
     },
@@ -46,7 +56,9 @@ def episode_as_items() -> list[ResponseItem]:
         if message["role"] == "assistant":
             items.extend(chat_message_to_items(message))
         elif message["role"] == "tool":
-            items.append(ResponseItem(type="function_call_output", call_id=message["tool_call_id"], output=message["content"]))
+            items.append(
+                ResponseItem(type="function_call_output", call_id=message["tool_call_id"], output=message["content"])
+            )
         else:
             items.append(ResponseItem(type="message", role=message["role"], content=message["content"]))
     return items
@@ -55,8 +67,17 @@ def episode_as_items() -> list[ResponseItem]:
 def test_episode_round_trip_keeps_every_bundle_in_place() -> None:
     items = episode_as_items()
     assert [i.type for i in items] == [
-        "message", "message", "reasoning", "function_call", "function_call", "function_call_output",
-        "function_call_output", "reasoning", "message", "message", "message",
+        "message",
+        "message",
+        "reasoning",
+        "function_call",
+        "function_call",
+        "function_call_output",
+        "function_call_output",
+        "reasoning",
+        "message",
+        "message",
+        "message",
     ]
     # The bundle sits on the last item of each model call, and only there.
     bundled = [index for index, item in enumerate(items) if item.has_bundle]
@@ -97,10 +118,16 @@ def test_bundle_closes_its_call_so_back_to_back_calls_stay_apart() -> None:
 
 def test_back_to_back_calls_stay_apart_when_only_the_latest_carries_its_bundle() -> None:
     """What the agent sends since lean payloads: earlier calls' items without bundles, the latest call's with it."""
+
     def unbundled(message: dict) -> list[ResponseItem]:
-        return [ResponseItem.model_validate(item.model_dump(exclude={"prompt_token_ids", "generation_token_ids",
-                                                                      "generation_log_probs", "prefix_splice"}))
-                for item in chat_message_to_items(message)]
+        return [
+            ResponseItem.model_validate(
+                item.model_dump(
+                    exclude={"prompt_token_ids", "generation_token_ids", "generation_log_probs", "prefix_splice"}
+                )
+            )
+            for item in chat_message_to_items(message)
+        ]
 
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     items = [
@@ -120,24 +147,44 @@ def test_back_to_back_calls_stay_apart_when_only_the_latest_carries_its_bundle()
 def test_a_tool_only_call_right_after_a_text_only_call_reads_as_one_call_without_bundles() -> None:
     """The one order items alone cannot split (docs/token-contract.md): a call's text may precede its tool calls."""
     text = chat_message_to_items({"role": "assistant", "content": "one"})
-    tools = chat_message_to_items({"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]})
+    tools = chat_message_to_items(
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        }
+    )
     assert [m["content"] for m in items_to_chat_messages([*text, *tools])] == ["one"]
 
 
 def test_responses_request_to_chat_request_translates_and_passes_extras_through() -> None:
-    request = ResponsesRequest.model_validate({
-        "model": "m", "input": "hello", "instructions": "sys", "max_output_tokens": 9, "temperature": 0.5,
-        "tools": [{"type": "function", "name": "f", "description": "d", "parameters": {"type": "object"}, "strict": True}],
-        "tool_choice": {"type": "function", "name": "f"},
-        "required_prefix_token_ids": [1, 2], "chat_template_kwargs": {"enable_thinking": False}, "seed": 3,
-    })
+    request = ResponsesRequest.model_validate(
+        {
+            "model": "m",
+            "input": "hello",
+            "instructions": "sys",
+            "max_output_tokens": 9,
+            "temperature": 0.5,
+            "tools": [
+                {"type": "function", "name": "f", "description": "d", "parameters": {"type": "object"}, "strict": True}
+            ],
+            "tool_choice": {"type": "function", "name": "f"},
+            "required_prefix_token_ids": [1, 2],
+            "chat_template_kwargs": {"enable_thinking": False},
+            "seed": 3,
+        }
+    )
     assert responses_to_chat_request(request) == {
-        "model": "m", "temperature": 0.5, "required_prefix_token_ids": [1, 2],
-        "chat_template_kwargs": {"enable_thinking": False}, "seed": 3,
+        "model": "m",
+        "temperature": 0.5,
+        "required_prefix_token_ids": [1, 2],
+        "chat_template_kwargs": {"enable_thinking": False},
+        "seed": 3,
         "messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "hello"}],
         "max_tokens": 9,
-        "tools": [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}],
+        "tools": [
+            {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}
+        ],
         "tool_choice": {"type": "function", "function": {"name": "f"}},
     }
 

@@ -31,8 +31,9 @@ def docs_example(path: Path, name: str) -> str:
 @pytest.fixture(scope="module")
 def adapter_url(vllm_server: VLLMServer) -> Iterator[str]:
     """The adapter as vllm_model_for_training.yaml configures it, in front of the hooked vLLM."""
-    config = VLLMModelConfig(base_url=f"{vllm_server.base_url}/v1", model=vllm_server.served_model_name,
-                             return_token_id_information=True)
+    config = VLLMModelConfig(
+        base_url=f"{vllm_server.base_url}/v1", model=vllm_server.served_model_name, return_token_id_information=True
+    )
     with serve_in_thread(VLLMModel("policy_model", config).build_app()) as url:
         yield url
 
@@ -40,13 +41,21 @@ def adapter_url(vllm_server: VLLMServer) -> Iterator[str]:
 def run_example(code: str, adapter_url: str) -> dict[str, Any]:
     assert PLACEHOLDER_URL in code  # else the example no longer talks to the adapter this test serves
     namespace: dict[str, Any] = {"__name__": "docs_example"}
-    exec(compile(code.replace(PLACEHOLDER_URL, f"{adapter_url}/v1"), "<docs/token-contract.md example>", "exec"), namespace)
+    exec(
+        compile(code.replace(PLACEHOLDER_URL, f"{adapter_url}/v1"), "<docs/token-contract.md example>", "exec"),
+        namespace,
+    )
     return namespace
 
 
 def turn(number: int, message: dict[str, Any]) -> BundledTurn:
-    return BundledTurn(number, message["prompt_token_ids"], message["generation_token_ids"],
-                       message["generation_log_probs"], message.get("prefix_splice"))
+    return BundledTurn(
+        number,
+        message["prompt_token_ids"],
+        message["generation_token_ids"],
+        message["generation_log_probs"],
+        message.get("prefix_splice"),
+    )
 
 
 def test_the_token_contract_sdk_example_keeps_tool_fields_and_is_token_contiguous(adapter_url: str) -> None:

@@ -19,8 +19,12 @@ async def _turn_one_then_retokenize(http: httpx.AsyncClient, model: str, seed: i
     turn = await http.post(
         "/v1/chat/completions",
         json={
-            "model": model, "messages": [first_user], "max_tokens": 96, "seed": seed,
-            "temperature": 1.0, "return_token_ids": True,
+            "model": model,
+            "messages": [first_user],
+            "max_tokens": 96,
+            "seed": seed,
+            "temperature": 1.0,
+            "return_token_ids": True,
         },
     )
     turn.raise_for_status()

@@ -40,11 +40,24 @@ def rid(row: dict[str, Any], index: int, repeat: int = 0, occurrence: int = 0, a
 
 def record(row: dict[str, Any], index: int, repeat: int = 0, occurrence: int = 0, **extra: Any) -> dict[str, Any]:
     """A minimal schema-2 record of one model call (prompt [1, 2], generation [3])."""
-    item = {"type": "message", "role": "assistant", "id": "m", "content": [],
-            "prompt_prefix_length": 0, "prompt_suffix_token_ids": [1, 2], "generation_token_ids": [3],
-            "generation_log_probs": [-0.5]}
-    return {"schema_version": 2, **row, "response": {"output": [item]}, "reward": 1.0,
-            "rollout_id": rid(row, index, repeat, occurrence), **extra}
+    item = {
+        "type": "message",
+        "role": "assistant",
+        "id": "m",
+        "content": [],
+        "prompt_prefix_length": 0,
+        "prompt_suffix_token_ids": [1, 2],
+        "generation_token_ids": [3],
+        "generation_log_probs": [-0.5],
+    }
+    return {
+        "schema_version": 2,
+        **row,
+        "response": {"output": [item]},
+        "reward": 1.0,
+        "rollout_id": rid(row, index, repeat, occurrence),
+        **extra,
+    }
 
 
 def test_every_bundled_item_gets_its_whole_prompt_and_nemo_rls_rule_passes_where_it_failed() -> None:
@@ -64,27 +77,39 @@ def test_every_bundled_item_gets_its_whole_prompt_and_nemo_rls_rule_passes_where
         assert row["response"]["output"] == full_output(raw)  # the ids the record holds, unpacked, nothing else
         assert "schema_version" not in row
         assert not any("prompt_suffix_token_ids" in item for item in row["response"]["output"])
-        assert packed_record(row) == {**raw, "response": {**raw["response"], **_filled(raw)},
-                                      "_ng_task_index": row["_ng_task_index"],
-                                      "_ng_rollout_index": 0, "agent_ref": row["agent_ref"]}
+        assert packed_record(row) == {
+            **raw,
+            "response": {**raw["response"], **_filled(raw)},
+            "_ng_task_index": row["_ng_task_index"],
+            "_ng_rollout_index": 0,
+            "agent_ref": row["agent_ref"],
+        }
     assert [r["_ng_task_index"] for r in export.rows] == [0, 1, 2]
-    assert all(r["agent_ref"] == {"type": "responses_api_agents", "name": "grid_navigation_agent"}
-               for r in export.rows)
+    assert all(r["agent_ref"] == {"type": "responses_api_agents", "name": "grid_navigation_agent"} for r in export.rows)
 
 
 def _filled(raw: dict[str, Any]) -> dict[str, Any]:
     params = raw["responses_create_params"]
-    usage = {**raw["response"]["usage"], "input_tokens_details": {"cached_tokens": None},
-             "output_tokens_details": {"reasoning_tokens": None}}
-    return {"tools": params["tools"], "tool_choice": params["tool_choice"],
-            "parallel_tool_calls": params["parallel_tool_calls"], "usage": usage}
+    usage = {
+        **raw["response"]["usage"],
+        "input_tokens_details": {"cached_tokens": None},
+        "output_tokens_details": {"reasoning_tokens": None},
+    }
+    return {
+        "tools": params["tools"],
+        "tool_choice": params["tool_choice"],
+        "parallel_tool_calls": params["parallel_tool_calls"],
+        "usage": usage,
+    }
 
 
 def test_response_fields_the_record_has_are_kept_and_missing_ones_take_the_responses_api_defaults() -> None:
     row = {"responses_create_params": {"input": "hi"}}
     given = record(row, 0)
-    given["response"].update(tool_choice="none", usage={"input_tokens": 2, "output_tokens": 1, "total_tokens": 3,
-                                                        "input_tokens_details": {"cached_tokens": 0}})
+    given["response"].update(
+        tool_choice="none",
+        usage={"input_tokens": 2, "output_tokens": 1, "total_tokens": 3, "input_tokens_details": {"cached_tokens": 0}},
+    )
     [out] = nemo_gym_export([given]).rows
     response = out["response"]
     assert (response["tools"], response["tool_choice"], response["parallel_tool_calls"]) == ([], "none", True)
@@ -95,8 +120,13 @@ def test_response_fields_the_record_has_are_kept_and_missing_ones_take_the_respo
 def test_task_and_rollout_indices_are_numbered_as_nemo_gym_numbers_repeated_rows() -> None:
     a, b = {"q": "a"}, {"q": "b"}
     # Input lines: a, b, a (the same content again), each collected twice; one rollout of b failed.
-    records = [record(a, 0, 0), record(a, 0, 1), record(b, 1, 0), record(a, 2, 0, occurrence=1),
-               record(a, 2, 1, occurrence=1)]
+    records = [
+        record(a, 0, 0),
+        record(a, 0, 1),
+        record(b, 1, 0),
+        record(a, 2, 0, occurrence=1),
+        record(a, 2, 1, occurrence=1),
+    ]
     failures = [{"rollout_id": rid(b, 1, 1), "reason": "agent answered HTTP 500 on POST x: boom", "row": b}]
 
     export = nemo_gym_export(reversed(records), failures)
@@ -118,15 +148,27 @@ def test_a_rows_own_task_index_and_agent_ref_are_kept() -> None:
     assert (out["_ng_task_index"], out["_ng_rollout_index"], out["agent_ref"]) == (41, 0, row["agent_ref"])
 
 
-@pytest.mark.parametrize(("entry", "failure_class", "status"), [
-    ({"reason": "agent answered HTTP 500 on POST u: crashed", "kind": "http_status", "http_status": 500},
-     "agent_run_error", 500),
-    ({"reason": "agent answered HTTP 503 on POST u: busy", "kind": "http_status", "http_status": 503},
-     "agent_request_failed", 503),
-    ({"reason": "timed out after 3s waiting for POST u", "kind": "timeout", "http_status": None},
-     "agent_request_failed", None),
-    ({"reason": "agent answered HTTP 422 on POST u: bad row"}, "agent_run_error", 422),  # an older entry
-])
+@pytest.mark.parametrize(
+    ("entry", "failure_class", "status"),
+    [
+        (
+            {"reason": "agent answered HTTP 500 on POST u: crashed", "kind": "http_status", "http_status": 500},
+            "agent_run_error",
+            500,
+        ),
+        (
+            {"reason": "agent answered HTTP 503 on POST u: busy", "kind": "http_status", "http_status": 503},
+            "agent_request_failed",
+            503,
+        ),
+        (
+            {"reason": "timed out after 3s waiting for POST u", "kind": "timeout", "http_status": None},
+            "agent_request_failed",
+            None,
+        ),
+        ({"reason": "agent answered HTTP 422 on POST u: bad row"}, "agent_run_error", 422),  # an older entry
+    ],
+)
 def test_failure_entries_become_nemo_gym_sidecar_rows(entry: dict, failure_class: str, status: int | None) -> None:
     row = {"q": "x"}
     [side] = nemo_gym_export([], [{"rollout_id": rid(row, 0), "row": row, **entry}]).failure_rows
@@ -142,15 +184,18 @@ def test_a_failure_entry_of_a_rollout_that_has_its_record_is_left_out() -> None:
     assert len(export.rows) == 1 and export.failure_rows == []
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    (lambda r: r.pop("rollout_id"), "record 0 has no rollout_id"),
-    (lambda r: r.update(schema_version=3), "newer than this nemo_gym_tok reads"),
-    (lambda r: r.pop("reward"), "has no reward"),
-    (lambda r: r.update(response={}), "no response.output list"),
-    (lambda r: r["response"]["output"][0].update(prompt_prefix_length=9), "prompt_prefix_length 9"),
-    (lambda r: r["response"]["output"][0].pop("generation_log_probs"), "no generation_log_probs"),
-    (lambda r: r["rollout_id"].update(agent="other"), "collected with agent 'other', not 'a'"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda r: r.pop("rollout_id"), "record 0 has no rollout_id"),
+        (lambda r: r.update(schema_version=3), "newer than this nemo_gym_tok reads"),
+        (lambda r: r.pop("reward"), "has no reward"),
+        (lambda r: r.update(response={}), "no response.output list"),
+        (lambda r: r["response"]["output"][0].update(prompt_prefix_length=9), "prompt_prefix_length 9"),
+        (lambda r: r["response"]["output"][0].pop("generation_log_probs"), "no generation_log_probs"),
+        (lambda r: r["rollout_id"].update(agent="other"), "collected with agent 'other', not 'a'"),
+    ],
+)
 def test_records_that_cannot_become_rows_are_refused_by_name(change: Any, message: str) -> None:
     bad = record({"q": "x"}, 0)
     change(bad)
@@ -177,8 +222,17 @@ def write_jsonl(path: Path, objects: list[Any]) -> Path:
 def test_export_writes_rows_and_sidecar_that_ngt_check_reads_and_replaces_both(tmp_path: Path) -> None:
     source = write_jsonl(tmp_path / "out.jsonl", fixture_records())
     row = {"q": "lost"}
-    write_jsonl(failures_path_for(source), [{"rollout_id": rid(row, 3, agent="grid_navigation_agent"),
-                                             "reason": "timed out after 1s", "kind": "timeout", "row": row}])
+    write_jsonl(
+        failures_path_for(source),
+        [
+            {
+                "rollout_id": rid(row, 3, agent="grid_navigation_agent"),
+                "reason": "timed out after 1s",
+                "kind": "timeout",
+                "row": row,
+            }
+        ],
+    )
     target = tmp_path / "gym" / "rollouts.jsonl"
 
     summary = export_nemo_gym(source, target)
@@ -230,17 +284,38 @@ def test_collect_with_nemo_gym_output_writes_the_rows_and_the_sidecar_of_its_fai
     behaviour.fail_ids = {1}
     rows = tmp_path / "gym.jsonl"
     with serve_in_thread(create_head_app({"my_agent": agent_url})) as head:
-        status = main(["collect", "--input", str(tmp_path / "rows.jsonl"), "--output", str(tmp_path / "out.jsonl"),
-                       "--agent", "my_agent", "--head-url", head, "--repeats", "2", "--nemo-gym-output", str(rows)])
+        status = main(
+            [
+                "collect",
+                "--input",
+                str(tmp_path / "rows.jsonl"),
+                "--output",
+                str(tmp_path / "out.jsonl"),
+                "--agent",
+                "my_agent",
+                "--head-url",
+                head,
+                "--repeats",
+                "2",
+                "--nemo-gym-output",
+                str(rows),
+            ]
+        )
     assert status == 1  # a failed rollout: exported all the same, to the sidecar
     out = capsys.readouterr().out
     assert f"collect: NeMo Gym rows: 4 rollout rows -> {rows}; 2 failed rollouts" in out
     written = [json.loads(line) for line in rows.read_text().splitlines()]
     assert [(r["id"], r["_ng_task_index"], r["_ng_rollout_index"]) for r in written] == [
-        (0, 0, 0), (0, 0, 1), (2, 2, 0), (2, 2, 1)]
+        (0, 0, 0),
+        (0, 0, 1),
+        (2, 2, 0),
+        (2, 2, 1),
+    ]
     assert all(r["agent_ref"] == {"type": "responses_api_agents", "name": "my_agent"} for r in written)
     sidecar = [json.loads(line) for line in nemo_gym_failures_path_for(rows).read_text().splitlines()]
-    assert [(s["_ng_task_index"], s["_ng_rollout_index"], s["_ng_failure_class"], s["_ng_failure_http_status"])
-            for s in sidecar] == [(1, 0, "agent_run_error", 500), (1, 1, "agent_run_error", 500)]
+    assert [
+        (s["_ng_task_index"], s["_ng_rollout_index"], s["_ng_failure_class"], s["_ng_failure_http_status"])
+        for s in sidecar
+    ] == [(1, 0, "agent_run_error", 500), (1, 1, "agent_run_error", 500)]
     entries = [json.loads(line) for line in failures_path_for(tmp_path / "out.jsonl").read_text().splitlines()]
     assert {(e["kind"], e["http_status"]) for e in entries} == {("http_status", 500)}

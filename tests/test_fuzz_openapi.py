@@ -63,13 +63,30 @@ def gym() -> Iterator[dict[str, str]]:
             instance = ServerInstance(environment, "resources_servers", environment, {}, {})
             server_class, config = validate_instance(instance)
             serve(server_class(environment, config))
-        serve(VLLMModel("policy_model", VLLMModelConfig(
-            base_url=urls["vllm"], model="fake", splice="hook", return_token_id_information=True,
-            max_attempts=1, retry_backoff_seconds=0.0,
-        )))
-        serve(SimpleAgent("agent", SimpleAgentConfig(
-            model_server="policy_model", resources_server="number_guess", max_steps=2,
-        ), ServerClient(dict(urls))))
+        serve(
+            VLLMModel(
+                "policy_model",
+                VLLMModelConfig(
+                    base_url=urls["vllm"],
+                    model="fake",
+                    splice="hook",
+                    return_token_id_information=True,
+                    max_attempts=1,
+                    retry_backoff_seconds=0.0,
+                ),
+            )
+        )
+        serve(
+            SimpleAgent(
+                "agent",
+                SimpleAgentConfig(
+                    model_server="policy_model",
+                    resources_server="number_guess",
+                    max_steps=2,
+                ),
+                ServerClient(dict(urls)),
+            )
+        )
         serve(HeadServer("head", HeadServerConfig(servers=dict(urls))))
         yield urls
 
@@ -131,22 +148,35 @@ def test_fuzzing_every_route_gets_no_server_error(gym: dict[str, str], server: s
                     continue  # no parameters to break
                 _fuzz(operation, mode, examples, server, url, http, report, route)
     elapsed = time.monotonic() - started
-    print(f"\nfuzz {server}: {sum(report.examples.values())} requests in {elapsed:.1f}s "
-          f"({', '.join(f'{route}: {count}' for route, count in report.examples.items())}); "
-          f"statuses {dict(sorted(report.statuses.items()))}; {len(report.server_errors)} server errors")
+    print(
+        f"\nfuzz {server}: {sum(report.examples.values())} requests in {elapsed:.1f}s "
+        f"({', '.join(f'{route}: {count}' for route, count in report.examples.items())}); "
+        f"statuses {dict(sorted(report.statuses.items()))}; {len(report.server_errors)} server errors"
+    )
     assert not report.server_errors, _distinct(report.server_errors)
 
 
 def _fuzz(
-    operation: Any, mode: GenerationMode, examples: int, server: str, url: str, http: requests.Session,
-    report: FuzzReport, route: str,
+    operation: Any,
+    mode: GenerationMode,
+    examples: int,
+    server: str,
+    url: str,
+    http: requests.Session,
+    report: FuzzReport,
+    route: str,
 ) -> None:
     # A valid episode behind the fixed session lets schema-following bodies reach the tools, /step and /verify.
     episode = server in ENVIRONMENTS and mode is GenerationMode.POSITIVE and operation.path != "/seed_session"
     headers = {SESSION_HEADER: SEEDED_SESSION} if episode else None
 
-    @settings(max_examples=examples, deadline=None, derandomize=not HUNT, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=not HUNT,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=operation.as_strategy(generation_mode=mode))
     def send(case: Any) -> None:
         if episode:
@@ -157,10 +187,12 @@ def _fuzz(
         report.statuses[response.status_code] += 1
         if response.status_code >= 500:
             sent = case.body if not isinstance(case.body, bytes) else case.body[:200]
-            report.server_errors.append((
-                f"{route} ({mode.value}) -> HTTP {response.status_code}: {response.text[:300]}",
-                json.dumps(sent, default=repr)[:400],
-            ))
+            report.server_errors.append(
+                (
+                    f"{route} ({mode.value}) -> HTTP {response.status_code}: {response.text[:300]}",
+                    json.dumps(sent, default=repr)[:400],
+                )
+            )
 
     send()
 

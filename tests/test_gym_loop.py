@@ -54,19 +54,24 @@ def gym(vllm_server: VLLMServer) -> Iterator[GymUnderTest]:
     with ExitStack() as stack:
         proxy = RecordingProxy(url="")
         proxy.url = stack.enter_context(serve_in_thread(recording_proxy_app(vllm_server.base_url, proxy)))
-        adapter = VLLMModel("policy_model", VLLMModelConfig(
-            base_url=proxy.url, model=vllm_server.served_model_name, return_token_id_information=True))
+        adapter = VLLMModel(
+            "policy_model",
+            VLLMModelConfig(base_url=proxy.url, model=vllm_server.served_model_name, return_token_id_information=True),
+        )
         adapter_url = stack.enter_context(serve_in_thread(adapter.build_app()))
         model_requests = RecordingProxy(url="")
         model_requests.url = stack.enter_context(serve_in_thread(recording_proxy_app(adapter_url, model_requests)))
         urls = {"policy_model": model_requests.url}
         for environment in ENVIRONMENTS:
-            server_class, config = validate_instance(ServerInstance(environment, "resources_servers", environment, {}, {}))
+            server_class, config = validate_instance(
+                ServerInstance(environment, "resources_servers", environment, {}, {})
+            )
             urls[environment] = stack.enter_context(serve_in_thread(server_class(environment, config).build_app()))
         for environment in ENVIRONMENTS:
             for suffix, send in (("", True), ("_stock", False)):
-                config = SimpleAgentConfig(model_server="policy_model", resources_server=environment, max_steps=4,
-                                           send_token_bundles=send)
+                config = SimpleAgentConfig(
+                    model_server="policy_model", resources_server=environment, max_steps=4, send_token_bundles=send
+                )
                 agent = SimpleAgent(f"{environment}_agent{suffix}", config, ServerClient(dict(urls)))
                 urls[f"{environment}_agent{suffix}"] = stack.enter_context(serve_in_thread(agent.build_app()))
         yield GymUnderTest(urls, proxy, model_requests)
@@ -102,7 +107,8 @@ def test_agent_episodes_are_token_exact_training_data(gym, environment: str) -> 
         generated = [token for turn in turns for token in turn.generation_token_ids]
         assert [t for t, m in zip(sequence.token_ids, sequence.loss_mask) if m] == generated
         assert [p for p, m in zip(sequence.log_probs, sequence.loss_mask) if m] == [
-            lp for turn in turns for lp in turn.generation_log_probs]
+            lp for turn in turns for lp in turn.generation_log_probs
+        ]
         assert sequence.token_ids[: len(turns[-1].prompt_token_ids)] == turns[-1].prompt_token_ids
     assert repaired >= 1, "no turn was repaired by the prefix splice"
 
@@ -129,7 +135,9 @@ def test_harness_fields_survive_harness_agent_adapter_vllm(gym, vllm_server: VLL
     text = "".join(part["text"] for part in bundle["content"])
     body = {
         "input": [user, {"role": "assistant", "content": text}, {"role": "user", "content": "Again."}],
-        "max_output_tokens": 4, "required_prefix_token_ids": prefix, "harness_tag": {"run": 7},
+        "max_output_tokens": 4,
+        "required_prefix_token_ids": prefix,
+        "harness_tag": {"run": 7},
     }
     second = httpx.post(f"{agent}/v1/responses", json=body, timeout=120)
     assert second.status_code == 200, second.text
@@ -160,9 +168,21 @@ def test_run_requires_responses_create_params(gym) -> None:
 
 def test_ngt_demo_end_to_end(vllm_server: VLLMServer, tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "nemo_gym_tok", "demo", "--limit", "1", "--output-dir", str(tmp_path),
-         "--vllm-url", vllm_server.base_url],
-        capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "nemo_gym_tok",
+            "demo",
+            "--limit",
+            "1",
+            "--output-dir",
+            str(tmp_path),
+            "--vllm-url",
+            vllm_server.base_url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "demo: 3/3 rollouts token-contiguous" in result.stdout

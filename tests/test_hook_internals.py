@@ -41,8 +41,16 @@ def test_a_moved_symbol_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     "version, supported",
     [
-        ("0.29.0", True), ("0.30.0", True), ("0.31.2", True), ("0.32.0", True), ("0.33.0+cpu", True),
-        ("0.33.1rc1", True), ("0.28.9", False), ("0.34.0", False), ("0.34.0.dev12+g0abc", False), ("1.0.0", False),
+        ("0.29.0", True),
+        ("0.30.0", True),
+        ("0.31.2", True),
+        ("0.32.0", True),
+        ("0.33.0+cpu", True),
+        ("0.33.1rc1", True),
+        ("0.28.9", False),
+        ("0.34.0", False),
+        ("0.34.0.dev12+g0abc", False),
+        ("1.0.0", False),
         ("main", False),
     ],
 )
@@ -227,9 +235,16 @@ class _Online:
 
 
 async def _preprocess_chat_033(
-    self: _Online, request: object, messages: list[object], default_template: object,
-    default_template_content_format: object, default_template_kwargs: object, tool_dicts: object = None,
-    parser: type[_Parser] | None = None, *, skip_mm_cache: bool = False,
+    self: _Online,
+    request: object,
+    messages: list[object],
+    default_template: object,
+    default_template_content_format: object,
+    default_template_kwargs: object,
+    tool_dicts: object = None,
+    parser: type[_Parser] | None = None,
+    *,
+    skip_mm_cache: bool = False,
 ) -> tuple[list[object], list[dict[str, object]]]:
     """The shape of vLLM 0.33's OnlineRenderer.preprocess_chat: render, then build the parser, hand it the prompt ids
     and let it adjust the request."""
@@ -242,9 +257,16 @@ async def _preprocess_chat_033(
 
 
 async def _preprocess_chat_032(
-    self: _Online, request: object, messages: list[object], default_template: object,
-    default_template_content_format: object, default_template_kwargs: object, tool_dicts: object = None,
-    parser: type[_Parser] | None = None, *, skip_mm_cache: bool = False,
+    self: _Online,
+    request: object,
+    messages: list[object],
+    default_template: object,
+    default_template_content_format: object,
+    default_template_kwargs: object,
+    tool_dicts: object = None,
+    parser: type[_Parser] | None = None,
+    *,
+    skip_mm_cache: bool = False,
 ) -> tuple[list[object], list[dict[str, object]]]:
     """The shape of vLLM 0.30 to 0.32: the parser only adjusts the request."""
     _, engine_inputs = await self.renderer.render_chat_async([messages], None)
@@ -291,7 +313,9 @@ def stand_in_splice(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[object]]:
         hook, "_read_prefix", lambda online, request, messages: (source if messages == ["bundled"] else None, False)
     )
     monkeypatch.setattr(hook, "_splice", splice)
-    monkeypatch.setattr(_Renderer, "tokenize_prompts_async", hook._tokenize_with_splice(_Renderer.tokenize_prompts_async))
+    monkeypatch.setattr(
+        _Renderer, "tokenize_prompts_async", hook._tokenize_with_splice(_Renderer.tokenize_prompts_async)
+    )
     _Parser.built.clear()
     return seen
 
@@ -300,7 +324,9 @@ def _preprocess(
     original: object, request: object, parser: object, online: _Online | None = None, messages: object = ("bundled",)
 ) -> list[dict[str, object]]:
     wrapped = hook._preprocess_chat_with_splice(original)
-    _, engine_inputs = asyncio.run(wrapped(online or _Online(), request, list(messages), None, None, None, None, parser))
+    _, engine_inputs = asyncio.run(
+        wrapped(online or _Online(), request, list(messages), None, None, None, None, parser)
+    )
     return engine_inputs
 
 
@@ -330,10 +356,13 @@ def test_a_whole_answer_is_verified_while_the_engine_generates(stand_in_splice) 
     assert telemetry == {"applied": True, "template_differed": True, "replaced_tokens": 1}
 
 
-@pytest.mark.parametrize(("failure", "message"), [
-    ("refused", "cannot prove"),  # the splice's own reason
-    ("crashed", "could not be verified"),  # an unexpected error: unverified, nothing generated goes out
-])
+@pytest.mark.parametrize(
+    ("failure", "message"),
+    [
+        ("refused", "cannot prove"),  # the splice's own reason
+        ("crashed", "could not be verified"),  # an unexpected error: unverified, nothing generated goes out
+    ],
+)
 def test_a_failed_late_verification_is_a_400_not_an_answer(stand_in_splice, failure, message) -> None:
     from vllm.exceptions import VLLMValidationError
 
@@ -341,7 +370,9 @@ def test_a_failed_late_verification_is_a_400_not_an_answer(stand_in_splice, fail
 
     request = _chat_request(stream=False)
     _preprocess(_preprocess_chat_032, request, None)
-    error = UnsupportedTemplateError("the splice cannot prove such a prompt exact") if failure == "refused" else KeyError(1)
+    error = (
+        UnsupportedTemplateError("the splice cannot prove such a prompt exact") if failure == "refused" else KeyError(1)
+    )
     stand_in_splice["late_failure"].append(error)
     with pytest.raises(VLLMValidationError, match=message):
         asyncio.run(hook._resolved(hook._telemetry.pop(id(request))))
@@ -386,7 +417,9 @@ def test_refused_splice_never_reaches_the_parser(stand_in_splice) -> None:
 
 def test_request_without_prefix_reaches_vllm_untouched(stand_in_splice) -> None:
     online, request = _Online(), _Request()
-    assert _preprocess(_preprocess_chat_033, request, _Parser, online, messages=[])[0]["prompt_token_ids"] == TEMPLATE_IDS
+    assert (
+        _preprocess(_preprocess_chat_033, request, _Parser, online, messages=[])[0]["prompt_token_ids"] == TEMPLATE_IDS
+    )
     assert online.renderer.tokenized == [TEMPLATE_TEXT]
     (parser,) = _Parser.built
     assert parser.calls == [("set_prompt_token_ids", TEMPLATE_IDS), ("adjust_request", request)]
@@ -407,7 +440,11 @@ def test_concurrent_requests_each_get_their_own_prompt(stand_in_splice) -> None:
         )
 
     answers = asyncio.run(both())
-    assert [engine_inputs[0]["prompt_token_ids"] for _, engine_inputs in answers] == [SPLICED_IDS, TEMPLATE_IDS, SPLICED_IDS]
+    assert [engine_inputs[0]["prompt_token_ids"] for _, engine_inputs in answers] == [
+        SPLICED_IDS,
+        TEMPLATE_IDS,
+        SPLICED_IDS,
+    ]
     assert online.renderer.tokenized == [TEMPLATE_TEXT]
 
 

@@ -77,12 +77,20 @@ def test_final_chunk_carries_the_streamed_bundle_and_telemetry() -> None:
     final = data(chunks[-2])
     assert final["id"] == "chatcmpl-1" and final["object"] == "chat.completion.chunk" and final["model"] == "m"
     assert final["prefix_splice"] == TELEMETRY
-    assert final["choices"] == [{
-        "index": 0, "logprobs": None, "finish_reason": None,
-        "delta": {"prompt_token_ids": [1, 2, 3], "generation_token_ids": [10, 11, 12, 13],
-                  "generation_log_probs": [-0.5, -1.0, -1.5, -2.0], "constrained_by": [],
-                  "generation_forced_mask": [0, 0, 0, 0]},
-    }]
+    assert final["choices"] == [
+        {
+            "index": 0,
+            "logprobs": None,
+            "finish_reason": None,
+            "delta": {
+                "prompt_token_ids": [1, 2, 3],
+                "generation_token_ids": [10, 11, 12, 13],
+                "generation_log_probs": [-0.5, -1.0, -1.5, -2.0],
+                "constrained_by": [],
+                "generation_forced_mask": [0, 0, 0, 0],
+            },
+        }
+    ]
     assert data(chunks[0])["prefix_splice"] == TELEMETRY  # known before the first token: on the first chunk too
 
 
@@ -113,8 +121,11 @@ def test_bundle_without_a_prefix_and_no_final_chunk_after_an_error() -> None:
 
 
 def test_the_stream_generator_is_wrapped_where_check_internals_looks() -> None:
-    assert ("vllm.entrypoints.openai.chat_completion.serving", "OpenAIServingChat",
-            "chat_completion_stream_generator") in hook.PATCHED_METHODS
+    assert (
+        "vllm.entrypoints.openai.chat_completion.serving",
+        "OpenAIServingChat",
+        "chat_completion_stream_generator",
+    ) in hook.PATCHED_METHODS
 
 
 def sdk(server: VLLMServer) -> OpenAI:
@@ -134,23 +145,32 @@ def test_streamed_conversation_gives_the_same_text_and_ids_as_unstreamed(vllm_se
         assert streamed[0].telemetry is None and all(t.telemetry["applied"] for t in streamed[1:])
         assert streamed[1].tool_calls and streamed[1].finish_reason == "tool_calls"
         repaired = [bool(t.telemetry and t.telemetry["template_differed"]) for t in streamed]
-        print(f"\nhook, seed {seed}: streamed = unstreamed over {len(streamed)} turns; finishes "
-              f"{[t.finish_reason for t in streamed]}, repaired {repaired}")
+        print(
+            f"\nhook, seed {seed}: streamed = unstreamed over {len(streamed)} turns; finishes "
+            f"{[t.finish_reason for t in streamed]}, repaired {repaired}"
+        )
 
 
 def test_a_refused_prefix_is_a_json_400_before_any_stream_byte(vllm_server: VLLMServer) -> None:
     messages = [{"role": "user", "content": "Hi."}]
-    first = sdk(vllm_server).chat.completions.create(model=vllm_server.served_model_name, messages=messages,
-                                                     max_tokens=4, seed=1, logprobs=True)
+    first = sdk(vllm_server).chat.completions.create(
+        model=vllm_server.served_model_name, messages=messages, max_tokens=4, seed=1, logprobs=True
+    )
     assistant = first.choices[0].message.model_dump(exclude_none=True)
     edited = [{"role": "user", "content": "Hello."}, assistant, {"role": "user", "content": "More."}]
-    body = {"model": vllm_server.served_model_name, "messages": edited, "max_tokens": 4, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": vllm_server.served_model_name,
+        "messages": edited,
+        "max_tokens": 4,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", f"{vllm_server.base_url}/v1/chat/completions", json=body, timeout=120) as answer:
         raw = answer.read()
     assert answer.status_code == 400 and answer.headers["content-type"].startswith("application/json"), raw
     error = json.loads(raw)["error"]
     assert error["param"] == "required_prefix_token_ids" and "messages[0]" in error["message"]
     with pytest.raises(BadRequestError):  # the SDK raises on create(), before iterating
-        sdk(vllm_server).chat.completions.create(model=vllm_server.served_model_name, messages=edited, max_tokens=4,
-                                                 stream=True)
+        sdk(vllm_server).chat.completions.create(
+            model=vllm_server.served_model_name, messages=edited, max_tokens=4, stream=True
+        )

@@ -31,8 +31,10 @@ def test_bundled_conversations_are_contiguous_while_stock_drifts(vllm_server: VL
     broken = [c.seed for c in bundled if not c.contiguous]
     assert broken == [], f"bundled conversations not contiguous: {broken}"
     drifting = sum(not c.contiguous for c in stock)
-    print(f"\nhook: {len(bundled) - len(broken)}/{len(bundled)} bundled conversations contiguous; "
-          f"stock: {drifting}/{len(stock)} drift")
+    print(
+        f"\nhook: {len(bundled) - len(broken)}/{len(bundled)} bundled conversations contiguous; "
+        f"stock: {drifting}/{len(stock)} drift"
+    )
     assert drifting >= 15
     endings = {turn.finish_reason for c in bundled for turn in c.turns}
     assert endings == {"stop", "length"}  # turns ended on <|im_end|> and on max_tokens
@@ -64,7 +66,10 @@ def test_required_prefix_via_openai_sdk_extra_body(vllm_server: VLLMServer) -> N
         if previous is not None:
             assert prompt[: len(previous)] == previous, f"turn {turn} not contiguous"
             assert data["prefix_splice"]["applied"] is True
-        messages += [{"role": "assistant", "content": completion.choices[0].message.content}, {"role": "user", "content": "Go on."}]
+        messages += [
+            {"role": "assistant", "content": completion.choices[0].message.content},
+            {"role": "user", "content": "Go on."},
+        ]
         previous = prompt + generation
 
 
@@ -102,12 +107,22 @@ def metric(server: VLLMServer, name: str) -> float:
 
 
 def test_metrics_count_splices_repairs_and_rejections(vllm_server: VLLMServer) -> None:
-    names = ["nemo_gym_tok_prefix_splices", "nemo_gym_tok_prefix_splice_drifted_turns",
-             "nemo_gym_tok_prefix_splice_replaced_tokens", "nemo_gym_tok_prefix_splice_rejected"]
+    names = [
+        "nemo_gym_tok_prefix_splices",
+        "nemo_gym_tok_prefix_splice_drifted_turns",
+        "nemo_gym_tok_prefix_splice_replaced_tokens",
+        "nemo_gym_tok_prefix_splice_rejected",
+    ]
     before = {name: metric(vllm_server, name) for name in names}
     (conversation,) = play(vllm_server, [55], mode="bundles", turns=3)
-    bad = httpx.post(f"{vllm_server.base_url}/v1/chat/completions", json={
-        "model": vllm_server.served_model_name, "messages": conversation.messages, "required_prefix_token_ids": [-1]})
+    bad = httpx.post(
+        f"{vllm_server.base_url}/v1/chat/completions",
+        json={
+            "model": vllm_server.served_model_name,
+            "messages": conversation.messages,
+            "required_prefix_token_ids": [-1],
+        },
+    )
     assert bad.status_code == 400
     after = {name: metric(vllm_server, name) for name in names}
     splices = [t.prefix_splice for t in conversation.turns[1:]]
@@ -119,8 +134,12 @@ def test_metrics_count_splices_repairs_and_rejections(vllm_server: VLLMServer) -
 
 def preprocess_counts(server: VLLMServer) -> dict[str, float]:
     text = httpx.get(f"{server.base_url}/metrics").text
-    return {path: float(count) for path, count in re.findall(
-        r'^nemo_gym_tok_preprocess_seconds_count\{path="(\w+)"\} (\S+)$', text, re.MULTILINE)}
+    return {
+        path: float(count)
+        for path, count in re.findall(
+            r'^nemo_gym_tok_preprocess_seconds_count\{path="(\w+)"\} (\S+)$', text, re.MULTILINE
+        )
+    }
 
 
 def test_metrics_time_preprocessing_by_path(vllm_server: VLLMServer) -> None:
@@ -131,9 +150,18 @@ def test_metrics_time_preprocessing_by_path(vllm_server: VLLMServer) -> None:
     bundle_keys = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
     plain = [{k: v for k, v in m.items() if k not in bundle_keys} for m in conversation.messages]
     url, model = f"{vllm_server.base_url}/v1/chat/completions", vllm_server.served_model_name
-    token_in = httpx.post(url, json={"model": model, "messages": plain, "max_tokens": 1, "kv_transfer_params": {
-        "prompt_token_ids": conversation.turns[-1].prompt_token_ids}})
-    refused = httpx.post(url, json={"model": model, "messages": conversation.messages, "required_prefix_token_ids": [-1]})
+    token_in = httpx.post(
+        url,
+        json={
+            "model": model,
+            "messages": plain,
+            "max_tokens": 1,
+            "kv_transfer_params": {"prompt_token_ids": conversation.turns[-1].prompt_token_ids},
+        },
+    )
+    refused = httpx.post(
+        url, json={"model": model, "messages": conversation.messages, "required_prefix_token_ids": [-1]}
+    )
     assert token_in.status_code == 200 and refused.status_code == 400
     after = preprocess_counts(vllm_server)
     grown = {path: after.get(path, 0.0) - before.get(path, 0.0) for path in after}
@@ -159,7 +187,10 @@ MALFORMED = [
     ({"prompt_token_ids": [1, True]}, "messages[1].prompt_token_ids[1] must be an int token id, got True"),
     ({"generation_token_ids": [-5]}, "messages[1].generation_token_ids[0] must be non-negative, got -5"),
     ({"prompt_token_ids": [1, "2"]}, "messages[1].prompt_token_ids[1] must be an int token id, got '2'"),
-    ({"generation_token_ids": [999999]}, "messages[1].generation_token_ids[0] = 999999 is out of vocabulary (size 151936)"),
+    (
+        {"generation_token_ids": [999999]},
+        "messages[1].generation_token_ids[0] = 999999 is out of vocabulary (size 151936)",
+    ),
     ({"generation_log_probs": None}, "messages[1]: token bundle is all or none; generation_log_probs missing"),
 ]
 
@@ -182,7 +213,11 @@ def test_malformed_bundles_are_400(vllm_server: VLLMServer, two_turns: Conversat
     ],
 )
 def test_malformed_required_prefix_is_400(vllm_server: VLLMServer, two_turns: Conversation, prefix, message) -> None:
-    body = {"model": vllm_server.served_model_name, "messages": with_assistant(two_turns), "required_prefix_token_ids": prefix}
+    body = {
+        "model": vllm_server.served_model_name,
+        "messages": with_assistant(two_turns),
+        "required_prefix_token_ids": prefix,
+    }
     answer = httpx.post(f"{vllm_server.base_url}/v1/chat/completions", json=body, timeout=60)
     assert answer.status_code == 400, answer.text
     assert message in answer.json()["error"]["message"]
@@ -191,7 +226,8 @@ def test_malformed_required_prefix_is_400(vllm_server: VLLMServer, two_turns: Co
 def test_stale_prefix_is_400(vllm_server: VLLMServer, two_turns: Conversation) -> None:
     turn = two_turns.turns[1]  # the prefix of turn 2 does not belong to the turn-1 history sent here
     body = {
-        "model": vllm_server.served_model_name, "messages": with_assistant(two_turns),
+        "model": vllm_server.served_model_name,
+        "messages": with_assistant(two_turns),
         "required_prefix_token_ids": turn.prompt_token_ids + turn.generation_token_ids,
     }
     answer = httpx.post(f"{vllm_server.base_url}/v1/chat/completions", json=body, timeout=60)
@@ -200,10 +236,17 @@ def test_stale_prefix_is_400(vllm_server: VLLMServer, two_turns: Conversation) -
 
 
 def test_requests_without_prefix_behave_as_stock(vllm_server: VLLMServer) -> None:
-    body = {"model": vllm_server.served_model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-            "return_token_ids": True, "seed": 1}
+    body = {
+        "model": vllm_server.served_model_name,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3,
+        "return_token_ids": True,
+        "seed": 1,
+    }
     answer = httpx.post(f"{vllm_server.base_url}/v1/chat/completions", json=body, timeout=60).json()
     assert "prefix_splice" not in answer
     assert "prompt_token_ids" not in answer["choices"][0]["message"]  # no logprobs asked: no bundle added
-    tokens = httpx.post(f"{vllm_server.base_url}/tokenize", json={**body, "add_generation_prompt": True}).json()["tokens"]
+    tokens = httpx.post(f"{vllm_server.base_url}/tokenize", json={**body, "add_generation_prompt": True}).json()[
+        "tokens"
+    ]
     assert tokens == answer["prompt_token_ids"]

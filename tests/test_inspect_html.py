@@ -69,7 +69,10 @@ def test_the_rendered_page_shows_every_rollout_and_repaired_span(tiny_model_dir:
 
     dom = subprocess.run(
         [chromium, "--headless", "--disable-gpu", "--no-sandbox", "--dump-dom", out.as_uri()],
-        capture_output=True, text=True, timeout=120, check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     ).stdout
     counter = _Counter()
     counter.feed(dom)
@@ -106,7 +109,7 @@ def test_repaired_spans_lie_in_the_repaired_turns_and_differ_from_the_template(t
             assert start <= span.start < span.end <= end  # inside the model's own ids, never the template's
             assert span.template_ids is not None, "the template's rendering was not rebuilt"
             assert span.template_ids != span.model_ids
-            assert span.model_ids[-(span.end - span.start):] == sequence.token_ids[span.start:span.end]
+            assert span.model_ids[-(span.end - span.start) :] == sequence.token_ids[span.start : span.end]
 
 
 def test_without_a_tokenizer_a_repaired_turn_is_marked_whole() -> None:

@@ -12,8 +12,8 @@ import pytest
 import yaml
 from fastapi import FastAPI
 
-from nemo_gym_tok.net import free_port
 from nemo_gym_tok.config import load_config
+from nemo_gym_tok.net import free_port
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from nemo_gym_tok.servers.launcher import Gym, LaunchError
 
@@ -48,7 +48,12 @@ def test_external_url_must_be_a_base_url(tmp_path: Path) -> None:
 
 
 def test_nemo_gym_instance_without_a_usable_python_is_refused_before_it_starts(tmp_path: Path) -> None:
-    instances = {"env": {"resources_servers": {"example_single_tool_call": {
-        "nemo_gym_python": str(tmp_path / "no-python"), "domain": "agent"}}}}
+    instances = {
+        "env": {
+            "resources_servers": {
+                "example_single_tool_call": {"nemo_gym_python": str(tmp_path / "no-python"), "domain": "agent"}
+            }
+        }
+    }
     with pytest.raises(LaunchError, match=r"nemo_gym_python: .* is not an executable Python"):
         gym_of(tmp_path, instances).start()

@@ -14,9 +14,9 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
 from hypothesis import given
 from hypothesis import strategies as st
-from fastapi.responses import JSONResponse, Response
 
 from nemo_gym_tok.agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
 from nemo_gym_tok.cli.main import main
@@ -46,8 +46,10 @@ TURN_PROMPT_IDS = 1200
 TURN_GENERATION_IDS = 300
 TOKEN_FIELDS = {*BUNDLE_FIELDS, *TELEMETRY_FIELDS}
 ROW = {
-    "responses_create_params": {"input": [{"role": "user", "content": "Guess a number from 1 to 100."}],
-                                "max_output_tokens": TURN_GENERATION_IDS},
+    "responses_create_params": {
+        "input": [{"role": "user", "content": "Guess a number from 1 to 100."}],
+        "max_output_tokens": TURN_GENERATION_IDS,
+    },
     "secret": 50,  # the stand-in always answers 42: "Higher." every round, so the episode runs all TURNS
 }
 
@@ -61,8 +63,9 @@ def says_42(messages: list[dict[str, Any]]) -> dict[str, Any]:
     return {"role": "assistant", "content": "42"}
 
 
-def hooked_vllm_stand_in(answer: Callable[[list[dict[str, Any]]], dict[str, Any]] = says_42,
-                         received: list[dict[str, Any]] | None = None) -> FastAPI:
+def hooked_vllm_stand_in(
+    answer: Callable[[list[dict[str, Any]]], dict[str, Any]] = says_42, received: list[dict[str, Any]] | None = None
+) -> FastAPI:
     """vLLM with the hook, as the adapter sees it: the prompt is the required prefix (explicit, or the last bundled
     message's) plus this turn's ids; without a bundle the prefix is lost, and the record shows it. `answer` gives the
     assistant message for the chat messages received; `received` collects the bodies."""
@@ -76,17 +79,29 @@ def hooked_vllm_stand_in(answer: Callable[[list[dict[str, Any]]], dict[str, Any]
         prefix = ChatCompletionRequest.model_validate(body).required_prefix() or []
         prompt = prefix + turn_ids(len(prefix), TURN_PROMPT_IDS, 1000)
         generated = turn_ids(len(prompt), TURN_GENERATION_IDS, 3000)
-        return JSONResponse({
-            "id": "chatcmpl-stand-in", "object": "chat.completion", "created": 0, "model": body["model"],
-            "prompt_token_ids": prompt,
-            "choices": [{
-                "index": 0, "finish_reason": "stop", "token_ids": generated,
-                "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": -0.25} for t in generated]},
-                "message": answer(body["messages"]),
-            }],
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(generated),
-                      "total_tokens": len(prompt) + len(generated)},
-        })
+        return JSONResponse(
+            {
+                "id": "chatcmpl-stand-in",
+                "object": "chat.completion",
+                "created": 0,
+                "model": body["model"],
+                "prompt_token_ids": prompt,
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": "stop",
+                        "token_ids": generated,
+                        "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": -0.25} for t in generated]},
+                        "message": answer(body["messages"]),
+                    }
+                ],
+                "usage": {
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": len(generated),
+                    "total_tokens": len(prompt) + len(generated),
+                },
+            }
+        )
 
     return app
 
@@ -138,13 +153,17 @@ def play(send_token_bundles: bool = True) -> Episode:
     recorded = Recorded()
     with ExitStack() as stack:
         vllm = stack.enter_context(serve_in_thread(hooked_vllm_stand_in()))
-        adapter = VLLMModel("policy_model", VLLMModelConfig(
-            base_url=vllm, model="m", splice="hook", return_token_id_information=True))
+        adapter = VLLMModel(
+            "policy_model", VLLMModelConfig(base_url=vllm, model="m", splice="hook", return_token_id_information=True)
+        )
         adapter_url = stack.enter_context(serve_in_thread(adapter.build_app()))
-        servers = {"policy_model": stack.enter_context(serve_in_thread(recording_relay(adapter_url, recorded))),
-                   "env": stack.enter_context(serve_in_thread(recording_number_guess(recorded).build_app()))}
-        config = SimpleAgentConfig(model_server="policy_model", resources_server="env", max_steps=TURNS,
-                                   send_token_bundles=send_token_bundles)
+        servers = {
+            "policy_model": stack.enter_context(serve_in_thread(recording_relay(adapter_url, recorded))),
+            "env": stack.enter_context(serve_in_thread(recording_number_guess(recorded).build_app())),
+        }
+        config = SimpleAgentConfig(
+            model_server="policy_model", resources_server="env", max_steps=TURNS, send_token_bundles=send_token_bundles
+        )
         agent = stack.enter_context(serve_in_thread(SimpleAgent("agent", config, ServerClient(servers)).build_app()))
         answer = httpx.post(f"{agent}/run", json=ROW, timeout=120)
     assert answer.status_code == 200, answer.text
@@ -192,11 +211,15 @@ def test_request_bytes_grow_only_by_the_new_turn(episode: Episode) -> None:
     bundle (the agent before lean payloads) would have sent."""
     sizes = [len(raw) for raw in episode.recorded.model_requests]
     turns = bundled_turns(episode.record)
-    resent = [len(json.dumps(every_bundle_request(json.loads(raw), turns[:k]))) for k, raw in
-              enumerate(episode.recorded.model_requests)]
-    print(f"\nagent -> model request bytes at turn 1/10/20: {sizes[0]}/{sizes[9]}/{sizes[19]} "
-          f"(every bundle resent: {resent[0]}/{resent[9]}/{resent[19]}); "
-          f"prompt ids at turn 20: {len(turns[19].prompt_token_ids)}")
+    resent = [
+        len(json.dumps(every_bundle_request(json.loads(raw), turns[:k])))
+        for k, raw in enumerate(episode.recorded.model_requests)
+    ]
+    print(
+        f"\nagent -> model request bytes at turn 1/10/20: {sizes[0]}/{sizes[9]}/{sizes[19]} "
+        f"(every bundle resent: {resent[0]}/{resent[9]}/{resent[19]}); "
+        f"prompt ids at turn 20: {len(turns[19].prompt_token_ids)}"
+    )
     growth = [later - earlier for earlier, later in zip(sizes[1:], sizes[2:])]
     # Each turn adds one prompt's and one generation's ids (and two short items): the same bytes every turn, give or
     # take the ids' digits. Resending every bundle added the whole history again each turn.
@@ -212,8 +235,12 @@ def every_bundle_request(request: dict[str, Any], turns: list[Any]) -> dict[str,
     for item in request["input"]:
         if item.get("type") == "message" and item.get("role") == "assistant":
             turn = next(bundled)
-            item = {**item, "prompt_token_ids": turn.prompt_token_ids, "generation_token_ids":
-                    turn.generation_token_ids, "generation_log_probs": turn.generation_log_probs}
+            item = {
+                **item,
+                "prompt_token_ids": turn.prompt_token_ids,
+                "generation_token_ids": turn.generation_token_ids,
+                "generation_log_probs": turn.generation_log_probs,
+            }
         items.append(item)
     return {**request, "input": items}
 
@@ -240,8 +267,10 @@ def test_record_is_version_2_and_stores_each_id_once(episode: Episode) -> None:
     last = bundled_turns(record)[-1]
     assert stored == len(last.prompt_token_ids) + len(last.generation_token_ids)  # linear: every id once
     assert packed[0][PROMPT_PREFIX_LENGTH_KEY] == 0
-    assert all(p[PROMPT_PREFIX_LENGTH_KEY] == TURN_PROMPT_IDS * (n + 1) + TURN_GENERATION_IDS * (n + 1)
-               for n, p in enumerate(packed[1:]))
+    assert all(
+        p[PROMPT_PREFIX_LENGTH_KEY] == TURN_PROMPT_IDS * (n + 1) + TURN_GENERATION_IDS * (n + 1)
+        for n, p in enumerate(packed[1:])
+    )
     assert all(item["token_source"] for item in packed)  # telemetry stays on its call's item
 
 
@@ -288,12 +317,15 @@ def test_a_tool_only_call_right_after_a_text_only_call_stays_a_call_of_its_own()
     recorded = Recorded()
     with ExitStack() as stack:
         vllm = stack.enter_context(serve_in_thread(hooked_vllm_stand_in(text_then_tool_then_text, received)))
-        adapter = VLLMModel("policy_model", VLLMModelConfig(
-            base_url=vllm, model="m", splice="hook", return_token_id_information=True))
+        adapter = VLLMModel(
+            "policy_model", VLLMModelConfig(base_url=vllm, model="m", splice="hook", return_token_id_information=True)
+        )
         adapter_url = stack.enter_context(serve_in_thread(adapter.build_app()))
         env = ContinueWithoutUserTurn("env", ResourcesServer.config_class())
-        servers = {"policy_model": stack.enter_context(serve_in_thread(recording_relay(adapter_url, recorded))),
-                   "env": stack.enter_context(serve_in_thread(env.build_app()))}
+        servers = {
+            "policy_model": stack.enter_context(serve_in_thread(recording_relay(adapter_url, recorded))),
+            "env": stack.enter_context(serve_in_thread(env.build_app())),
+        }
         config = SimpleAgentConfig(model_server="policy_model", resources_server="env", max_steps=5)
         agent = stack.enter_context(serve_in_thread(SimpleAgent("agent", config, ServerClient(servers)).build_app()))
         row = {"responses_create_params": {"input": "go", "tools": [{"type": "function", "name": "ping"}]}}
@@ -302,7 +334,11 @@ def test_a_tool_only_call_right_after_a_text_only_call_stays_a_call_of_its_own()
     assert answer.json()["response"]["model_calls"] == 3
     third = received[2]["messages"]
     assert [(m["role"], m.get("content"), len(m.get("tool_calls") or [])) for m in third] == [
-        ("user", "go", 0), ("assistant", "one", 0), ("assistant", "", 1), ("tool", "pong", 0)]
+        ("user", "go", 0),
+        ("assistant", "one", 0),
+        ("assistant", "", 1),
+        ("tool", "pong", 0),
+    ]
     assert len(bundled_inputs(json.loads(recorded.model_requests[2]))) == 2  # the separator and the latest call's
     assert len(bundled_inputs(json.loads(recorded.model_requests[1]))) == 1
 
@@ -318,8 +354,9 @@ def as_version_1(record: dict[str, Any]) -> dict[str, Any]:
     return {**unversioned, "response": {**record["response"], "output": full_output(record)}}
 
 
-def test_version_1_and_2_files_check_and_train_the_same(episode: Episode, tmp_path: Path,
-                                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_version_1_and_2_files_check_and_train_the_same(
+    episode: Episode, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     version_2 = episode.record
     version_1 = as_version_1(version_2)
     assert "schema_version" not in version_1 and version_1["response"]["output"][0]["prompt_token_ids"]
@@ -337,17 +374,29 @@ def test_version_1_and_2_files_check_and_train_the_same(episode: Episode, tmp_pa
 def segmented_v1_record() -> dict[str, Any]:
     """A hand-built version 1 record with what packing must keep: a prompt that replaces the previous end token,
     and a call that starts a new token segment."""
-    def item(prompt: list[int], generation: list[int], **splice: Any) -> dict[str, Any]:
-        return {"type": "message", "role": "assistant", "content": "x", "prompt_token_ids": prompt,
-                "generation_token_ids": generation, "generation_log_probs": [-0.5] * len(generation),
-                "prefix_splice": {"applied": True, "template_differed": False, "replaced_tokens": 0, **splice}}
 
-    return {"response": {"output": [
-        {"type": "message", "role": "user", "content": "hi"},
-        item([1, 2], [3, 9]),
-        item([1, 2, 3, 8, 4], [5], end_token_replaced=True),  # 9 gave way to the template's closing 8
-        item([1, 6], [7], new_segment=True),                   # the harness edited history: ids start afresh
-    ]}, "reward": 0.5}
+    def item(prompt: list[int], generation: list[int], **splice: Any) -> dict[str, Any]:
+        return {
+            "type": "message",
+            "role": "assistant",
+            "content": "x",
+            "prompt_token_ids": prompt,
+            "generation_token_ids": generation,
+            "generation_log_probs": [-0.5] * len(generation),
+            "prefix_splice": {"applied": True, "template_differed": False, "replaced_tokens": 0, **splice},
+        }
+
+    return {
+        "response": {
+            "output": [
+                {"type": "message", "role": "user", "content": "hi"},
+                item([1, 2], [3, 9]),
+                item([1, 2, 3, 8, 4], [5], end_token_replaced=True),  # 9 gave way to the template's closing 8
+                item([1, 6], [7], new_segment=True),  # the harness edited history: ids start afresh
+            ]
+        },
+        "reward": 0.5,
+    }
 
 
 def test_packing_keeps_replaced_end_tokens_and_new_segments() -> None:
@@ -369,8 +418,15 @@ def test_packing_is_lossless_for_any_prompts(calls: list[tuple[int, list[int], l
     before: list[int] = []
     for kept, added, generated in calls:
         prompt = before[:kept] + added
-        output.append({"type": "message", "role": "assistant", "prompt_token_ids": prompt,
-                       "generation_token_ids": generated, "generation_log_probs": [-1.0] * len(generated)})
+        output.append(
+            {
+                "type": "message",
+                "role": "assistant",
+                "prompt_token_ids": prompt,
+                "generation_token_ids": generated,
+                "generation_log_probs": [-1.0] * len(generated),
+            }
+        )
         output.append({"type": "message", "role": "user", "content": "next"})
         before = prompt + generated
     version_1 = {"response": {"output": output}}
@@ -385,14 +441,17 @@ def test_a_non_contiguous_record_stays_non_contiguous_once_packed(tmp_path: Path
     version_1 = segmented_v1_record()
     version_1["response"]["output"][2]["prefix_splice"]["end_token_replaced"] = False
     version_2 = packed_record(version_1)
-    reports = [check_file(write_jsonl(tmp_path / f"{name}.jsonl", [record]))
-               for name, record in (("v1", version_1), ("v2", version_2))]
+    reports = [
+        check_file(write_jsonl(tmp_path / f"{name}.jsonl", [record]))
+        for name, record in (("v1", version_1), ("v2", version_2))
+    ]
     assert reports[0] == reports[1] and reports[1].contiguous == 0
     assert "model call 1 is not token-contiguous" in reports[1].failures[0]
 
 
-def test_an_unknown_version_is_refused_naming_it(episode: Episode, tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_unknown_version_is_refused_naming_it(
+    episode: Episode, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     newer = {**episode.record, "schema_version": 3}
     with pytest.raises(UnknownSchemaVersionError, match="schema_version 3 is newer than this nemo_gym_tok reads"):
         rollout_to_training_sequence(newer)

@@ -25,8 +25,11 @@ EPISODES = 128
 WARM_UP_EPISODES = 16
 """Per environment, before the first memory reading: imports, connection pools and caches fill here."""
 MAX_RSS_GROWTH = 0.5
-AGENTS = {"capital_lookup": "capital_lookup_agent", "grid_navigation": "grid_navigation_agent",
-          "number_guess": "number_guess_agent"}
+AGENTS = {
+    "capital_lookup": "capital_lookup_agent",
+    "grid_navigation": "grid_navigation_agent",
+    "number_guess": "number_guess_agent",
+}
 
 
 def rss_kib(pid: int) -> int:
@@ -65,8 +68,11 @@ class PeakSampler:
 
 def write_rows(path: Path, environment: str, count: int) -> Path:
     """`count` rows cycling through the environment's example rows (each is its own rollout)."""
-    lines = [line for line in (REPO / "resources_servers" / environment / "data" / "example.jsonl").read_text()
-             .splitlines() if line.strip()]
+    lines = [
+        line
+        for line in (REPO / "resources_servers" / environment / "data" / "example.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     path.write_text("".join(lines[i % len(lines)] + "\n" for i in range(count)))
     return path
 
@@ -78,19 +84,31 @@ def shares(total: int, parts: int) -> list[int]:
 @pytest.fixture(scope="module")
 def gym(vllm_server: VLLMServer) -> Iterator[Gym]:
     """The demo composition started by the launcher: every server its own process, so its RSS is its own."""
-    overrides = [f"policy_base_url={vllm_server.base_url}/v1", f"policy_model_name={vllm_server.served_model_name}",
-                 "head_server.port=0"]
+    overrides = [
+        f"policy_base_url={vllm_server.base_url}/v1",
+        f"policy_model_name={vllm_server.served_model_name}",
+        "head_server.port=0",
+    ]
     with Gym(load_config([DEMO_CONFIG], overrides)) as running:
         yield running
 
 
 async def collect_all(gym: Gym, inputs: dict[str, Path], output_dir: Path) -> dict[str, CollectSummary]:
     """Every environment's rows at once, each agent with all its rows in flight."""
+
     async def one(environment: str, rows: Path) -> tuple[str, CollectSummary]:
         agent = AGENTS[environment]
         count = len(rows.read_text().splitlines())
-        summary = await collect(rows, output_dir / f"{environment}.jsonl", gym.urls[agent], agent=agent,
-                                concurrency=count, timeout=600.0, progress=False, auth_token=gym.auth_token)
+        summary = await collect(
+            rows,
+            output_dir / f"{environment}.jsonl",
+            gym.urls[agent],
+            agent=agent,
+            concurrency=count,
+            timeout=600.0,
+            progress=False,
+            auth_token=gym.auth_token,
+        )
         return environment, summary
 
     return dict(await asyncio.gather(*(one(environment, rows) for environment, rows in inputs.items())))
@@ -107,8 +125,10 @@ def test_128_concurrent_episodes_lose_nothing_stay_contiguous_and_memory_stays_b
     asyncio.run(collect_all(gym, warm, warm_dir))
     after_warm_up = {name: rss_kib(pid) for name, pid in pids.items()}
 
-    loads = {env: write_rows(load_dir / f"{env}.rows.jsonl", env, count)
-             for env, count in zip(AGENTS, shares(EPISODES, len(AGENTS)))}
+    loads = {
+        env: write_rows(load_dir / f"{env}.rows.jsonl", env, count)
+        for env, count in zip(AGENTS, shares(EPISODES, len(AGENTS)))
+    }
     started = time.monotonic()
     with PeakSampler(pids) as sampler:
         summaries = asyncio.run(collect_all(gym, loads, load_dir))
@@ -122,14 +142,22 @@ def test_128_concurrent_episodes_lose_nothing_stay_contiguous_and_memory_stays_b
         non_contiguous += report.rollouts - report.contiguous
         records, model_calls = records + report.rollouts, model_calls + report.turns
     growth = {name: (at_end[name] - after_warm_up[name]) / after_warm_up[name] for name in pids}
-    print(f"\nload: {records} episodes ({model_calls} model calls) in {elapsed:.1f}s, {lost} lost, "
-          f"{non_contiguous} not contiguous")
+    print(
+        f"\nload: {records} episodes ({model_calls} model calls) in {elapsed:.1f}s, {lost} lost, "
+        f"{non_contiguous} not contiguous"
+    )
     for name in pids:
-        print(f"  {name}: RSS {after_warm_up[name] / 1024:.1f} MiB after warm-up -> {at_end[name] / 1024:.1f} MiB at "
-              f"the end ({growth[name]:+.1%}; peak {sampler.peaks.get(name, 0) / 1024:.1f} MiB)")
+        print(
+            f"  {name}: RSS {after_warm_up[name] / 1024:.1f} MiB after warm-up -> {at_end[name] / 1024:.1f} MiB at "
+            f"the end ({growth[name]:+.1%}; peak {sampler.peaks.get(name, 0) / 1024:.1f} MiB)"
+        )
 
-    failures = [json.loads(line) for summary in summaries.values() if summary.failures_path.exists()
-                for line in summary.failures_path.read_text().splitlines()]
+    failures = [
+        json.loads(line)
+        for summary in summaries.values()
+        if summary.failures_path.exists()
+        for line in summary.failures_path.read_text().splitlines()
+    ]
     assert lost == 0 and records == EPISODES, failures[:3]
     assert non_contiguous == 0
     assert gym.exited_child() is None

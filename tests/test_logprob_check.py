@@ -26,28 +26,42 @@ def _items(message: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _history(message: dict[str, Any]) -> dict[str, Any]:
-    kept = {key: message[key] for key in ("role", "content", "tool_calls", "prompt_token_ids",
-                                          "generation_token_ids", "generation_log_probs") if message.get(key) is not None}
+    kept = {
+        key: message[key]
+        for key in ("role", "content", "tool_calls", "prompt_token_ids", "generation_token_ids", "generation_log_probs")
+        if message.get(key) is not None
+    }
     kept["content"] = kept.get("content") or ""
     return kept
 
 
 def test_recompute_on_a_real_vllm_record_matches_free_turns_and_lists_constrained_ones_apart(
-    vllm_server: VLLMServer, tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    vllm_server: VLLMServer,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     # A two-call episode through the adapter on the real vLLM: a tool call forced by tool_choice "required", then a
     # free turn; recorded as the simple agent would (the output items of both calls, schema version 1).
-    adapter = VLLMModel("policy_model", VLLMModelConfig(
-        base_url=vllm_server.base_url, model=vllm_server.served_model_name, return_token_id_information=True))
+    adapter = VLLMModel(
+        "policy_model",
+        VLLMModelConfig(
+            base_url=vllm_server.base_url, model=vllm_server.served_model_name, return_token_id_information=True
+        ),
+    )
     messages: list[dict[str, Any]] = [{"role": "user", "content": "Where next?"}]
     common = {"model": "policy", "tools": [MOVE_TOOL], "seed": 3, "temperature": 1.0, "max_tokens": 40}
     with serve_in_thread(adapter.build_app()) as url, httpx.Client(base_url=url, timeout=300) as http:
-        answer = http.post("/v1/chat/completions", json={
-            **common, "messages": messages, "tool_choice": "required", "parallel_tool_calls": False})
+        answer = http.post(
+            "/v1/chat/completions",
+            json={**common, "messages": messages, "tool_choice": "required", "parallel_tool_calls": False},
+        )
         assert answer.status_code == 200, answer.text
         constrained = answer.json()["choices"][0]["message"]
-        results = [{"role": "tool", "tool_call_id": call["id"], "content": "moved"}
-                   for call in constrained.get("tool_calls") or []]
+        results = [
+            {"role": "tool", "tool_call_id": call["id"], "content": "moved"}
+            for call in constrained.get("tool_calls") or []
+        ]
         follow_up = {"role": "user", "content": "And now?"}
         messages += [_history(constrained), *results, follow_up]
         answer = http.post("/v1/chat/completions", json={**common, "messages": messages})
@@ -56,16 +70,30 @@ def test_recompute_on_a_real_vllm_record_matches_free_turns_and_lists_constraine
     assert constrained["constrained_by"] == ["tool_choice:required"] and free["constrained_by"] == []
     # Each call says how it was sampled and which tokenizer served it.
     assert free["sampling"] == {
-        "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "temperature": 1.0,
-        "top_p": 1.0, "top_k": 0, "min_p": 0.0, "max_tokens": 40, "seed": 3, "logprobs_mode": "raw_logprobs",
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "min_p": 0.0,
+        "max_tokens": 40,
+        "seed": 3,
+        "logprobs_mode": "raw_logprobs",
         "generation_config": True,
     }
     assert free["model_fingerprint"] == constrained["model_fingerprint"] == model_fingerprint(tiny_model_dir)
-    output = [*_items(constrained), *[{"type": "function_call_output", "call_id": r["tool_call_id"],
-                                       "output": r["content"]} for r in results],
-              {"type": "message", "role": "user", "content": "And now?"}, *_items(free)]
-    record = {"responses_create_params": {"input": "Where next?", "tools": [
-        {"type": "function", **MOVE_TOOL["function"]}]}, "response": {"output": output}, "reward": 0.0}
+    output = [
+        *_items(constrained),
+        *[{"type": "function_call_output", "call_id": r["tool_call_id"], "output": r["content"]} for r in results],
+        {"type": "message", "role": "user", "content": "And now?"},
+        *_items(free),
+    ]
+    record = {
+        "responses_create_params": {"input": "Where next?", "tools": [{"type": "function", **MOVE_TOOL["function"]}]},
+        "response": {"output": output},
+        "reward": 0.0,
+    }
     path = tmp_path / "rollouts.jsonl"
     path.write_text(json.dumps(record) + "\n")
 
@@ -98,10 +126,16 @@ def _synthetic_record(tokenizer: Any, generation: list[int]) -> dict[str, Any]:
     if not isinstance(prompt[0], int):  # newer transformers return a BatchEncoding
         prompt = list(tokenizer.apply_chat_template([user], add_generation_prompt=True, tokenize=True)["input_ids"])
     text = tokenizer.decode(generation[:-1])
-    item = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}],
-            "prompt_token_ids": prompt, "generation_token_ids": generation,
-            "generation_log_probs": [-1.0] * len(generation), "constrained_by": [],
-            "generation_forced_mask": [0] * len(generation)}
+    item = {
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text}],
+        "prompt_token_ids": prompt,
+        "generation_token_ids": generation,
+        "generation_log_probs": [-1.0] * len(generation),
+        "constrained_by": [],
+        "generation_forced_mask": [0] * len(generation),
+    }
     return {"responses_create_params": {"input": [user]}, "response": {"output": [item]}}
 
 
@@ -115,17 +149,26 @@ def test_naive_contrast_counts_the_ids_a_re_tokenization_replaces(tiny_model_dir
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     canonical = [*tokenizer("hello world", add_special_tokens=False)["input_ids"], end]
     # The model spelled "hello" as "hel" + "lo": the text is the same, the ids are not.
-    drifted = [*tokenizer("hel", add_special_tokens=False)["input_ids"],
-               *tokenizer("lo", add_special_tokens=False)["input_ids"],
-               *tokenizer(" world", add_special_tokens=False)["input_ids"], end]
+    drifted = [
+        *tokenizer("hel", add_special_tokens=False)["input_ids"],
+        *tokenizer("lo", add_special_tokens=False)["input_ids"],
+        *tokenizer(" world", add_special_tokens=False)["input_ids"],
+        end,
+    ]
     assert tokenizer.decode(drifted) == tokenizer.decode(canonical) and drifted != canonical
 
-    same = check_records([("same", _synthetic_record(tokenizer, canonical))], _position_score,
-                         lambda record: naive_sequence(record, tokenizer))
+    same = check_records(
+        [("same", _synthetic_record(tokenizer, canonical))],
+        _position_score,
+        lambda record: naive_sequence(record, tokenizer),
+    )
     assert [(turn.naive_changed, turn.naive_sum) for turn in same.turns] == [(0, same.turns[0].recomputed_sum)]
 
-    report = check_records([("drift", _synthetic_record(tokenizer, drifted))], _position_score,
-                           lambda record: naive_sequence(record, tokenizer))
+    report = check_records(
+        [("drift", _synthetic_record(tokenizer, drifted))],
+        _position_score,
+        lambda record: naive_sequence(record, tokenizer),
+    )
     (turn,) = report.turns
     # Re-tokenized, "hello world<|im_end|>" is 3 ids where 4 were sampled: from "hel" on every position differs.
     assert turn.naive_changed == len(drifted)
@@ -142,8 +185,9 @@ def test_naive_needs_logprobs(capsys: pytest.CaptureFixture[str], tmp_path: Path
 
 
 def test_effective_sampling_takes_request_then_generation_config_then_vllm_defaults(tmp_path: Path) -> None:
-    (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 512, "do_sample": True}))
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 512, "do_sample": True})
+    )
     defaults = generation_defaults(tmp_path)
     assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 512}
     sampling = effective_sampling({"temperature": 1.0, "seed": 5, "max_completion_tokens": 64}, defaults)
@@ -174,7 +218,9 @@ def test_fingerprint_follows_the_chat_template(tiny_model_dir: Path, tmp_path: P
 
 
 def test_logprobs_check_refuses_a_model_whose_fingerprint_differs(
-    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     tokenizer = _tokenizer(tiny_model_dir)
     record = _synthetic_record(tokenizer, [*tokenizer("hello", add_special_tokens=False)["input_ids"]])

@@ -12,5 +12,7 @@ def test_every_export_resolves() -> None:
 
 
 def test_importing_the_package_imports_no_heavy_dependency() -> None:
-    code = "import sys, nemo_gym_tok; print(any(m in sys.modules for m in ('vllm', 'transformers', 'fastapi', 'torch')))"
+    code = (
+        "import sys, nemo_gym_tok; print(any(m in sys.modules for m in ('vllm', 'transformers', 'fastapi', 'torch')))"
+    )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"

@@ -45,8 +45,12 @@ def doomed_vllm(
 ) -> Iterator[VLLMServer]:
     """A second hooked replica like the shared one, started for this test alone since the test kills it."""
     with hooked_server(
-        tiny_model_dir, served_model_name=vllm_server.served_model_name, extra_args=(*CPU_SERVING_ARGS, *TEST_BED_ARGS),
-        env=TEST_BED_ENV, log_path=tmp_path_factory.mktemp("doomed-vllm") / "vllm.log", what="second vLLM replica: ",
+        tiny_model_dir,
+        served_model_name=vllm_server.served_model_name,
+        extra_args=(*CPU_SERVING_ARGS, *TEST_BED_ARGS),
+        env=TEST_BED_ENV,
+        log_path=tmp_path_factory.mktemp("doomed-vllm") / "vllm.log",
+        what="second vLLM replica: ",
     ) as server:
         yield server
 
@@ -63,10 +67,15 @@ def warm_up(vllm: VLLMServer) -> None:
 def start_gym(stack: ExitStack, adapter: VLLMModel) -> str:
     """Adapter, number_guess and its agent in this process (so the test reads the router), and a head server."""
     urls = {"policy_model": stack.enter_context(serve_in_thread(adapter.build_app()))}
-    server_class, config = validate_instance(ServerInstance("number_guess", "resources_servers", "number_guess", {}, {}))
+    server_class, config = validate_instance(
+        ServerInstance("number_guess", "resources_servers", "number_guess", {}, {})
+    )
     urls["number_guess"] = stack.enter_context(serve_in_thread(server_class("number_guess", config).build_app()))
-    agent = SimpleAgent("number_guess_agent", SimpleAgentConfig(
-        model_server="policy_model", resources_server="number_guess", max_steps=4), ServerClient(dict(urls)))
+    agent = SimpleAgent(
+        "number_guess_agent",
+        SimpleAgentConfig(model_server="policy_model", resources_server="number_guess", max_steps=4),
+        ServerClient(dict(urls)),
+    )
     urls["number_guess_agent"] = stack.enter_context(serve_in_thread(agent.build_app()))
     return stack.enter_context(serve_in_thread(create_head_app(urls)))
 
@@ -93,10 +102,16 @@ def test_collect_completes_when_a_replica_dies_mid_collection(
     vllm_server: VLLMServer, doomed_vllm: VLLMServer, tmp_path: Path
 ) -> None:
     live, doomed = f"{vllm_server.base_url}/v1", f"{doomed_vllm.base_url}/v1"
-    adapter = VLLMModel("policy_model", VLLMModelConfig(
-        base_url=[doomed, live], model=vllm_server.served_model_name, return_token_id_information=True,
-        retry_backoff_seconds=0.2, health_check_interval_seconds=1.0,
-    ))
+    adapter = VLLMModel(
+        "policy_model",
+        VLLMModelConfig(
+            base_url=[doomed, live],
+            model=vllm_server.served_model_name,
+            return_token_id_information=True,
+            retry_backoff_seconds=0.2,
+            health_check_interval_seconds=1.0,
+        ),
+    )
     output = tmp_path / "rollouts.jsonl"
     total = sum(1 for line in ROWS.read_text().splitlines() if line.strip()) * REPEATS
     for vllm in (vllm_server, doomed_vllm):
@@ -104,16 +119,38 @@ def test_collect_completes_when_a_replica_dies_mid_collection(
     with ExitStack() as stack:
         head = start_gym(stack, adapter)
         collect = subprocess.Popen(
-            [sys.executable, "-m", "nemo_gym_tok", "collect", "--input", str(ROWS), "--output", str(output),
-             "--agent", "number_guess_agent", "--head-url", head, "--repeats", str(REPEATS), "--concurrency", "4",
-             "--timeout", "300"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "nemo_gym_tok",
+                "collect",
+                "--input",
+                str(ROWS),
+                "--output",
+                str(output),
+                "--agent",
+                "number_guess_agent",
+                "--head-url",
+                head,
+                "--repeats",
+                str(REPEATS),
+                "--concurrency",
+                "4",
+                "--timeout",
+                "300",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         try:
             deadline = time.monotonic() + 300
             # Kill once some rollouts are done and a conversation is part-way through on the doomed replica.
-            while (not output.exists() or output.read_bytes().count(b"\n") < KILL_AFTER_ROLLOUTS
-                   or not ready_to_kill(list(adapter.router.attempts), doomed, live)):
+            while (
+                not output.exists()
+                or output.read_bytes().count(b"\n") < KILL_AFTER_ROLLOUTS
+                or not ready_to_kill(list(adapter.router.attempts), doomed, live)
+            ):
                 assert collect.poll() is None, f"collect ended before the kill: {collect.communicate()}"
                 assert time.monotonic() < deadline, "no moment to kill came in 300 s (see ready_to_kill)"
                 time.sleep(0.01)
@@ -156,20 +193,30 @@ def test_collect_completes_when_a_replica_dies_mid_collection(
     started_after_mark = [calls for calls in conversations.values() if calls[0].started > marked_at]
     assert started_after_mark, "no conversation started after the doomed replica was marked unhealthy"
     assert all(a.url == live and a.outcome == "ok" for calls in started_after_mark for a in calls)
-    moved = [calls for calls in conversations.values()
-             if any(a.url == doomed and a.outcome == "ok" for a in calls) and any(a.url == live for a in calls)]
+    moved = [
+        calls
+        for calls in conversations.values()
+        if any(a.url == doomed and a.outcome == "ok" for a in calls) and any(a.url == live for a in calls)
+    ]
     assert moved, "no conversation in flight on the doomed replica moved to the live one"
     for calls in conversations.values():  # every call the agent made was answered in the end
         assert calls[-1].outcome == "ok"
         assert all(a.outcome in ("ok", "url_failed") for a in calls)
 
     summary = {
-        "rollouts": total, "killed_after_rollouts": done_at_kill,
+        "rollouts": total,
+        "killed_after_rollouts": done_at_kill,
         "seconds_kill_to_mark": round(marked_at - killed_at, 2),
         "seconds_kill_to_done": round(finished_at - killed_at, 1),
-        "conversations_started_after_mark": len(started_after_mark), "conversations_moved": len(moved),
+        "conversations_started_after_mark": len(started_after_mark),
+        "conversations_moved": len(moved),
         "failed_calls_on_dead_url": sum(a.url == doomed and a.outcome == "url_failed" for a in attempts),
-        "per_url": {entry["url"]: {k: entry[k] for k in ("conversations_started", "conversations_moved_in", "calls",
-                                                          "failed_calls", "healthy")} for entry in report["urls"]},
+        "per_url": {
+            entry["url"]: {
+                k: entry[k]
+                for k in ("conversations_started", "conversations_moved_in", "calls", "failed_calls", "healthy")
+            }
+            for entry in report["urls"]
+        },
     }
     print(f"\nreplica failover: {json.dumps(summary)}")

@@ -30,10 +30,17 @@ def http(vllm_server: VLLMServer):
 def second_turn(vllm_server: VLLMServer, http: httpx.Client) -> list[dict]:
     """[user, assistant carrying its bundle (a turn the model generated, cut by max_tokens), user]."""
     first = [{"role": "user", "content": "Where next?"}]
-    answer = http.post("/v1/chat/completions", json={
-        "model": vllm_server.served_model_name, "messages": first, "max_tokens": 12, "seed": 7, "logprobs": True,
-        "top_logprobs": 0,
-    })
+    answer = http.post(
+        "/v1/chat/completions",
+        json={
+            "model": vllm_server.served_model_name,
+            "messages": first,
+            "max_tokens": 12,
+            "seed": 7,
+            "logprobs": True,
+            "top_logprobs": 0,
+        },
+    )
     assert answer.status_code == 200, answer.text
     message = answer.json()["choices"][0]["message"]
     assistant = {"role": "assistant", "content": message["content"], **{key: message[key] for key in BUNDLE}}
@@ -65,16 +72,22 @@ def test_the_render_route_splices_as_tokenize_does(vllm_server: VLLMServer, http
     tokenized = http.post("/tokenize", json=body)
     assert tokenized.status_code == 200, tokenized.text
     assert tokenized.json()["tokens"] == ids
-    generated = http.post("/inference/v1/generate", json={
-        "model": vllm_server.served_model_name, "token_ids": ids, "sampling_params": {"max_tokens": 3},
-    })
+    generated = http.post(
+        "/inference/v1/generate",
+        json={
+            "model": vllm_server.served_model_name,
+            "token_ids": ids,
+            "sampling_params": {"max_tokens": 3},
+        },
+    )
     assert generated.status_code == 200, generated.text
     assert generated.json()["usage"]["prompt_tokens"] == len(ids)
 
 
 def test_the_render_route_refuses_a_stale_prefix(vllm_server: VLLMServer, http: httpx.Client, second_turn) -> None:
     body = {
-        "model": vllm_server.served_model_name, "messages": [m for m in second_turn if not set(BUNDLE) & set(m)][:1],
+        "model": vllm_server.served_model_name,
+        "messages": [m for m in second_turn if not set(BUNDLE) & set(m)][:1],
         "required_prefix_token_ids": [*_prefix(second_turn), 11, 12],
     }
     answer = http.post("/v1/chat/completions/render", json=body)
@@ -102,14 +115,29 @@ def _planted_template() -> str:
 def _planted_conversation(vllm_server: VLLMServer, http: httpx.Client) -> tuple[str, list[dict]]:
     template = _planted_template()
     first = [{"role": "user", "content": "hello"}]
-    prompt = http.post("/tokenize", json={
-        "model": vllm_server.served_model_name, "messages": first, "chat_template": template,
-    }).json()["tokens"]
-    generation = http.post("/tokenize", json={
-        "model": vllm_server.served_model_name, "prompt": " hi <|im_end|>", "add_special_tokens": False,
-    }).json()["tokens"]
-    assistant = {"role": "assistant", "content": " hi ", "prompt_token_ids": prompt,
-                 "generation_token_ids": generation, "generation_log_probs": [0.0] * len(generation)}
+    prompt = http.post(
+        "/tokenize",
+        json={
+            "model": vllm_server.served_model_name,
+            "messages": first,
+            "chat_template": template,
+        },
+    ).json()["tokens"]
+    generation = http.post(
+        "/tokenize",
+        json={
+            "model": vllm_server.served_model_name,
+            "prompt": " hi <|im_end|>",
+            "add_special_tokens": False,
+        },
+    ).json()["tokens"]
+    assistant = {
+        "role": "assistant",
+        "content": " hi ",
+        "prompt_token_ids": prompt,
+        "generation_token_ids": generation,
+        "generation_log_probs": [0.0] * len(generation),
+    }
     return template, [*first, assistant, {"role": "user", "content": "and?"}]
 
 
@@ -126,8 +154,9 @@ def test_the_render_route_runs_the_check_only_the_deferred_verification_would(
     assert rendered.status_code == 400, rendered.text
     assert "cannot prove such a prompt exact" in rendered.json()["error"]["message"]
     template, messages = _planted_conversation(vllm_server, http)  # cold caches: the fast path is taken again
-    completed = http.post("/v1/chat/completions", json={**body, "messages": messages, "chat_template": template,
-                                                        "max_tokens": 2})
+    completed = http.post(
+        "/v1/chat/completions", json={**body, "messages": messages, "chat_template": template, "max_tokens": 2}
+    )
     assert completed.status_code == 400, completed.text
     assert "could not be confirmed in time" in completed.json()["error"]["message"]
 
@@ -135,23 +164,39 @@ def test_the_render_route_runs_the_check_only_the_deferred_verification_would(
 def test_the_batch_route_splices_with_the_full_check(vllm_server: VLLMServer, http: httpx.Client, second_turn) -> None:
     model = vllm_server.served_model_name
     before = _spliced_metric(vllm_server)
-    answer = http.post("/v1/chat/completions/batch", json={
-        "model": model, "messages": [second_turn, second_turn[:1]], "max_tokens": 2,
-    })
+    answer = http.post(
+        "/v1/chat/completions/batch",
+        json={
+            "model": model,
+            "messages": [second_turn, second_turn[:1]],
+            "max_tokens": 2,
+        },
+    )
     assert answer.status_code == 200, answer.text
     assert len(answer.json()["choices"]) == 2
     assert _spliced_metric(vllm_server) == before + 1
     template, planted = _planted_conversation(vllm_server, http)
-    refused = http.post("/v1/chat/completions/batch", json={
-        "model": model, "messages": [planted], "chat_template": template, "max_tokens": 2,
-    })
+    refused = http.post(
+        "/v1/chat/completions/batch",
+        json={
+            "model": model,
+            "messages": [planted],
+            "chat_template": template,
+            "max_tokens": 2,
+        },
+    )
     assert refused.status_code == 400, refused.text
     assert "cannot prove such a prompt exact" in refused.json()["error"]["message"]
 
 
 REFUSING = [path for route in ROUTES if route.policy == "refuse" for path in route.paths]
-SERVED_HERE = ["/v1/messages", "/v1/messages/count_tokens", "/v1/messages/render", "/v1/responses",
-               "/v1/responses/render"]
+SERVED_HERE = [
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/messages/render",
+    "/v1/responses",
+    "/v1/responses/render",
+]
 
 
 def _request(path: str, model: str, messages: list[dict], **extra) -> dict:
@@ -161,15 +206,18 @@ def _request(path: str, model: str, messages: list[dict], **extra) -> dict:
 
 
 @pytest.mark.parametrize("path", SERVED_HERE)
-def test_routes_that_cannot_splice_refuse_token_ids(vllm_server: VLLMServer, http: httpx.Client, second_turn,
-                                                   path: str) -> None:
+def test_routes_that_cannot_splice_refuse_token_ids(
+    vllm_server: VLLMServer, http: httpx.Client, second_turn, path: str
+) -> None:
     """A bundle, or a required prefix, on a route that would render the messages from their text: 400 naming the
     route and /v1/chat/completions; the same conversation without ids is served as stock vLLM serves it."""
     assert path in REFUSING
     model = vllm_server.served_model_name
     plain = [{key: value for key, value in m.items() if key not in BUNDLE} for m in second_turn]
-    for body in (_request(path, model, second_turn),
-                 _request(path, model, plain, required_prefix_token_ids=_prefix(second_turn))):
+    for body in (
+        _request(path, model, second_turn),
+        _request(path, model, plain, required_prefix_token_ids=_prefix(second_turn)),
+    ):
         answer = http.post(path, json=body)
         assert answer.status_code == 400, answer.text
         message = answer.json()["error"]["message"]

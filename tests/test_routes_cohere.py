@@ -21,8 +21,13 @@ COHERE_GUARD = (COHERE_MODULE, "CohereErrorEnvelopeMiddleware", "dispatch")
 REJECTED = "nemo_gym_tok_prefix_splice_rejected_total"
 BUNDLED = [
     {"role": "user", "content": "Where next?"},
-    {"role": "assistant", "content": "North.", "prompt_token_ids": [9707, 13], "generation_token_ids": [25221, 13],
-     "generation_log_probs": [-0.5, -0.1]},
+    {
+        "role": "assistant",
+        "content": "North.",
+        "prompt_token_ids": [9707, 13],
+        "generation_token_ids": [25221, 13],
+        "generation_log_probs": [-0.5, -0.1],
+    },
     {"role": "user", "content": "And then?"},
 ]
 PLAIN = [{key: value for key, value in message.items() if key == "role" or key == "content"} for message in BUNDLED]
@@ -79,9 +84,15 @@ def _rejected(http: httpx.Client) -> float:
 
 @pytest.mark.vllm
 def test_a_plain_cohere_chat_is_served(cohere_server: VLLMServer, http: httpx.Client) -> None:
-    answer = http.post("/cohere/v2/chat", json={
-        "model": cohere_server.served_model_name, "messages": PLAIN, "max_tokens": 3, "seed": 1,
-    })
+    answer = http.post(
+        "/cohere/v2/chat",
+        json={
+            "model": cohere_server.served_model_name,
+            "messages": PLAIN,
+            "max_tokens": 3,
+            "seed": 1,
+        },
+    )
     assert answer.status_code == 200, answer.text
     reply = answer.json()
     assert reply["message"]["role"] == "assistant" and reply["usage"]["tokens"]["output_tokens"] >= 1
@@ -100,8 +111,11 @@ def test_a_plain_cohere_render_is_served(cohere_server: VLLMServer, http: httpx.
 @pytest.mark.parametrize("path", COHERE_PATHS)
 def test_a_bundle_on_a_cohere_route_is_refused(cohere_server: VLLMServer, http: httpx.Client, path: str) -> None:
     before = _rejected(http)
-    answer = http.post(path, json={"model": cohere_server.served_model_name, "messages": BUNDLED, "max_tokens": 3},
-                       headers={"X-Request-Id": "ngt-cohere-1"})
+    answer = http.post(
+        path,
+        json={"model": cohere_server.served_model_name, "messages": BUNDLED, "max_tokens": 3},
+        headers={"X-Request-Id": "ngt-cohere-1"},
+    )
     assert answer.status_code == 400, answer.text
     error = answer.json()
     assert error["message"].startswith(f"{path} does not splice token ids"), error
@@ -116,10 +130,15 @@ def test_a_required_prefix_on_a_cohere_route_is_refused(
     cohere_server: VLLMServer, http: httpx.Client, path: str
 ) -> None:
     """A top-level field the Cohere request model would drop without a word."""
-    answer = http.post(path, json={
-        "model": cohere_server.served_model_name, "messages": PLAIN, "max_tokens": 3,
-        "required_prefix_token_ids": [9707, 13],
-    })
+    answer = http.post(
+        path,
+        json={
+            "model": cohere_server.served_model_name,
+            "messages": PLAIN,
+            "max_tokens": 3,
+            "required_prefix_token_ids": [9707, 13],
+        },
+    )
     assert answer.status_code == 400, answer.text
     message = answer.json()["message"]
     assert message.startswith(f"{path} does not splice token ids") and "required_prefix_token_ids" in message

@@ -22,8 +22,13 @@ pytestmark = pytest.mark.vllm
 POOLING_ARGS = ("--max-model-len", "2048", "--runner", "pooling", "--convert", "embed")
 BUNDLED = [
     {"role": "user", "content": "Where next?"},
-    {"role": "assistant", "content": "North.", "prompt_token_ids": [9707, 13], "generation_token_ids": [25221, 13],
-     "generation_log_probs": [-0.5, -0.1]},
+    {
+        "role": "assistant",
+        "content": "North.",
+        "prompt_token_ids": [9707, 13],
+        "generation_token_ids": [25221, 13],
+        "generation_log_probs": [-0.5, -0.1],
+    },
     {"role": "user", "content": "And then?"},
 ]
 
@@ -31,8 +36,12 @@ BUNDLED = [
 @pytest.fixture(scope="module")
 def pooling_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     with hooked_server(
-        tiny_model_dir, served_model_name="tiny-embed", extra_args=(*CPU_SERVING_ARGS, *POOLING_ARGS), env={},
-        log_path=tmp_path_factory.mktemp("vllm-pooling") / "vllm.log", what="pooling server: ",
+        tiny_model_dir,
+        served_model_name="tiny-embed",
+        extra_args=(*CPU_SERVING_ARGS, *POOLING_ARGS),
+        env={},
+        log_path=tmp_path_factory.mktemp("vllm-pooling") / "vllm.log",
+        what="pooling server: ",
     ) as server:
         yield server
 
@@ -55,17 +64,24 @@ def test_a_bundle_on_a_pooling_route_is_refused(http: httpx.Client, pooling_serv
 def test_a_required_prefix_on_a_pooling_route_is_refused(
     http: httpx.Client, pooling_server: VLLMServer, path: str
 ) -> None:
-    answer = http.post(path, json={
-        "model": pooling_server.served_model_name, "messages": BUNDLED[:1], "required_prefix_token_ids": [9707],
-    })
+    answer = http.post(
+        path,
+        json={
+            "model": pooling_server.served_model_name,
+            "messages": BUNDLED[:1],
+            "required_prefix_token_ids": [9707],
+        },
+    )
     assert answer.status_code == 400, answer.text
     assert "required_prefix_token_ids" in answer.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("path", ["/v1/embeddings", "/pooling"])
 def test_the_same_messages_without_ids_are_served(http: httpx.Client, pooling_server: VLLMServer, path: str) -> None:
-    plain = [{key: value for key, value in message.items() if not key.endswith("_ids") and key != "generation_log_probs"}
-             for message in BUNDLED]
+    plain = [
+        {key: value for key, value in message.items() if not key.endswith("_ids") and key != "generation_log_probs"}
+        for message in BUNDLED
+    ]
     answer = http.post(path, json={"model": pooling_server.served_model_name, "messages": plain})
     assert answer.status_code == 200, answer.text
     assert answer.json()["data"]

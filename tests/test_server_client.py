@@ -1,4 +1,4 @@
-"""ServerClient's JSON POST (the agents' every call, over aiohttp): what a caller of the httpx client it replaced sees."""
+"""ServerClient's JSON POST (the agents' every call, over aiohttp): what a caller of the replaced httpx client saw."""
 
 from __future__ import annotations
 
@@ -17,9 +17,16 @@ from nemo_gym_tok.servers.inprocess import serve_in_thread
 
 
 async def echo(request: Request) -> JSONResponse:
-    return JSONResponse({"body": await request.json(), "auth": request.headers.get("authorization"),
-                         "session": request.headers.get(SESSION_HEADER),
-                         "type": request.headers.get("content-type")}, status_code=201, headers={"x-echo": "1"})
+    return JSONResponse(
+        {
+            "body": await request.json(),
+            "auth": request.headers.get("authorization"),
+            "session": request.headers.get(SESSION_HEADER),
+            "type": request.headers.get("content-type"),
+        },
+        status_code=201,
+        headers={"x-echo": "1"},
+    )
 
 
 async def slow(request: Request) -> JSONResponse:
@@ -49,8 +56,12 @@ def test_a_json_post_answers_as_httpx_would(url) -> None:
     answer = post(client, "/echo", json={"ids": [1, 2, 3]}, headers={SESSION_HEADER: "s1"})
     assert isinstance(answer, httpx.Response) and answer.status_code == 201
     assert answer.headers["x-echo"] == "1"
-    assert answer.json() == {"body": {"ids": [1, 2, 3]}, "auth": "Bearer secret", "session": "s1",
-                             "type": "application/json"}
+    assert answer.json() == {
+        "body": {"ids": [1, 2, 3]},
+        "auth": "Bearer secret",
+        "session": "s1",
+        "type": "application/json",
+    }
 
 
 def test_an_unreachable_server_is_an_httpx_connect_error() -> None:

@@ -48,8 +48,13 @@ def drifting(renderer: HFChatRenderer, text: str) -> list[int]:
 
 
 def bundled(prompt: list[int], generation: list[int], **message) -> dict:
-    return {"role": "assistant", **message, "prompt_token_ids": prompt, "generation_token_ids": generation,
-            "generation_log_probs": [0.0] * len(generation)}
+    return {
+        "role": "assistant",
+        **message,
+        "prompt_token_ids": prompt,
+        "generation_token_ids": generation,
+        "generation_log_probs": [0.0] * len(generation),
+    }
 
 
 @pytest.fixture
@@ -70,7 +75,11 @@ def run(renderer, profile, messages, prefix=None, **options):
 
 def test_profile_of_the_tiny_template(profile) -> None:
     assert profile.closers == {"<|im_end|>"}
-    assert profile.assistant_header == Header("assistant\n", anchors=frozenset({"<|im_start|>"})) == profile.header_after_tool
+    assert (
+        profile.assistant_header
+        == Header("assistant\n", anchors=frozenset({"<|im_start|>"}))
+        == profile.header_after_tool
+    )
     assert profile.replaced_end_tokens == frozenset()
 
 
@@ -110,8 +119,10 @@ def test_terminator_spelled_as_text_in_model_output_is_spliced(renderer, profile
     text = 'print("<|im_end|>")'
     call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": json.dumps({"word": text})}}
     generation = drifting(renderer, text) + [IM_END_ID]
-    messages += [bundled(prompt, generation, content=text, tool_calls=[call]),
-                 {"role": "tool", "tool_call_id": "c1", "content": "done"}]
+    messages += [
+        bundled(prompt, generation, content=text, tool_calls=[call]),
+        {"role": "tool", "tool_call_id": "c1", "content": "done"},
+    ]
     source, result = run(renderer, profile, messages)
     assert IM_END_ID not in generation[:-1]
     assert result.prompt_token_ids[: len(source.prefix)] == source.prefix
@@ -121,7 +132,10 @@ def test_template_that_drops_earlier_reasoning(renderer, profile) -> None:
     messages = [{"role": "user", "content": "Think first."}]
     prompt = prompt_ids(renderer, messages)
     generation = drifting(renderer, "<think>\nhm\n</think>\n\nYes.") + [IM_END_ID]
-    messages += [bundled(prompt, generation, content="Yes.", reasoning_content="hm"), {"role": "user", "content": "Sure?"}]
+    messages += [
+        bundled(prompt, generation, content="Yes.", reasoning_content="hm"),
+        {"role": "user", "content": "Sure?"},
+    ]
     source, result = run(renderer, profile, messages)
     assert "hm" not in renderer.render(messages, add_generation_prompt=True)  # the template dropped it...
     assert result.prompt_token_ids[: len(source.prefix)] == source.prefix  # ...the model's ids keep it
@@ -193,19 +207,29 @@ def test_continue_final_message_continues_a_cut_turn_and_refuses_an_ended_one(re
     messages = two_turns[:3]
     messages[2]["generation_token_ids"] = messages[2]["generation_token_ids"][:-1]
     source = find_prefix_source(messages)
-    result = splice_prefix(renderer, profile, messages, source, add_generation_prompt=False, continue_final_message=True)
+    result = splice_prefix(
+        renderer, profile, messages, source, add_generation_prompt=False, continue_final_message=True
+    )
     assert result.prompt_token_ids == source.prefix
     messages[2]["generation_token_ids"].append(IM_END_ID)
     with pytest.raises(StalePrefixError, match="that turn is over"):
-        splice_prefix(renderer, profile, messages, find_prefix_source(messages), add_generation_prompt=False,
-               continue_final_message=True)
+        splice_prefix(
+            renderer,
+            profile,
+            messages,
+            find_prefix_source(messages),
+            add_generation_prompt=False,
+            continue_final_message=True,
+        )
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_random_episodes_are_exact(renderer, profile, tokenizer, seed: int) -> None:
     """Drift-prone episodes with tools, reasoning and spelled-out special tokens: every splice passes the oracle."""
     settings = EpisodeSettings(turns=5, tools=seed % 2 == 0, reasoning=seed % 3 == 0)
-    with_tools = HFChatRenderer(tokenizer, tools=[TOOL], extra_end_token_ids=[ENDOFTEXT_ID]) if settings.tools else renderer
+    with_tools = (
+        HFChatRenderer(tokenizer, tools=[TOOL], extra_end_token_ids=[ENDOFTEXT_ID]) if settings.tools else renderer
+    )
     episode = play_episode(with_tools, profile, random.Random(seed), settings)
     assert len(episode.telemetry) == 5
 
@@ -216,7 +240,13 @@ BUNDLE = {"prompt_token_ids": [1, 2], "generation_token_ids": [3], "generation_l
 def test_prefix_source_is_the_last_bundled_message() -> None:
     messages = [
         {"role": "user", "content": "a"},
-        {"role": "assistant", "content": "b", "prompt_token_ids": [9], "generation_token_ids": [8], "generation_log_probs": [0.0]},
+        {
+            "role": "assistant",
+            "content": "b",
+            "prompt_token_ids": [9],
+            "generation_token_ids": [8],
+            "generation_log_probs": [0.0],
+        },
         {"role": "user", "content": "c"},
         {"role": "assistant", "content": "d", **BUNDLE},
         {"role": "user", "content": "e"},
@@ -227,7 +257,11 @@ def test_prefix_source_is_the_last_bundled_message() -> None:
 
 
 def test_explicit_prefix_wins_and_belongs_to_the_last_assistant_message() -> None:
-    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", **BUNDLE}, {"role": "tool", "content": "r"}]
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b", **BUNDLE},
+        {"role": "tool", "content": "r"},
+    ]
     source = find_prefix_source(messages, [4, 5])
     assert source is not None and (source.prefix, source.message_index, source.explicit) == ([4, 5], 1, True)
     assert find_prefix_source([{"role": "user", "content": "a"}]) is None
@@ -246,9 +280,17 @@ def test_first_turn_prefix_is_only_checked() -> None:
 @pytest.mark.parametrize(
     "messages, prefix, message",
     [
-        ([{"role": "assistant", "prompt_token_ids": [1]}], None, r"messages\[0\]: token bundle is all or none; generation_token_ids, generation_log_probs missing"),
+        (
+            [{"role": "assistant", "prompt_token_ids": [1]}],
+            None,
+            r"messages\[0\]: token bundle is all or none; generation_token_ids, generation_log_probs missing",
+        ),
         ([{"role": "user", **BUNDLE}], None, "belongs on an assistant message"),
-        ([{"role": "assistant", **{**BUNDLE, "prompt_token_ids": [1, "2"]}}], None, r"messages\[0\].prompt_token_ids\[1\] must be an int"),
+        (
+            [{"role": "assistant", **{**BUNDLE, "prompt_token_ids": [1, "2"]}}],
+            None,
+            r"messages\[0\].prompt_token_ids\[1\] must be an int",
+        ),
         ([{"role": "assistant"}], "1,2", "required_prefix_token_ids must be a list"),
     ],
 )
@@ -290,7 +332,7 @@ def test_turns_closed_by_text_keep_the_model_end_token(tokenizer) -> None:
     messages += [bundled(prompt, generation, content="In France."), {"role": "user", "content": "And Rome?"}]
     source, result = run(renderer, profile, messages)
     assert result.prompt_token_ids[: len(source.prefix)] == source.prefix  # the model's end token is kept
-    assert renderer.decode(result.prompt_token_ids[len(source.prefix):]) == "\n### User: And Rome?\n### Assistant: "
+    assert renderer.decode(result.prompt_token_ids[len(source.prefix) :]) == "\n### User: And Rome?\n### Assistant: "
     messages[0]["content"] = "Where is Lyon?"
     with pytest.raises(StructureMismatchError, match=r"messages\[0\]"):
         run(renderer, profile, messages)
@@ -308,11 +350,13 @@ REASONING_AFTER_TEXT_HEADER_TEMPLATE = (
 
 @pytest.mark.parametrize("seed", range(6))
 def test_header_after_message_text_is_the_role_header_not_the_reasoning_block(tokenizer, seed: int) -> None:
-    renderer = HFChatRenderer(tokenizer, chat_template=REASONING_AFTER_TEXT_HEADER_TEMPLATE,
-                              extra_end_token_ids=[ENDOFTEXT_ID])
+    renderer = HFChatRenderer(
+        tokenizer, chat_template=REASONING_AFTER_TEXT_HEADER_TEMPLATE, extra_end_token_ids=[ENDOFTEXT_ID]
+    )
     profile = detect_profile(renderer)
-    assert profile.assistant_header == Header("\nAssistant: ", follows_special=False,
-                                              anchors=profile.assistant_header.anchors)
+    assert profile.assistant_header == Header(
+        "\nAssistant: ", follows_special=False, anchors=profile.assistant_header.anchors
+    )
     settings = EpisodeSettings(turns=4, reasoning=seed % 2 == 0, system=seed % 3 != 0)
     episode = play_episode(renderer, profile, random.Random(seed), settings)  # every splice judged by the oracle
     assert len(episode.telemetry) == 4

@@ -13,7 +13,12 @@ from nemo_gym_tok.chat_templates.families import family_of
 from nemo_gym_tok.chat_templates.sweep import SweepRenderer, failure_kind
 from nemo_gym_tok.chat_templates.tokenizer import end_token_ids, family_tokenizer
 from nemo_gym_tok.splice import (
-    HFChatRenderer, SpliceError, StructureMismatchError, detect_profile, find_prefix_source, splice_prefix,
+    HFChatRenderer,
+    SpliceError,
+    StructureMismatchError,
+    detect_profile,
+    find_prefix_source,
+    splice_prefix,
 )
 from nemo_gym_tok.splice._fixed_text import FixedTextMatcher
 from nemo_gym_tok.splice._render import batch_decoder
@@ -119,8 +124,13 @@ def test_the_splice_uses_the_exact_walk_where_text_cannot_prove_and_still_refuse
     prompt = renderer.encode(renderer.render(messages, add_generation_prompt=True))
     generation = renderer.encode("In France.") + [IM_END_ID]
     messages += [
-        {"role": "assistant", "content": "In France.", "prompt_token_ids": prompt, "generation_token_ids": generation,
-         "generation_log_probs": [0.0] * len(generation)},
+        {
+            "role": "assistant",
+            "content": "In France.",
+            "prompt_token_ids": prompt,
+            "generation_token_ids": generation,
+            "generation_log_probs": [0.0] * len(generation),
+        },
         {"role": "user", "content": "And Rome?"},
     ]
     result = splice_prefix(renderer, profile, messages, find_prefix_source(messages))
@@ -203,19 +213,27 @@ def test_a_planted_crash_in_the_splice_fails_the_parity_test(name: str, monkeypa
 def remembering_renderer(renderer: HFChatRenderer) -> HFChatRenderer:
     from nemo_gym_tok.splice import RenderMemo
 
-    remembering = HFChatRenderer(renderer.tokenizer, chat_template=renderer.chat_template,
-                                 extra_end_token_ids=[ENDOFTEXT_ID])
+    remembering = HFChatRenderer(
+        renderer.tokenizer, chat_template=renderer.chat_template, extra_end_token_ids=[ENDOFTEXT_ID]
+    )
     remembering.render_memo, remembering.render_scope = RenderMemo(), "tiny"
     return remembering
 
 
 def next_turn(messages: list[dict], prompt: list[int], answer: str, generation: list[int], question: str) -> list[dict]:
     """The messages of the next call: only the last call's bundle travels (lean payloads)."""
-    plain = [{k: v for k, v in m.items() if k not in ("prompt_token_ids", "generation_token_ids",
-                                                      "generation_log_probs")} for m in messages]
+    plain = [
+        {k: v for k, v in m.items() if k not in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")}
+        for m in messages
+    ]
     return plain + [
-        {"role": "assistant", "content": answer, "prompt_token_ids": prompt, "generation_token_ids": generation,
-         "generation_log_probs": [0.0] * len(generation)},
+        {
+            "role": "assistant",
+            "content": answer,
+            "prompt_token_ids": prompt,
+            "generation_token_ids": generation,
+            "generation_log_probs": [0.0] * len(generation),
+        },
         {"role": "user", "content": question},
     ]
 
@@ -234,7 +252,8 @@ def test_the_next_turn_reuses_this_turns_prompt(renderer) -> None:
         proven_before = remembering.render_memo.proven
         result = splice_prefix(remembering, profile, messages, source)
         assert result == plain_result
-        # The first splice has no spliced prompt to build on (the first prompt was the template's); every later one does.
+        # The first splice has no spliced prompt to build on (the first prompt was the template's); every later
+        # one does.
         assert remembering.render_memo.proven == proven_before + (1 if turn > 0 else 0)
         prompt = result.prompt_token_ids
     assert remembering.render_memo.misses > 0
@@ -342,7 +361,9 @@ def test_a_tail_the_placement_rendering_gets_wrong_is_caught_by_the_neutral_rend
     the full path and the prompt has it, as the template's own ids do."""
     renderer = HFChatRenderer(build_tokenizer(), chat_template=URGENT_TEMPLATE, extra_end_token_ids=[ENDOFTEXT_ID])
     messages, text = urgent_turn(renderer)
-    result = splice_prefix(renderer, detect_profile(renderer), messages, find_prefix_source(messages), template_text=text)
+    result = splice_prefix(
+        renderer, detect_profile(renderer), messages, find_prefix_source(messages), template_text=text
+    )
     assert result.prompt_token_ids == renderer.encode(text)
     assert "Priority" in renderer.decode(result.prompt_token_ids)
 
@@ -364,8 +385,14 @@ def test_a_late_verification_refuses_once_and_the_retry_takes_the_full_path() ->
 
 
 TEXTS = [
-    "", "plain words", "  leading and trailing  ", "<|im_start|>user\nhi<|im_end|>\n", "tabs\tand\nnew\n\nlines",
-    "ünïcödé, 漢字 and emoji 🎉", "<|im_end|><|im_end|>text<|endoftext|>", "code: def f(x):\n    return x ** 2\n",
+    "",
+    "plain words",
+    "  leading and trailing  ",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "tabs\tand\nnew\n\nlines",
+    "ünïcödé, 漢字 and emoji 🎉",
+    "<|im_end|><|im_end|>text<|endoftext|>",
+    "code: def f(x):\n    return x ** 2\n",
 ]
 
 

@@ -43,10 +43,15 @@ def _two_turns(renderer: HFChatRenderer, profile: Any, *, ended: bool) -> list[d
     messages: list[dict[str, Any]] = [{"role": "user", "content": "Where is Paris?"}]
     prompt = renderer.encode(renderer.render(messages, add_generation_prompt=True))
     generation = renderer.encode("In France") + ([min(profile.closer_ids() & profile.end_token_ids)] if ended else [])
-    messages.append({
-        "role": "assistant", "content": "In France", "prompt_token_ids": prompt, "generation_token_ids": generation,
-        "generation_log_probs": [0.0] * len(generation),
-    })
+    messages.append(
+        {
+            "role": "assistant",
+            "content": "In France",
+            "prompt_token_ids": prompt,
+            "generation_token_ids": generation,
+            "generation_log_probs": [0.0] * len(generation),
+        }
+    )
     messages.append({"role": "user", "content": "And Rome?"})
     return messages
 

@@ -155,7 +155,9 @@ def test_loads_with_transformers(built: Path) -> None:
 
 
 def test_position_limit_option_is_a_separate_build(
-    built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    built: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # bench/ serves a 32768-position build; the default (test) build, its spec and its cache entry stay as they are.
     monkeypatch.setenv("NGT_CACHE_DIR", str(tmp_path / "cache"))
@@ -170,7 +172,8 @@ def test_position_limit_option_is_a_separate_build(
     default = json.loads((built / "config.json").read_text())
     assert config["max_position_embeddings"] == 32768
     assert {k: v for k, v in config.items() if k != "max_position_embeddings"} == {
-        k: v for k, v in default.items() if k != "max_position_embeddings"}  # rope and shapes untouched
+        k: v for k, v in default.items() if k != "max_position_embeddings"
+    }  # rope and shapes untouched
     assert json.loads((long / "tokenizer_config.json").read_text())["model_max_length"] == 32768
     assert (long / "model.safetensors").read_bytes() == (built / "model.safetensors").read_bytes()
     assert not default_tiny_model_dir().exists()  # asking for the long build built nothing else

@@ -26,7 +26,11 @@ LOGPROBS = PartialBundle(TokenSource.LOGPROBS, generation_token_ids=[4, 5], gene
 def test_first_source_wins_when_all_agree() -> None:
     resolved = resolve_bundle([MESSAGE, RETURNED, TOKENIZED, LOGPROBS])
     assert resolved.source is TokenSource.MESSAGE
-    assert resolved.as_fields() == {"prompt_token_ids": [1, 2, 3], "generation_token_ids": [4, 5], "generation_log_probs": [-0.5, -1.0]}
+    assert resolved.as_fields() == {
+        "prompt_token_ids": [1, 2, 3],
+        "generation_token_ids": [4, 5],
+        "generation_log_probs": [-0.5, -1.0],
+    }
 
 
 @pytest.mark.parametrize(
@@ -44,12 +48,22 @@ def test_fields_combine_across_sources(sources, expected_source) -> None:
     [
         (PartialBundle(TokenSource.RETURN_TOKEN_IDS, [1, 2, 9]), "prompt_token_ids", 2),
         (PartialBundle(TokenSource.TOKENIZE, [1, 2]), "prompt_token_ids", 2),
-        (PartialBundle(TokenSource.LOGPROBS, generation_token_ids=[4, 6], generation_log_probs=[-0.5, -1.0]), "generation_token_ids", 1),
-        (PartialBundle(TokenSource.LOGPROBS, generation_token_ids=[4, 5], generation_log_probs=[-0.5, -2.0]), "generation_log_probs", 1),
+        (
+            PartialBundle(TokenSource.LOGPROBS, generation_token_ids=[4, 6], generation_log_probs=[-0.5, -1.0]),
+            "generation_token_ids",
+            1,
+        ),
+        (
+            PartialBundle(TokenSource.LOGPROBS, generation_token_ids=[4, 5], generation_log_probs=[-0.5, -2.0]),
+            "generation_log_probs",
+            1,
+        ),
     ],
 )
 def test_disagreement_is_an_error_naming_field_sources_and_position(other, field, position) -> None:
-    with pytest.raises(TokenSourceError, match=rf"{field} from message and from {other.source.value} disagree at position {position}"):
+    with pytest.raises(
+        TokenSourceError, match=rf"{field} from message and from {other.source.value} disagree at position {position}"
+    ):
         resolve_bundle([MESSAGE, other])
 
 

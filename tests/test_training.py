@@ -20,8 +20,14 @@ END = 9
 
 
 def item(prompt, generation, **extra) -> dict:
-    return {"type": "message", "role": "assistant", "prompt_token_ids": prompt, "generation_token_ids": generation,
-            "generation_log_probs": [-0.1 * (i + 1) for i in range(len(generation))], **extra}
+    return {
+        "type": "message",
+        "role": "assistant",
+        "prompt_token_ids": prompt,
+        "generation_token_ids": generation,
+        "generation_log_probs": [-0.1 * (i + 1) for i in range(len(generation))],
+        **extra,
+    }
 
 
 def record(*items, reward=1.0) -> dict:
@@ -31,9 +37,9 @@ def record(*items, reward=1.0) -> dict:
 def test_three_call_episode_masks_exactly_the_generated_ids() -> None:
     episode = record(
         {"type": "reasoning", "summary": []},
-        item([1, 2, 3], [10, 11, END]),                       # ended on the terminator
+        item([1, 2, 3], [10, 11, END]),  # ended on the terminator
         {"type": "function_call_output", "call_id": "c", "output": "x"},
-        item([1, 2, 3, 10, 11, END, 4, 5], [12, 13]),         # cut by max_tokens...
+        item([1, 2, 3, 10, 11, END, 4, 5], [12, 13]),  # cut by max_tokens...
         item([1, 2, 3, 10, 11, END, 4, 5, 12, 13, END, 6], [14]),  # ...the template closed it with END
     )
     sequence = rollout_to_training_sequence(episode)
@@ -47,7 +53,9 @@ def test_three_call_episode_masks_exactly_the_generated_ids() -> None:
 
 def test_non_contiguous_record_names_turn_position_and_context() -> None:
     episode = record(item([1, 2], [3, 4]), item([1, 2, 3, 7, 5], [6]))
-    with pytest.raises(NotContiguousError, match=r"model call 1 .* at position 3 \(expected 4, found 7\); before: '1 2 3 4'") as info:
+    with pytest.raises(
+        NotContiguousError, match=r"model call 1 .* at position 3 \(expected 4, found 7\); before: '1 2 3 4'"
+    ) as info:
         rollout_to_training_sequence(episode, decode=lambda ids: " ".join(map(str, ids)))
     assert (info.value.turn, info.value.position) == (1, 3)
 
@@ -63,14 +71,22 @@ def test_record_without_bundles() -> None:
 
 
 def test_repaired_turns_come_from_splice_telemetry() -> None:
-    turns = bundled_turns(record(
-        item([1], [2]), item([1, 2, 3], [4], prefix_splice={"applied": True, "template_differed": True, "replaced_tokens": 2}),
-    ))
+    turns = bundled_turns(
+        record(
+            item([1], [2]),
+            item([1, 2, 3], [4], prefix_splice={"applied": True, "template_differed": True, "replaced_tokens": 2}),
+        )
+    )
     assert [t.repaired for t in turns] == [False, True]
 
 
-@given(st.lists(st.tuples(st.lists(st.integers(0, 50), max_size=5), st.lists(st.integers(0, 50), min_size=1, max_size=5)),
-                min_size=1, max_size=6))
+@given(
+    st.lists(
+        st.tuples(st.lists(st.integers(0, 50), max_size=5), st.lists(st.integers(0, 50), min_size=1, max_size=5)),
+        min_size=1,
+        max_size=6,
+    )
+)
 def test_generated_contiguous_episodes_round_trip(turns) -> None:
     """Build contiguous prompts from (supplied, generated) pieces; the sequence gives the pieces back."""
     items, ids = [], []
@@ -89,7 +105,7 @@ def test_new_token_segment_starts_a_new_sequence() -> None:
     restarted = {"applied": False, "template_differed": False, "replaced_tokens": 0, "new_segment": True}
     episode = record(
         item([1, 2], [3, END]),
-        item([7, 8], [4, END], prefix_splice=restarted),   # the harness compacted the history: new ids from here
+        item([7, 8], [4, END], prefix_splice=restarted),  # the harness compacted the history: new ids from here
         item([7, 8, 4, END, 5], [6]),
     )
     first, second = rollout_to_training_sequences(episode)
@@ -97,7 +113,9 @@ def test_new_token_segment_starts_a_new_sequence() -> None:
     assert second.token_ids == [7, 8, 4, END, 5, 6] and second.loss_mask == [0, 0, 1, 1, 0, 1]
     with pytest.raises(SeveralSegmentsError, match="2 token segments"):
         rollout_to_training_sequence(episode)
-    without_flag = record(*[{k: v for k, v in i.items() if k != "prefix_splice"} for i in episode["response"]["output"]])
+    without_flag = record(
+        *[{k: v for k, v in i.items() if k != "prefix_splice"} for i in episode["response"]["output"]]
+    )
     with pytest.raises(NotContiguousError):  # the same record without the segment mark is a broken rollout
         rollout_to_training_sequences(without_flag)
 

@@ -32,8 +32,9 @@ def run_example(rollouts: Path) -> dict[str, Any]:
     code = example_code()
     assert '"rollouts.jsonl"' in code  # else the example no longer reads the file this test hands it
     namespace: dict[str, Any] = {"__name__": "docs_example"}
-    exec(compile(code.replace('"rollouts.jsonl"', repr(str(rollouts))), "<docs/training.md example>", "exec"),
-         namespace)
+    exec(
+        compile(code.replace('"rollouts.jsonl"', repr(str(rollouts))), "<docs/training.md example>", "exec"), namespace
+    )
     return namespace
 
 

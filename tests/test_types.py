@@ -35,7 +35,12 @@ def test_chat_request_round_trip_keeps_bundles_prefix_and_unknown_fields() -> No
 
 def test_required_prefix_prefers_explicit_then_last_bundle() -> None:
     other = {"prompt_token_ids": [9], "generation_token_ids": [8], "generation_log_probs": [0.0]}
-    messages = [{"role": "user", "content": "a"}, assistant(**other), {"role": "user", "content": "b"}, assistant(**BUNDLE)]
+    messages = [
+        {"role": "user", "content": "a"},
+        assistant(**other),
+        {"role": "user", "content": "b"},
+        assistant(**BUNDLE),
+    ]
     derived = ChatCompletionRequest.model_validate({"messages": messages})
     assert derived.required_prefix() == [1, 2, 3, 4, 5]
     explicit = ChatCompletionRequest.model_validate({"messages": messages, "required_prefix_token_ids": [7]})

@@ -39,11 +39,11 @@ PREPROCESS_032 = """
             request = parser(self.tokenizer, request.tools).adjust_request(request=request)
         return conversation, [engine_input]
 """
-TOKEN_IN = '''
+TOKEN_IN = """
 def _reused_prompt_token_ids(request, renderer=None, messages=None):
     kv = getattr(request, "kv_transfer_params", None)
     return kv.pop("prompt_token_ids", None) if isinstance(kv, dict) else None
-'''
+"""
 # vLLM's chat tokenization as of 0.30 to 0.33 (vllm/renderers/base.py), shortened; the @overload stub comes first.
 TOKENIZATION = """
     async def render_chat_async(self, conversations, chat_params, tok_params=None, *, prompt_extras=None):
@@ -86,7 +86,9 @@ def _module_path(module: str) -> str:
 
 
 def release(
-    preprocess: str = PREPROCESS_033, token_in: str = TOKEN_IN, tokenization: str = TOKENIZATION,
+    preprocess: str = PREPROCESS_033,
+    token_in: str = TOKEN_IN,
+    tokenization: str = TOKENIZATION,
     drop: tuple[str, ...] = (),
 ) -> dict[str, str]:
     """The files of a made-up vLLM release holding everything the hook wraps and uses (built from the hook's own
@@ -174,8 +176,9 @@ def test_a_missing_parameter_is_named() -> None:
     report = check(release(preprocess=PREPROCESS_033.replace("tool_dicts=None, ", "")))
     assert report.problems == ["preprocess_chat has no parameter tool_dicts="]
     assert not report.signatures_ok
-    renamed = TOKENIZATION.replace("def tokenize_prompts_async(self, prompts, params)",
-                                   "def tokenize_prompts_async(self, prompts, tok_params)")
+    renamed = TOKENIZATION.replace(
+        "def tokenize_prompts_async(self, prompts, params)", "def tokenize_prompts_async(self, prompts, tok_params)"
+    )
     report = check(release(tokenization=renamed))
     assert report.problems == ["tokenize_prompts_async has no parameter params="]
 
@@ -242,8 +245,10 @@ def test_preprocess_chat_must_render_through_render_chat_async() -> None:
 
 
 def test_render_chat_async_must_call_the_wrapped_tokenize_prompts_async() -> None:
-    tokenization = TOKENIZATION.replace("await self.tokenize_prompts_async(dict_prompts, tok_params)",
-                                        "[self.tokenizer.encode(p['prompt']) for p in dict_prompts]")
+    tokenization = TOKENIZATION.replace(
+        "await self.tokenize_prompts_async(dict_prompts, tok_params)",
+        "[self.tokenizer.encode(p['prompt']) for p in dict_prompts]",
+    )
     problems, labels = _splice_problems(tokenization=tokenization)
     assert labels == ["no tokenize_prompts_async call"]
     assert problems == [
@@ -256,8 +261,10 @@ def test_render_chat_async_must_call_the_wrapped_tokenize_prompts_async() -> Non
 
 
 def test_tokenize_prompts_async_must_lead_to_the_singleton_tokenization() -> None:
-    tokenization = TOKENIZATION.replace("return await self._tokenize_singleton_prompt_async(prompt, params)",
-                                        "return await self._tokenize_prompt_async(prompt, params)")
+    tokenization = TOKENIZATION.replace(
+        "return await self._tokenize_singleton_prompt_async(prompt, params)",
+        "return await self._tokenize_prompt_async(prompt, params)",
+    )
     problems, labels = _splice_problems(tokenization=tokenization)
     assert labels == ["no _tokenize_singleton_prompt_async call"]
     assert problems == [
@@ -364,6 +371,7 @@ def test_the_table_names_each_release_and_every_problem() -> None:
     assert "tokenizes prompts with prompt_token_ids" in table[3]
     assert table[4] == f"vLLM 0.34.0: missing {RENDERER}.OnlineRenderer.warmup"
     assert table[5].startswith(f"vLLM 0.34.0: {BASE}.BaseRenderer._tokenize_singleton_prompt_async does not skip")
+
 
 def test_supported_releases_follow_the_hook_range() -> None:
     assert compat.supported_releases() == ["0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"]

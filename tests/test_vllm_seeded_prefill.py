@@ -28,8 +28,13 @@ def prompt(length: int, offset: int) -> list[int]:
 
 
 async def complete(http: httpx.AsyncClient, server: VLLMServer, ids: list[int], seed: int) -> httpx.Response:
-    body: dict[str, Any] = {"model": server.served_model_name, "prompt": ids, "max_tokens": 4, "seed": seed,
-                            "temperature": 1.0}
+    body: dict[str, Any] = {
+        "model": server.served_model_name,
+        "prompt": ids,
+        "max_tokens": 4,
+        "seed": seed,
+        "temperature": 1.0,
+    }
     return await http.post(f"{server.base_url}/v1/completions", json=body)
 
 
@@ -55,8 +60,10 @@ def test_seeded_prompts_beyond_a_steps_budget_leave_the_engine_alive(vllm_server
     again = asyncio.run(_one(vllm_server))  # the engine still generates, not only answers /health
     assert again.status_code == 200, again.text
     assert vllm_server.process is None or vllm_server.process.poll() is None, "vLLM exited"
-    print(f"\nseeded burst: {CONCURRENT} x {CONCURRENT_PROMPT_IDS} + 1 x {LONG_PROMPT_IDS} prompt ids "
-          f"(step budget {BUDGET}) answered in {elapsed:.1f}s; server healthy")
+    print(
+        f"\nseeded burst: {CONCURRENT} x {CONCURRENT_PROMPT_IDS} + 1 x {LONG_PROMPT_IDS} prompt ids "
+        f"(step budget {BUDGET}) answered in {elapsed:.1f}s; server healthy"
+    )
 
 
 async def _one(server: VLLMServer) -> httpx.Response:

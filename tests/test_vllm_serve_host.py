@@ -10,4 +10,4 @@ def test_loopback_unless_a_host_is_given() -> None:
     assert command[-5:] == ["model", "--host", DEFAULT_HOST, "--port", "8000"] and DEFAULT_HOST == "127.0.0.1"
     for given in (["--host", "0.0.0.0"], ["--host=0.0.0.0"]):
         command = vllm_command("model", [*given, "--port", "8000"])
-        assert DEFAULT_HOST not in command and command[-len(given) - 2:-2] == given
+        assert DEFAULT_HOST not in command and command[-len(given) - 2 : -2] == given

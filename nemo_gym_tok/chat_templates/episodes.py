@@ -23,8 +23,34 @@ from nemo_gym_tok.splice import (
 )
 
 WORDS = (
-    "the", "model", "said", "ok", "Paris", "42", "  spaced", "\n", "\n\n", "tab\t", "naïve", "日本語", "emoji🙂", "x=1;",
-    "{\"k\": 2}", "</", "<|", "|>", "end", "assistant", "user", ".", ",", "?", "-", "'", "```", "def f():",
+    "the",
+    "model",
+    "said",
+    "ok",
+    "Paris",
+    "42",
+    "  spaced",
+    "\n",
+    "\n\n",
+    "tab\t",
+    "naïve",
+    "日本語",
+    "emoji🙂",
+    "x=1;",
+    '{"k": 2}',
+    "</",
+    "<|",
+    "|>",
+    "end",
+    "assistant",
+    "user",
+    ".",
+    ",",
+    "?",
+    "-",
+    "'",
+    "```",
+    "def f():",
 )
 TOOL = {
     "type": "function",
@@ -92,15 +118,22 @@ def play_episode(
             message["reasoning_content"] = _text(rng, renderer, settings.spelled_specials, 5)
         if calls:
             word = _text(rng, renderer, settings.spelled_specials, 2)
-            message["tool_calls"] = [{
-                "id": f"call_{turn}", "type": "function",
-                "function": {"name": "lookup", "arguments": json.dumps({"word": word})},
-            }]
-        message.update(prompt_token_ids=prompt, generation_token_ids=generation, generation_log_probs=[0.0] * len(generation))
+            message["tool_calls"] = [
+                {
+                    "id": f"call_{turn}",
+                    "type": "function",
+                    "function": {"name": "lookup", "arguments": json.dumps({"word": word})},
+                }
+            ]
+        message.update(
+            prompt_token_ids=prompt, generation_token_ids=generation, generation_log_probs=[0.0] * len(generation)
+        )
         episode.messages.append(message)
         episode.turns.append(ModelTurn(prompt, generation, ended))
         if calls:
-            episode.messages.append({"role": "tool", "tool_call_id": f"call_{turn}", "content": "found: " + _text(rng, renderer, False, 4)})
+            episode.messages.append(
+                {"role": "tool", "tool_call_id": f"call_{turn}", "content": "found: " + _text(rng, renderer, False, 4)}
+            )
         else:
             episode.messages.append({"role": "user", "content": "Next: " + _text(rng, renderer, False, 6)})
         source = find_prefix_source(episode.messages)
@@ -115,8 +148,12 @@ def play_episode(
 
 
 def check_splice(
-    renderer: ChatRenderer, profile: TemplateProfile, messages: Sequence[dict[str, Any]], source: PrefixSource,
-    spliced: list[int], kept: int,
+    renderer: ChatRenderer,
+    profile: TemplateProfile,
+    messages: Sequence[dict[str, Any]],
+    source: PrefixSource,
+    spliced: list[int],
+    kept: int,
 ) -> None:
     """The oracle: the result starts with the prefix (its final end token may give way to the template's closing),
     and the rest is the template's own text after that assistant message, character for character.
@@ -130,11 +167,17 @@ def check_splice(
     prefix = source.prefix
     if spliced[:kept] != prefix[:kept]:
         raise WrongSplice("the spliced prompt does not start with the model's prefix")
-    if kept < len(prefix) - 1 or (kept == len(prefix) - 1 and prefix[-1] not in profile.end_token_ids | profile.closer_ids()):
-        raise WrongSplice(f"the splice dropped prefix ids that are not a final end token ({len(prefix) - kept} dropped)")
+    if kept < len(prefix) - 1 or (
+        kept == len(prefix) - 1 and prefix[-1] not in profile.end_token_ids | profile.closer_ids()
+    ):
+        raise WrongSplice(
+            f"the splice dropped prefix ids that are not a final end token ({len(prefix) - kept} dropped)"
+        )
     tail = spliced[kept:]
     if profile.moves_call_text:  # the text of a tool-calling turn lives in the model's ids, before the call
-        messages = [{**m, "content": ""} if m.get("role") == "assistant" and m.get("tool_calls") else m for m in messages]
+        messages = [
+            {**m, "content": ""} if m.get("role") == "assistant" and m.get("tool_calls") else m for m in messages
+        ]
     full_text = renderer.render(list(messages), add_generation_prompt=True)
     tail_text = renderer.decode(tail)
     if not full_text.endswith(tail_text):
@@ -171,8 +214,13 @@ template trims or escapes it)."""
 
 
 def _check_junction(
-    renderer: ChatRenderer, profile: TemplateProfile, messages: Sequence[dict[str, Any]], source: PrefixSource,
-    tail_text: str, *, kept_end: bool,
+    renderer: ChatRenderer,
+    profile: TemplateProfile,
+    messages: Sequence[dict[str, Any]],
+    source: PrefixSource,
+    tail_text: str,
+    *,
+    kept_end: bool,
 ) -> None:
     """The tail starts right where the template's text after messages[a] starts (see check_splice)."""
     a = source.message_index
@@ -204,8 +252,10 @@ def _check_junction(
         if closing_at >= 0:
             closing = next(c for c in closings if c and junction.startswith(c, closing_at))
             if junction[closing_at + len(closing) :]:
-                raise WrongSplice(f"the tail leaves out {junction[closing_at + len(closing):]!r}, which the template "
-                                  f"writes after the closing of messages[{a}]")
+                raise WrongSplice(
+                    f"the tail leaves out {junction[closing_at + len(closing) :]!r}, which the template "
+                    f"writes after the closing of messages[{a}]"
+                )
         return
     if messages[a].get("tool_calls") and closing_at < 0 and junction and not junction[-1].isspace():
         return  # the call's own syntax after its last argument: the model writes it

@@ -32,8 +32,14 @@ from nemo_gym_tok.chat_templates.episodes import TOOL, EpisodeSettings, WrongSpl
 from nemo_gym_tok.chat_templates.families import family_of
 from nemo_gym_tok.chat_templates.sweep import renders
 from nemo_gym_tok.chat_templates.tokenizer import end_token_ids, family_tokenizer
-from nemo_gym_tok.splice import BUNDLE_KEYS, HFChatRenderer, SpliceError, detect_profile, find_prefix_source
-from nemo_gym_tok.splice import splice_prefix
+from nemo_gym_tok.splice import (
+    BUNDLE_KEYS,
+    HFChatRenderer,
+    SpliceError,
+    detect_profile,
+    find_prefix_source,
+    splice_prefix,
+)
 
 WORKER = Path(__file__).with_name("renderers_worker.py")
 VENV = Path(__file__).resolve().parents[2] / ".venv-renderers"
@@ -125,7 +131,10 @@ class Worker:
 @contextmanager
 def worker() -> Iterator[Worker]:
     process = subprocess.Popen(
-        [str(worker_python()), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        [str(worker_python()), str(WORKER)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
         env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"},
     )
     try:
@@ -152,8 +161,10 @@ class Difference:
 
     def describe(self) -> str:
         how = "ended on an end token" if self.ended else "cut by max_tokens"
-        return (f"{self.template} [{self.renderer}] {self.shape} turn {self.turn} ({how}): after the common prefix "
-                f"the splice has {self.ours_tail!r}, renderers {self.theirs_tail!r}")
+        return (
+            f"{self.template} [{self.renderer}] {self.shape} turn {self.turn} ({how}): after the common prefix "
+            f"the splice has {self.ours_tail!r}, renderers {self.theirs_tail!r}"
+        )
 
 
 @dataclass
@@ -181,8 +192,10 @@ class Counts:
         return self
 
     def format(self) -> str:
-        return (f"{self.turns} turns, bridged {self.bridged} (declined {self.declined}): equal {self.equal}, "
-                f"explained {sum(self.classes.values())}, unexplained {len(self.unexplained)}")
+        return (
+            f"{self.turns} turns, bridged {self.bridged} (declined {self.declined}): equal {self.equal}, "
+            f"explained {sum(self.classes.values())}, unexplained {len(self.unexplained)}"
+        )
 
 
 @dataclass
@@ -220,8 +233,10 @@ class OracleReport:
 
     def format(self, *, listed: int = 5) -> str:
         used = [item for item in self.templates if item.renderer]
-        lines = [f"renderers 0.1.12 bridge_to_next_turn vs splice_prefix: {len(used)} templates with render parity "
-                 f"(of {len(self.templates)}), {sum(len(t.errors) for t in used)} episodes not played"]
+        lines = [
+            f"renderers 0.1.12 bridge_to_next_turn vs splice_prefix: {len(used)} templates with render parity "
+            f"(of {len(self.templates)}), {sum(len(t.errors) for t in used)} episodes not played"
+        ]
         for policy, _ in POLICIES:
             total = self.totals(policy)
             lines.append(f"policy {policy}: {total.format()}")
@@ -230,8 +245,10 @@ class OracleReport:
                 kinds = total.declined_turns.most_common()
                 lines.append("  declined: " + ", ".join(f"{kind} {count}" for kind, count in kinds))
         for item in used:
-            lines.append(f"  {item.name} [{item.renderer}]: " + "; ".join(
-                f"{policy}: {counts.format()}" for policy, counts in item.policies.items()))
+            lines.append(
+                f"  {item.name} [{item.renderer}]: "
+                + "; ".join(f"{policy}: {counts.format()}" for policy, counts in item.policies.items())
+            )
         without = [item for item in self.templates if not item.renderer]
         lines += [f"  no render parity: {item.name} [{item.family}]: {item.parity[:200]}" for item in without[:listed]]
         if len(without) > listed:
@@ -240,8 +257,15 @@ class OracleReport:
         lines += [f"WRONG (the project's own oracle): {w}" for w in self.wrong[:listed]]
         return "\n".join(lines)
 
-def compare_template(item: TemplateEntry, work: Worker, *, episodes_per_shape: int = 2, seed: int = 0,
-                     shapes: Sequence[EpisodeSettings] = SHAPES) -> TemplateComparison:
+
+def compare_template(
+    item: TemplateEntry,
+    work: Worker,
+    *,
+    episodes_per_shape: int = 2,
+    seed: int = 0,
+    shapes: Sequence[EpisodeSettings] = SHAPES,
+) -> TemplateComparison:
     """Find the renderer with render parity on `item`, then compare every turn it bridges with the splice's ids."""
     family = family_of(item)
     result = TemplateComparison(item.name, family.name)
@@ -294,18 +318,26 @@ def compare_template(item: TemplateEntry, work: Worker, *, episodes_per_shape: i
                         source = find_prefix_source(messages)
                         assert source is not None
                         ours = splice_prefix(renderer, profile, messages, source, template_text=text).prompt_token_ids
-                    jobs.append({
-                        "prompt": turn.prompt_token_ids, "completion": turn.generation_token_ids,
-                        "new_messages": [_clean(m) for m in messages[index + 1 : stop]],
-                        "tools": [TOOL] if shape.tools else None,
-                    })
-                    kind = ("ended" if turn.ended else "cut") + ", then " + "+".join(
-                        m["role"] for m in messages[index + 1 : stop])
-                    pending.append((label, k, turn.ended, turn.prompt_token_ids + turn.generation_token_ids, ours,
-                                    renderer, kind))
+                    jobs.append(
+                        {
+                            "prompt": turn.prompt_token_ids,
+                            "completion": turn.generation_token_ids,
+                            "new_messages": [_clean(m) for m in messages[index + 1 : stop]],
+                            "tools": [TOOL] if shape.tools else None,
+                        }
+                    )
+                    kind = (
+                        ("ended" if turn.ended else "cut")
+                        + ", then "
+                        + "+".join(m["role"] for m in messages[index + 1 : stop])
+                    )
+                    pending.append(
+                        (label, k, turn.ended, turn.prompt_token_ids + turn.generation_token_ids, ours, renderer, kind)
+                    )
         answers = {
-            policy: work.job({"tokenizer_dir": directory, "renderer": result.renderer, "config": config,
-                              "bridges": jobs})
+            policy: work.job(
+                {"tokenizer_dir": directory, "renderer": result.renderer, "config": config, "bridges": jobs}
+            )
             for policy, config in POLICIES
         }
     for policy, answer in answers.items():
@@ -346,8 +378,14 @@ def catalog_entries() -> list[TemplateEntry]:
     return [item for item in load_catalog() if family_of(item).name in CANDIDATES]
 
 
-def _with_parity(result: TemplateComparison, candidates: Sequence[str], directory: str, work: Worker,
-                 plain: HFChatRenderer, with_tools: HFChatRenderer) -> str:
+def _with_parity(
+    result: TemplateComparison,
+    candidates: Sequence[str],
+    directory: str,
+    work: Worker,
+    plain: HFChatRenderer,
+    with_tools: HFChatRenderer,
+) -> str:
     probes: list[dict[str, Any]] = []
     expected: list[list[int]] = []
     anchors: list[tuple[str, int]] = []
@@ -367,7 +405,8 @@ def _with_parity(result: TemplateComparison, candidates: Sequence[str], director
             failures.append(f"{name}: {answer['error']}")
             continue
         bad = [
-            _excerpt(plain, want, got, anchor) for got, want, anchor in zip(answer["renders"], expected, anchors)
+            _excerpt(plain, want, got, anchor)
+            for got, want, anchor in zip(answer["renders"], expected, anchors)
             if not _same(plain, want, got, anchor)
         ]
         if not bad and probes:
@@ -394,8 +433,10 @@ def _excerpt(renderer: HFChatRenderer, want: list[int], got: Any, anchor: tuple[
     if not isinstance(got, list):
         return f"renders raise {got.get('error')}"
     n = _common(want, got)
-    return (f"the template renders {renderer.decode(want[n:n + 12])!r} where renderers renders "
-            f"{renderer.decode(got[n:n + 12])!r}")
+    return (
+        f"the template renders {renderer.decode(want[n : n + 12])!r} where renderers renders "
+        f"{renderer.decode(got[n : n + 12])!r}"
+    )
 
 
 def _clean(message: dict[str, Any]) -> dict[str, Any]:
@@ -415,16 +456,29 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _difference(result: TemplateComparison, renderer: HFChatRenderer, label: str, k: int, ended: bool,
-                ours: list[int], theirs: list[int]) -> Difference:
+def _difference(
+    result: TemplateComparison,
+    renderer: HFChatRenderer,
+    label: str,
+    k: int,
+    ended: bool,
+    ours: list[int],
+    theirs: list[int],
+) -> Difference:
     n = _common(ours, theirs)
     start = max(0, n - 3)
-    return Difference(result.name, result.renderer, label, k, ended, renderer.decode(ours[start:n + 12]),
-                      renderer.decode(theirs[start:n + 12]))
+    return Difference(
+        result.name,
+        result.renderer,
+        label,
+        k,
+        ended,
+        renderer.decode(ours[start : n + 12]),
+        renderer.decode(theirs[start : n + 12]),
+    )
 
 
-def classify(renderer: HFChatRenderer, previous: list[int], ours: list[int], theirs: list[int], *,
-             ended: bool) -> str:
+def classify(renderer: HFChatRenderer, previous: list[int], ours: list[int], theirs: list[int], *, ended: bool) -> str:
     """The rule that explains why renderers' bridge differs from the splice's ids, or "" if none does.
 
     Both keep the previous prompt and completion ids; the rules name the one place they may part, each a choice of
@@ -451,13 +505,17 @@ def classify(renderer: HFChatRenderer, previous: list[int], ours: list[int], the
             for j in kept:
                 if theirs[n + m :] == ours[n + j :]:
                     instead = f", where the template writes {renderer.decode(ours[n : n + j])!r}" if j else ""
-                    return (f"cut by max_tokens: renderers closes the turn with {renderer.decode(inserted)!r}, which "
-                            f"the template does not render there{instead}")
+                    return (
+                        f"cut by max_tokens: renderers closes the turn with {renderer.decode(inserted)!r}, which "
+                        f"the template does not render there{instead}"
+                    )
     if ended and ours[: n - 1] == previous[:-1] and len(ours) >= n:
         end, closer = previous[-1], ours[n - 1]
         if closer != end and theirs[: n - 1] + [closer] + theirs[n:] == ours:
-            return (f"ended on {renderer.decode([end])!r}: the splice writes the template's closer "
-                    f"{renderer.decode([closer])!r} in its place, renderers keeps the model's token")
+            return (
+                f"ended on {renderer.decode([end])!r}: the splice writes the template's closer "
+                f"{renderer.decode([closer])!r} in its place, renderers keeps the model's token"
+            )
     return ""
 
 

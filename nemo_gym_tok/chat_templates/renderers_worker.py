@@ -14,7 +14,6 @@ import sys
 import traceback
 from typing import Any
 
-
 _LOADED: dict[str, Any] = {}
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_gym_tok.chat_templates.catalog import TemplateEntry, load_catalog
-from nemo_gym_tok.chat_templates.episodes import TOOL, EpisodeSettings, Episode, WrongSplice, play_episode
+from nemo_gym_tok.chat_templates.episodes import TOOL, Episode, EpisodeSettings, WrongSplice, play_episode
 from nemo_gym_tok.chat_templates.families import family_of
 from nemo_gym_tok.chat_templates.tokenizer import end_token_ids, family_tokenizer
 from nemo_gym_tok.splice import (
@@ -148,29 +148,37 @@ class SweepReport:
     def format(self, *, listed: int = 40) -> str:
         splices = sum(r.splices for r in self.results)
         by_text = sum(r.splices_checked_by_text for r in self.results)
-        lines = [f"{len(self.results)} chat templates; splices judged: {splices}, "
-                 f"edits refused: {sum(r.edits_refused for r in self.results)}",
-                 f"splices whose structural check the text walk proved (no tokenization of the history): {by_text} "
-                 f"({by_text / (splices or 1):.1%}); the rest needed the exact id walk",
-                 f"crashes: {self.crashes} (exceptions raised by the splice or the oracle, not by a template; "
-                 f"in {sum(bool(r.crashes) for r in self.results)} templates)"]
+        lines = [
+            f"{len(self.results)} chat templates; splices judged: {splices}, "
+            f"edits refused: {sum(r.edits_refused for r in self.results)}",
+            f"splices whose structural check the text walk proved (no tokenization of the history): {by_text} "
+            f"({by_text / (splices or 1):.1%}); the rest needed the exact id walk",
+            f"crashes: {self.crashes} (exceptions raised by the splice or the oracle, not by a template; "
+            f"in {sum(bool(r.crashes) for r in self.results)} templates)",
+        ]
         lines.append(f"{'outcome':<16}{'templates':>10}{'by count':>10}{'by downloads':>14}")
         counts = Counter(r.outcome for r in self.results)
         for outcome in OUTCOMES:
-            lines.append(f"{outcome:<16}{counts[outcome]:>10}{self.share(outcome, weighted=False):>10.1%}"
-                         f"{self.share(outcome, weighted=True):>14.2%}")
+            lines.append(
+                f"{outcome:<16}{counts[outcome]:>10}{self.share(outcome, weighted=False):>10.1%}"
+                f"{self.share(outcome, weighted=True):>14.2%}"
+            )
         by_family: dict[str, Counter[str]] = defaultdict(Counter)
         for result in self.results:
             by_family[result.family][result.outcome] += 1
         chat = [r for r in self.results if r.outcome != "no chat turns"]
         chat_downloads = sum(r.downloads for r in chat) or 1
-        lines.append(f"exact among templates with chat turns: {sum(r.outcome == 'exact' for r in chat)}/{len(chat)}, "
-                     f"{sum(r.downloads for r in chat if r.outcome == 'exact') / chat_downloads:.2%} by downloads")
+        lines.append(
+            f"exact among templates with chat turns: {sum(r.outcome == 'exact' for r in chat)}/{len(chat)}, "
+            f"{sum(r.downloads for r in chat if r.outcome == 'exact') / chat_downloads:.2%} by downloads"
+        )
         toolless = [r for r in chat if any(NO_TOOL_RESULTS in reason for reason in r.unrenderable)]
         strict = sum(r.downloads for r in chat if r.outcome == "exact" and r not in toolless) / chat_downloads
-        lines.append(f"refused tool-calling episodes not counted (the template renders no tool result): "
-                     f"{len(toolless)} templates, {sum(r.downloads for r in toolless) / chat_downloads:.2%} of those "
-                     f"downloads; counting them as refusals, {strict:.2%} exact")
+        lines.append(
+            f"refused tool-calling episodes not counted (the template renders no tool result): "
+            f"{len(toolless)} templates, {sum(r.downloads for r in toolless) / chat_downloads:.2%} of those "
+            f"downloads; counting them as refusals, {strict:.2%} exact"
+        )
         lines.append("per family (exact/refused/crash/wrong/no chat turns):")
         for name in sorted(by_family):
             c = by_family[name]
@@ -178,8 +186,11 @@ class SweepReport:
         crashed = sorted((r for r in self.results if r.crashes), key=lambda r: -r.downloads)
         if crashed:
             lines.append(f"crashes (by downloads, first {min(listed, len(crashed))} of {len(crashed)} templates):")
-            lines += [f"  {r.downloads:>10}  {r.name} [{r.family}] ({len(r.crashes)}): {crash[:200]}"
-                      for r in crashed[:listed] for crash in r.crashes[:3]]
+            lines += [
+                f"  {r.downloads:>10}  {r.name} [{r.family}] ({len(r.crashes)}): {crash[:200]}"
+                for r in crashed[:listed]
+                for crash in r.crashes[:3]
+            ]
         for outcome in ("wrong", "refused", "no chat turns"):  # crashes: listed above, up to 3 a template
             rows = sorted((r for r in self.results if r.outcome == outcome), key=lambda r: -r.downloads)
             if rows:
@@ -239,8 +250,9 @@ def sweep_template(entry: TemplateEntry, *, episodes_per_shape: int = 2, seed: i
     return result
 
 
-def sweep(entries: Iterable[TemplateEntry], *, progress: Callable[[TemplateResult], None] | None = None,
-          **options: Any) -> SweepReport:
+def sweep(
+    entries: Iterable[TemplateEntry], *, progress: Callable[[TemplateResult], None] | None = None, **options: Any
+) -> SweepReport:
     report = SweepReport()
     for entry in entries:
         result = sweep_template(entry, **options)
@@ -265,8 +277,13 @@ def _edits_are_refused(
         if message["role"] in ("system", "user", "tool") and isinstance(message.get("content"), str):
             edits.append((f"edited messages[{index}]", _appender(index), renderer))
     if not renderer.tools:
-        edits.append(("tools added", lambda m: None, SweepRenderer(renderer.tokenizer, tools=[TOOL],
-                                                                  extra_end_token_ids=tuple(renderer.end_token_ids))))
+        edits.append(
+            (
+                "tools added",
+                lambda m: None,
+                SweepRenderer(renderer.tokenizer, tools=[TOOL], extra_end_token_ids=tuple(renderer.end_token_ids)),
+            )
+        )
     for label, edit, edited_renderer in edits:
         edited = copy.deepcopy(messages)
         edit(edited)
@@ -336,6 +353,9 @@ def _outcome(result: TemplateResult, outcome: str, reason: str) -> TemplateResul
 
 
 def _shape(shape: EpisodeSettings) -> str:
-    parts = ["tools" if shape.tools else "", "reasoning" if shape.reasoning else "",
-             "" if shape.system else "no system"]
+    parts = [
+        "tools" if shape.tools else "",
+        "reasoning" if shape.reasoning else "",
+        "" if shape.system else "no system",
+    ]
     return "episode(" + ", ".join(p for p in parts if p) + ")"

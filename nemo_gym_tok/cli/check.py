@@ -16,7 +16,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "check",
         help="token-contiguity report over collected rollouts; --logprobs recomputes their log probs",
         description=(
-            "Walk every rollout record of each FILE: a rollout is token-contiguous when each model call's prompt ids start "
+            "Walk every rollout record of each FILE: a rollout is token-contiguous when each model call's prompt ids "
+            "start "
             "with all prompt+generation ids before it. Prints rollouts, model calls, contiguous rollouts, turns the "
             "prefix splice repaired, and the first failures. Reads records of schema_version 1 and 2; a record of "
             "any other version is a failure naming it. Exit status 0 when every rollout is contiguous, else 1. "
@@ -32,11 +33,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("files", nargs="+", metavar="FILE", help="rollouts JSONL (from ngt collect)")
     parser.add_argument("--model", metavar="DIR", help="tokenizer directory, to show failures as decoded text")
     parser.add_argument(
-        "--logprobs", metavar="MODEL_DIR",
+        "--logprobs",
+        metavar="MODEL_DIR",
         help="recompute the generated tokens' log probs with this model (transformers) and compare with the records",
     )
     parser.add_argument(
-        "--naive", action="store_true",
+        "--naive",
+        action="store_true",
         help="with --logprobs: also rebuild each episode the naive way (chat template over the final messages, "
         "re-tokenized, assistant spans) and report how many generated positions carry another id and how far "
         "per-turn log-prob sums move",

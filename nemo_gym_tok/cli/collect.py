@@ -44,27 +44,48 @@ def register(subparsers: Any) -> None:
             "130 on Ctrl-C. With --nemo-gym-output, the export's errors also give 2."
         ),
     )
-    parser.add_argument("--input", required=True, type=Path, metavar="ROWS.jsonl",
-                        help="input rows, one JSON object a line")
-    parser.add_argument("--output", required=True, type=Path, metavar="ROLLOUTS.jsonl",
-                        help="rollout records are appended here; existing ones are kept and skipped")
-    parser.add_argument("--agent", required=True, metavar="NAME",
-                        help="instance name of the agent server in the config")
-    parser.add_argument("--head-url", default=os.environ.get(HEAD_URL_ENV) or DEFAULT_HEAD_URL, metavar="URL",
-                        help=f"head server URL (default: ${HEAD_URL_ENV} or {DEFAULT_HEAD_URL})")
-    parser.add_argument("--concurrency", type=_at_least(1), default=8, metavar="N",
-                        help="rollouts in flight at once (default 8)")
-    parser.add_argument("--limit", type=_at_least(0), default=None, metavar="K",
-                        help="use only the first K input rows (default: all)")
-    parser.add_argument("--repeats", type=_at_least(1), default=1, metavar="R",
-                        help="rollouts per row (default 1)")
-    parser.add_argument("--timeout", type=_positive_float, default=1800.0, metavar="SECONDS",
-                        help="time limit of one rollout; a rollout over it counts as failed (default 1800)")
-    parser.add_argument("--nemo-gym-output", type=Path, metavar="ROWS.jsonl",
-                        help="after the run, also write every rollout of --output as NeMo Gym's rollout rows (whole "
-                             "prompt_token_ids on each bundled item, _ng_task_index, _ng_rollout_index, agent_ref) "
-                             "here, and its failed ones to <stem>_failures.jsonl (as `ngt export-nemo-gym` does); "
-                             "--output stays the resumable record file")
+    parser.add_argument(
+        "--input", required=True, type=Path, metavar="ROWS.jsonl", help="input rows, one JSON object a line"
+    )
+    parser.add_argument(
+        "--output",
+        required=True,
+        type=Path,
+        metavar="ROLLOUTS.jsonl",
+        help="rollout records are appended here; existing ones are kept and skipped",
+    )
+    parser.add_argument(
+        "--agent", required=True, metavar="NAME", help="instance name of the agent server in the config"
+    )
+    parser.add_argument(
+        "--head-url",
+        default=os.environ.get(HEAD_URL_ENV) or DEFAULT_HEAD_URL,
+        metavar="URL",
+        help=f"head server URL (default: ${HEAD_URL_ENV} or {DEFAULT_HEAD_URL})",
+    )
+    parser.add_argument(
+        "--concurrency", type=_at_least(1), default=8, metavar="N", help="rollouts in flight at once (default 8)"
+    )
+    parser.add_argument(
+        "--limit", type=_at_least(0), default=None, metavar="K", help="use only the first K input rows (default: all)"
+    )
+    parser.add_argument("--repeats", type=_at_least(1), default=1, metavar="R", help="rollouts per row (default 1)")
+    parser.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=1800.0,
+        metavar="SECONDS",
+        help="time limit of one rollout; a rollout over it counts as failed (default 1800)",
+    )
+    parser.add_argument(
+        "--nemo-gym-output",
+        type=Path,
+        metavar="ROWS.jsonl",
+        help="after the run, also write every rollout of --output as NeMo Gym's rollout rows (whole "
+        "prompt_token_ids on each bundled item, _ng_task_index, _ng_rollout_index, agent_ref) "
+        "here, and its failed ones to <stem>_failures.jsonl (as `ngt export-nemo-gym` does); "
+        "--output stays the resumable record file",
+    )
     parser.set_defaults(func=run)
 
 
@@ -75,8 +96,17 @@ def run(args: argparse.Namespace) -> int:
         auth_token = os.environ.get(AUTH_TOKEN_ENV) or None  # from the environment: a flag would show in `ps`
         agent_url = resolve_agent_url(args.head_url, args.agent, auth_token=auth_token)
         summary = asyncio.run(
-            collect(args.input, args.output, agent_url, agent=args.agent, concurrency=args.concurrency,
-                    limit=args.limit, repeats=args.repeats, timeout=args.timeout, auth_token=auth_token)
+            collect(
+                args.input,
+                args.output,
+                agent_url,
+                agent=args.agent,
+                concurrency=args.concurrency,
+                limit=args.limit,
+                repeats=args.repeats,
+                timeout=args.timeout,
+                auth_token=auth_token,
+            )
         )
     except CollectError as exc:
         print(f"ngt collect: {exc}", file=sys.stderr)
@@ -85,8 +115,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"ngt collect: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"ngt collect: interrupted; finished rollouts are in {args.output}, those in flight were dropped (not "
-              "failures); rerun the same command to resume", file=sys.stderr)
+        print(
+            f"ngt collect: interrupted; finished rollouts are in {args.output}, those in flight were dropped (not "
+            "failures); rerun the same command to resume",
+            file=sys.stderr,
+        )
         return 130
     print(summary.line(), flush=True)
     if args.nemo_gym_output is not None:

@@ -40,11 +40,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="rollouts per row (default 1)")
     parser.add_argument("--concurrency", type=int, default=4, help="rollouts in flight per environment (default 4)")
     parser.add_argument(
-        "--output-dir", type=Path, default=Path(".ngt/demo"),
+        "--output-dir",
+        type=Path,
+        default=Path(".ngt/demo"),
         help="where rollouts go (default .ngt/demo); each run replaces the demo's files there",
     )
     parser.add_argument(
-        "--vllm-url", metavar="URL",
+        "--vllm-url",
+        metavar="URL",
         help=f"use a running hooked vLLM serving the tiny model as {SERVED_MODEL_NAME!r} instead of starting one",
     )
     parser.set_defaults(func=run)
@@ -67,7 +70,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         print("starting vLLM with the prefix-splice hook (about 50 s)...", flush=True)
         vllm = VLLMServer(
-            model_dir, served_model_name=SERVED_MODEL_NAME, extra_args=(*CPU_SERVING_ARGS, *TEST_BED_ARGS),
+            model_dir,
+            served_model_name=SERVED_MODEL_NAME,
+            extra_args=(*CPU_SERVING_ARGS, *TEST_BED_ARGS),
             env={**TEST_BED_ENV, **({"VLLM_API_KEY": auth_token} if auth_token else {})},  # env: not in `ps`
             log_path=output_dir / "vllm.log",
         ).start()
@@ -79,8 +84,10 @@ def run(args: argparse.Namespace) -> int:
         config = load_config([DEMO_CONFIG], overrides)
         agents = [name for name in config.instances if name.endswith(AGENT_SUFFIX)]
         with Gym(config) as gym:
-            print(f"servers up (head {gym.head_url}); collecting {args.limit} row(s) x {args.repeats} per environment",
-                  flush=True)
+            print(
+                f"servers up (head {gym.head_url}); collecting {args.limit} row(s) x {args.repeats} per environment",
+                flush=True,
+            )
             reports = {}
             failed = 0
             for agent in agents:
@@ -91,10 +98,19 @@ def run(args: argparse.Namespace) -> int:
                 # older version of ngt wrote).
                 output.unlink(missing_ok=True)
                 failures_path_for(output).unlink(missing_ok=True)
-                summary = asyncio.run(collect(
-                    rows, output, gym.urls[agent], agent=agent, concurrency=args.concurrency, limit=args.limit,
-                    repeats=args.repeats, timeout=600.0, auth_token=gym.auth_token,
-                ))
+                summary = asyncio.run(
+                    collect(
+                        rows,
+                        output,
+                        gym.urls[agent],
+                        agent=agent,
+                        concurrency=args.concurrency,
+                        limit=args.limit,
+                        repeats=args.repeats,
+                        timeout=600.0,
+                        auth_token=gym.auth_token,
+                    )
+                )
                 print(f"{environment}: {summary.line()}", flush=True)
                 failed += summary.failed
                 reports[environment] = (output, check_file(output))

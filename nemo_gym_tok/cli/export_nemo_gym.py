@@ -34,12 +34,18 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("input", metavar="IN", help="an `ngt collect` --output file")
     parser.add_argument("output", metavar="OUT", help="the NeMo Gym rows file to write (replaced)")
-    parser.add_argument("--agent", metavar="NAME",
-                        help="agent name for agent_ref where a record's rollout_id names none (must match where "
-                             "it does)")
-    parser.add_argument("--repeats", type=_at_least_one, metavar="R",
-                        help="the collection's --repeats; needed only when the input has the same row twice, to "
-                             "number its rollouts as NeMo Gym does (default: one more than the highest repeat seen)")
+    parser.add_argument(
+        "--agent",
+        metavar="NAME",
+        help="agent name for agent_ref where a record's rollout_id names none (must match where it does)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=_at_least_one,
+        metavar="R",
+        help="the collection's --repeats; needed only when the input has the same row twice, to "
+        "number its rollouts as NeMo Gym does (default: one more than the highest repeat seen)",
+    )
     parser.set_defaults(func=run)
 
 

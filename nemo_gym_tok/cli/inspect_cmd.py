@@ -21,7 +21,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("file", metavar="FILE", help="rollouts JSONL (from ngt collect or ngt demo)")
     parser.add_argument("--html", metavar="OUT", required=True, help="where to write the page")
     parser.add_argument(
-        "--tokenizer", metavar="MODEL_DIR",
+        "--tokenizer",
+        metavar="MODEL_DIR",
         help=(
             "the tokenizer (and chat template) the rollouts were served with, to decode ids and rebuild the "
             "template's ids of repaired turns. Default: the embedded tiny model (nemo_gym_tok.tiny_model, built "
@@ -54,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
     rollouts = data["rollouts"]
     spans = sum(len(s["repaired"]) for r in rollouts for s in r["sequences"])
     failed = sum(r["error"] is not None for r in rollouts)
-    print(f"wrote {args.html}: {len(rollouts)} rollouts, {spans} repaired spans"
-          + (f", {failed} rollouts unreadable (shown with their error)" if failed else ""))
+    print(
+        f"wrote {args.html}: {len(rollouts)} rollouts, {spans} repaired spans"
+        + (f", {failed} rollouts unreadable (shown with their error)" if failed else "")
+    )
     return 0

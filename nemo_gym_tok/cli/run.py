@@ -35,7 +35,11 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         "-c", "--config", action="append", required=True, metavar="FILE", help="YAML config file; repeat to merge"
     )
     parser.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="overrides",
         help="override one value, e.g. --set my_env.resources_servers.example.port=8001; repeatable",
     )
 

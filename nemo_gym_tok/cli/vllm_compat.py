@@ -23,11 +23,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     parser.add_argument(
-        "versions", nargs="*", metavar="VERSION",
+        "versions",
+        nargs="*",
+        metavar="VERSION",
         help="vLLM releases to check, e.g. 0.34.0 (default: the x.y.0 of every minor version the hook supports)",
     )
     parser.add_argument(
-        "--wheel-dir", type=Path, default=None, metavar="DIR",
+        "--wheel-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
         help="where wheels are downloaded and reused (default: vllm-wheels in $NGT_CACHE_DIR or ~/.cache/nemo_gym_tok)",
     )
     parser.set_defaults(func=run)

@@ -57,11 +57,13 @@ def export_nemo_gym(
             raise CollectError(f"the export would overwrite its input {path}: choose another output")
     records, labels = _read_records(source)
     failures = list(read_failures(ours).values())
-    failure_labels = [f"{ours} (row {e['rollout_id'].get('row')}, repeat {e['rollout_id'].get('repeat')})"
-                      for e in failures]
+    failure_labels = [
+        f"{ours} (row {e['rollout_id'].get('row')}, repeat {e['rollout_id'].get('repeat')})" for e in failures
+    ]
     try:
-        export = nemo_gym_export(records, failures, agent=agent, repeats=repeats, record_labels=labels,
-                                 failure_labels=failure_labels)
+        export = nemo_gym_export(
+            records, failures, agent=agent, repeats=repeats, record_labels=labels, failure_labels=failure_labels
+        )
     except ExportError as exc:
         raise CollectError(str(exc)) from None
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -89,8 +91,10 @@ def _read_records(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
             if not raw.strip():
                 continue
             if not raw.endswith(b"\n"):
-                raise CollectError(f"{path}:{line_number}: the last line is incomplete (a collection killed "
-                                   "mid-write): rerun its `ngt collect`, which repairs the file, then export")
+                raise CollectError(
+                    f"{path}:{line_number}: the last line is incomplete (a collection killed "
+                    "mid-write): rerun its `ngt collect`, which repairs the file, then export"
+                )
             try:
                 record = json.loads(raw)
             except (UnicodeDecodeError, ValueError) as exc:

@@ -41,11 +41,15 @@ def repair_output(output_path: str | os.PathLike[str]) -> tuple[list[RolloutId],
             try:
                 ids.append(_record_id(raw))
             except UnknownSchemaVersionError as exc:
-                raise ResumeError(f"{path}:{line_number}: {exc}; resume it with the nemo_gym_tok that wrote it, or "
-                                  "collect into another --output") from None
+                raise ResumeError(
+                    f"{path}:{line_number}: {exc}; resume it with the nemo_gym_tok that wrote it, or "
+                    "collect into another --output"
+                ) from None
             except ValueError as exc:
-                raise CollectError(f"{path}:{line_number}: {exc}; the output file was edited or written by something "
-                                   "else: fix or remove that line") from None
+                raise CollectError(
+                    f"{path}:{line_number}: {exc}; the output file was edited or written by something "
+                    "else: fix or remove that line"
+                ) from None
             good_end += len(raw)
     return ids, False
 
@@ -123,7 +127,7 @@ def json_line(obj: Any) -> bytes:
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 class AppendLog:

@@ -23,18 +23,24 @@ def resolve_agent_url(head_url: str, agent: str, *, timeout: float = 10.0, auth_
             f"`ngt run -c ...`, or point --head-url / ${HEAD_URL_ENV} at the running head"
         ) from None
     if response.status_code == 401:
-        raise HeadError(f"head server at {head_url} requires the gym's auth_token: set ${AUTH_TOKEN_ENV} to it"
-                        + (" (the token sent was refused)" if auth_token else ""))
+        raise HeadError(
+            f"head server at {head_url} requires the gym's auth_token: set ${AUTH_TOKEN_ENV} to it"
+            + (" (the token sent was refused)" if auth_token else "")
+        )
     if response.status_code != 200:
-        raise HeadError(f"head server at {head_url} answered GET /servers with HTTP {response.status_code}: "
-                        f"{error_message(response)}")
+        raise HeadError(
+            f"head server at {head_url} answered GET /servers with HTTP {response.status_code}: "
+            f"{error_message(response)}"
+        )
     try:
         servers = response.json()
     except ValueError:
         servers = None
     if not isinstance(servers, dict):
-        raise HeadError(f"head server at {head_url} answered GET /servers with something other than a JSON object "
-                        "of {name: url}; is --head-url really the head server?")
+        raise HeadError(
+            f"head server at {head_url} answered GET /servers with something other than a JSON object "
+            "of {name: url}; is --head-url really the head server?"
+        )
     if agent not in servers:
         known = ", ".join(sorted(servers)) or "none"
         raise HeadError(f"no server named {agent!r} on the head server at {head_url} (known: {known})")

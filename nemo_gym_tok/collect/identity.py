@@ -40,8 +40,13 @@ class RolloutId:
 
     def to_json(self) -> dict[str, Any]:
         """The `rollout_id` object written into records and failure entries."""
-        return {"row": self.row, "repeat": self.key.repeat, "row_hash": self.key.row_hash,
-                "occurrence": self.key.occurrence, "agent": self.agent}
+        return {
+            "row": self.row,
+            "repeat": self.key.repeat,
+            "row_hash": self.key.row_hash,
+            "occurrence": self.key.occurrence,
+            "agent": self.agent,
+        }
 
     @classmethod
     def from_json(cls, value: Any) -> RolloutId:
@@ -49,8 +54,10 @@ class RolloutId:
         if not isinstance(value, dict):
             raise ValueError(f"rollout_id is not an object: {value!r}")
         if "row_hash" not in value or "occurrence" not in value:
-            raise ValueError(f"rollout_id {value!r} has no row_hash/occurrence (written by an older ngt collect, "
-                             "which identified rows by index only); collect into a new --output")
+            raise ValueError(
+                f"rollout_id {value!r} has no row_hash/occurrence (written by an older ngt collect, "
+                "which identified rows by index only); collect into a new --output"
+            )
         row, repeat, occurrence, digest = value.get("row"), value.get("repeat"), value["occurrence"], value["row_hash"]
         if not all(isinstance(n, int) and not isinstance(n, bool) for n in (row, repeat, occurrence)):
             raise ValueError(f"rollout_id {value!r}: row, repeat and occurrence must be integers")

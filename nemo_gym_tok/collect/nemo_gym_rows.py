@@ -91,9 +91,11 @@ def nemo_gym_export(
     seen: dict[RolloutKey, int] = {}
     for position, (rollout, _) in enumerate(done):
         if rollout.key in seen:
-            raise ExportError(f"{labels[position]} is the same rollout as {labels[seen[rollout.key]]} (row "
-                              f"{rollout.row}, repeat {rollout.key.repeat}): an output of `ngt collect` holds each "
-                              "rollout once; remove the duplicate")
+            raise ExportError(
+                f"{labels[position]} is the same rollout as {labels[seen[rollout.key]]} (row "
+                f"{rollout.row}, repeat {rollout.key.repeat}): an output of `ngt collect` holds each "
+                "rollout once; remove the duplicate"
+            )
         seen[rollout.key] = position
     failed = [(rollout, entry) for rollout, entry in failed if rollout.key not in seen]
     row_fields = [record for _, record in done] + [_entry_row(entry) for _, entry in failed]
@@ -113,8 +115,9 @@ def _rollout_id_of(obj: Any, what: str, agent: str | None) -> RolloutId:
     if not isinstance(obj, dict):
         raise ExportError(f"{what} is a JSON {type(obj).__name__}, not an object")
     if "rollout_id" not in obj:
-        raise ExportError(f"{what} has no rollout_id: not written by `ngt collect` (its records and failure "
-                          "entries carry one)")
+        raise ExportError(
+            f"{what} has no rollout_id: not written by `ngt collect` (its records and failure entries carry one)"
+        )
     try:
         rollout = RolloutId.from_json(obj["rollout_id"])
     except ValueError as exc:
@@ -132,8 +135,10 @@ class _Numbering:
     def __init__(self, rollouts: list[RolloutId], row_fields: list[dict[str, Any]], repeats: int | None) -> None:
         highest = max((rollout.key.repeat for rollout in rollouts), default=0)
         if repeats is not None and highest >= repeats:
-            raise ExportError(f"a rollout has repeat {highest}, so the collection had more than {repeats} repeats "
-                              "per row: pass its --repeats")
+            raise ExportError(
+                f"a rollout has repeat {highest}, so the collection had more than {repeats} repeats "
+                "per row: pass its --repeats"
+            )
         self.repeats = repeats if repeats is not None else highest + 1
         # A row's first line in the input (rollout_id.row) orders the tasks, as NeMo Gym numbers them in input order.
         first_line: dict[tuple[str, int], int] = {}
@@ -183,8 +188,10 @@ def _row(record: dict[str, Any], rollout: RolloutId, numbering: _Numbering, what
     if not isinstance(response, dict) or not isinstance(response.get("output"), list):
         raise ExportError(f"{what} (row {rollout.row}, repeat {rollout.key.repeat}) has no response.output list")
     if "reward" not in record:
-        raise ExportError(f"{what} (row {rollout.row}, repeat {rollout.key.repeat}) has no reward: NeMo Gym's rows "
-                          "carry the verifier's reward")
+        raise ExportError(
+            f"{what} (row {rollout.row}, repeat {rollout.key.repeat}) has no reward: NeMo Gym's rows "
+            "carry the verifier's reward"
+        )
     try:
         output = full_output(record)
     except (UnknownSchemaVersionError, MalformedRecordError) as exc:
@@ -193,8 +200,10 @@ def _row(record: dict[str, Any], rollout: RolloutId, numbering: _Numbering, what
         if isinstance(item, dict) and item.get("prompt_token_ids") is not None:
             missing = [key for key in _TOKEN_FIELDS if not isinstance(item.get(key), list)]
             if missing:
-                raise ExportError(f"{what} (row {rollout.row}, repeat {rollout.key.repeat}): output item {position} "
-                                  f"has a prompt but no {' / '.join(missing)}: NeMo RL needs all three")
+                raise ExportError(
+                    f"{what} (row {rollout.row}, repeat {rollout.key.repeat}): output item {position} "
+                    f"has a prompt but no {' / '.join(missing)}: NeMo RL needs all three"
+                )
     params = record.get("responses_create_params")
     task, rollout_index = numbering.indices(rollout)
     row = {key: value for key, value in record.items() if key != SCHEMA_VERSION_KEY}
@@ -223,8 +232,10 @@ def _nemo_gym_response(response: dict[str, Any], output: list[Any], params: dict
 def _failure_row(entry: dict[str, Any], rollout: RolloutId, numbering: _Numbering) -> dict[str, Any]:
     reason = entry.get("reason")
     if not isinstance(reason, str):
-        raise ExportError(f"failure entry of row {rollout.row}, repeat {rollout.key.repeat} has no reason: not an "
-                          "`ngt collect` failures file")
+        raise ExportError(
+            f"failure entry of row {rollout.row}, repeat {rollout.key.repeat} has no reason: not an "
+            "`ngt collect` failures file"
+        )
     status = entry.get("http_status")
     if not isinstance(status, int) or isinstance(status, bool):
         found = _STATUS_IN_REASON.search(reason)  # entries written before http_status was recorded

@@ -17,7 +17,13 @@ from tqdm import tqdm
 
 from nemo_gym_tok.collect.errors import InputError
 from nemo_gym_tok.collect.files import (
-    AppendLog, failures_path_for, json_line, lock_output, read_failures, repair_output, write_failures,
+    AppendLog,
+    failures_path_for,
+    json_line,
+    lock_output,
+    read_failures,
+    repair_output,
+    write_failures,
 )
 from nemo_gym_tok.collect.identity import InputRow, InputRows, RolloutKey, read_input
 from nemo_gym_tok.collect.resume import belongs, done_keys
@@ -63,43 +69,47 @@ class _RolloutFailed(Exception):
         self.http_status = http_status
 
 
-async def _run_one(
-    http: httpx.AsyncClient, run_url: str, row: dict[str, Any], timeout: float
-) -> dict[str, Any]:
+async def _run_one(http: httpx.AsyncClient, run_url: str, row: dict[str, Any], timeout: float) -> dict[str, Any]:
     """POST the row to the agent's `/run` and return its rollout record, or raise _RolloutFailed with a reason."""
     session = str(uuid.uuid4())  # a fresh episode per attempt: a retry must not land in a failed attempt's state
     try:
         async with asyncio.timeout(timeout):  # total time; httpx's own timeouts are per read / per connect
             response = await http.post(run_url, json=row, headers={SESSION_HEADER: session})
     except (TimeoutError, httpx.TimeoutException):
-        raise _RolloutFailed(f"timed out after {timeout:g}s waiting for POST {run_url} (session {session})",
-                             "timeout") from None
+        raise _RolloutFailed(
+            f"timed out after {timeout:g}s waiting for POST {run_url} (session {session})", "timeout"
+        ) from None
     except httpx.HTTPError as exc:
         raise _RolloutFailed(f"transport error on POST {run_url}: {type(exc).__name__}: {exc}", "transport") from None
     if response.status_code != 200:
         raise _RolloutFailed(
             f"agent answered HTTP {response.status_code} on POST {run_url}: {error_message(response)} "
             f"(session {session})",
-            "http_status", response.status_code,
+            "http_status",
+            response.status_code,
         )
     try:
         record = response.json()
     except ValueError:
-        raise _RolloutFailed(f"agent answered HTTP 200 with a body that is not JSON: {error_message(response)}",
-                             "bad_answer", 200) from None
+        raise _RolloutFailed(
+            f"agent answered HTTP 200 with a body that is not JSON: {error_message(response)}", "bad_answer", 200
+        ) from None
     if not isinstance(record, dict):
-        raise _RolloutFailed(f"agent answered HTTP 200 with JSON {type(record).__name__}, not a rollout record object",
-                             "bad_answer", 200)
+        raise _RolloutFailed(
+            f"agent answered HTTP 200 with JSON {type(record).__name__}, not a rollout record object", "bad_answer", 200
+        )
     if "response" not in record:
         keys = ", ".join(sorted(record)) or "none"
-        raise _RolloutFailed(f"agent answered HTTP 200 with an object that has no `response` field (keys: {keys})",
-                             "bad_answer", 200)
+        raise _RolloutFailed(
+            f"agent answered HTTP 200 with an object that has no `response` field (keys: {keys})", "bad_answer", 200
+        )
     try:
         record_schema_version(record)
     except UnknownSchemaVersionError as exc:
         # Written, it would stop every later resume of this output (which reads each record back): fail it instead.
-        raise _RolloutFailed(f"agent answered a record this ngt collect cannot read back: {exc}", "bad_answer",
-                             200) from None
+        raise _RolloutFailed(
+            f"agent answered a record this ngt collect cannot read back: {exc}", "bad_answer", 200
+        ) from None
     return record
 
 
@@ -146,17 +156,32 @@ async def collect(
     try:
         written, repaired = repair_output(output)
         if repaired:
-            print(f"ngt collect: {output} ended in a torn line (an earlier run was killed mid-write); "
-                  "truncated it back to the last complete line", file=sys.stderr)
+            print(
+                f"ngt collect: {output} ended in a torn line (an earlier run was killed mid-write); "
+                "truncated it back to the last complete line",
+                file=sys.stderr,
+            )
         done = done_keys(output, inputs, agent, written)
-        failures = {key: entry for key, entry in read_failures(failures_file).items()
-                    if key not in done and belongs(entry, inputs, agent)}
+        failures = {
+            key: entry
+            for key, entry in read_failures(failures_file).items()
+            if key not in done and belongs(entry, inputs, agent)
+        }
         write_failures(failures_file, failures)
 
         total = len(inputs.rows) * repeats
         already_done = sum(1 for row in inputs.rows for repeat in range(repeats) if row.key(repeat) in done)
-        run = _Run(inputs, agent, output, failures_file, failures, done, concurrency=concurrency, timeout=timeout,
-                   auth_token=auth_token)
+        run = _Run(
+            inputs,
+            agent,
+            output,
+            failures_file,
+            failures,
+            done,
+            concurrency=concurrency,
+            timeout=timeout,
+            auth_token=auth_token,
+        )
         await run.rollouts(agent_url, repeats, progress=progress, total=total, already_done=already_done)
     finally:
         os.close(lock_fd)
@@ -211,8 +236,9 @@ class _Run:
         limits = pool_limits(max(self.concurrency, DEFAULT_MAX_CONNECTIONS))
         tasks: set[asyncio.Task[None]] = set()
         try:
-            async with httpx.AsyncClient(timeout=httpx.Timeout(self.timeout), limits=limits,
-                                         headers=auth_headers(self.auth_token)) as http:
+            async with httpx.AsyncClient(
+                timeout=httpx.Timeout(self.timeout), limits=limits, headers=auth_headers(self.auth_token)
+            ) as http:
                 try:
                     for row, repeat in _pending(self.inputs, repeats, self.done):
                         # Acquire before creating the task: at most `concurrency` tasks exist, however long the input.
@@ -236,11 +262,17 @@ class _Run:
                 self._failure_log.close()
             log.close()
             # Rewritten even after Ctrl-C: it then holds only rollouts that are still missing from the output.
-            write_failures(self.failures_file,
-                           {key: entry for key, entry in self.failures.items() if key not in self.done})
+            write_failures(
+                self.failures_file, {key: entry for key, entry in self.failures.items() if key not in self.done}
+            )
 
     async def _one(
-        self, http: httpx.AsyncClient, run_url: str, row: InputRow, repeat: int, log: AppendLog,
+        self,
+        http: httpx.AsyncClient,
+        run_url: str,
+        row: InputRow,
+        repeat: int,
+        log: AppendLog,
         semaphore: asyncio.Semaphore,
     ) -> None:
         key = row.key(repeat)
@@ -250,8 +282,13 @@ class _Run:
         except _RolloutFailed as exc:
             if self.stopping:
                 return  # interrupted, not failed: the next run runs it
-            entry = {"rollout_id": rollout_id, "reason": str(exc), "kind": exc.kind, "http_status": exc.http_status,
-                     "row": row.fields}
+            entry = {
+                "rollout_id": rollout_id,
+                "reason": str(exc),
+                "kind": exc.kind,
+                "http_status": exc.http_status,
+                "row": row.fields,
+            }
             self._record_failure(key, entry, exc)
         else:
             record["rollout_id"] = rollout_id
@@ -293,13 +330,23 @@ class _Progress:
         self.failed = 0
         self.started = self.last_line_at = time.monotonic()
         self.lines = enabled and not _is_terminal(sys.stderr)
-        self.bar = tqdm(total=total, initial=already_done, desc="rollouts", unit="rollout", file=sys.stderr,
-                        disable=not enabled or self.lines, dynamic_ncols=True)
+        self.bar = tqdm(
+            total=total,
+            initial=already_done,
+            desc="rollouts",
+            unit="rollout",
+            file=sys.stderr,
+            disable=not enabled or self.lines,
+            dynamic_ncols=True,
+        )
         self.tenth = self._tenth()
         self.shown = already_done
         if self.lines:
-            print(f"ngt collect: {total - already_done} rollouts to run ({already_done} of {total} already done)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"ngt collect: {total - already_done} rollouts to run ({already_done} of {total} already done)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _tenth(self) -> int:
         return self.finished_count * 10 // self.total if self.total else 10
@@ -332,8 +379,12 @@ class _Progress:
         elapsed = now - self.started
         rate = self.finished_now / elapsed if elapsed > 0 else 0.0
         percent = 100 * self.finished_count // self.total if self.total else 100
-        print(f"ngt collect: {self.finished_count}/{self.total} rollouts finished ({percent}%), {self.failed} failed, "
-              f"{rate:.2f} rollouts/s, {elapsed:.0f}s elapsed", file=sys.stderr, flush=True)
+        print(
+            f"ngt collect: {self.finished_count}/{self.total} rollouts finished ({percent}%), {self.failed} failed, "
+            f"{rate:.2f} rollouts/s, {elapsed:.0f}s elapsed",
+            file=sys.stderr,
+            flush=True,
+        )
         self.last_line_at = now
         self.shown = self.finished_count
 

@@ -77,8 +77,11 @@ class Interpolator:
         if resolver and not _KEY.match(body):
             name, raw_args = resolver.group(1), resolver.group(2)
             if name not in SUPPORTED_RESOLVERS:
-                raise self.error(path, f"${{{name}:...}}: resolver not supported (ngt reads "
-                                       f"{', '.join(SUPPORTED_RESOLVERS)} and ${{key.path}} references)")
+                raise self.error(
+                    path,
+                    f"${{{name}:...}}: resolver not supported (ngt reads "
+                    f"{', '.join(SUPPORTED_RESOLVERS)} and ${{key.path}} references)",
+                )
             args = [self.argument(arg, path, depth) for arg in split_arguments(raw_args)]
             return getattr(self, "_" + name.replace(".", "_"))(args, body, path, depth)
         key = body.strip()
@@ -115,8 +118,11 @@ class Interpolator:
         if args[0] in os.environ:
             return os.environ[args[0]]
         if len(args) == 1:
-            raise self.error(path, f"environment variable {args[0]} is not set (${{{body}}}); set it, or give a "
-                                   f"default: ${{oc.env:{args[0]},DEFAULT}}")
+            raise self.error(
+                path,
+                f"environment variable {args[0]} is not set (${{{body}}}); set it, or give a "
+                f"default: ${{oc.env:{args[0]},DEFAULT}}",
+            )
         default = args[1]
         return None if default is None else str(default)
 
@@ -163,7 +169,7 @@ def split_interpolations(text: str, fail: Callable[[str], ConfigError]) -> list[
             if literal:
                 parts.append("".join(literal))
                 literal = []
-            parts.append(Expression(text[i + 2:end]))
+            parts.append(Expression(text[i + 2 : end]))
             i = end + 1
         else:
             literal.append(text[i])
@@ -203,7 +209,7 @@ def _closing_brace(text: str, start: int) -> int:
 def split_arguments(raw: str) -> list[str]:
     """Resolver arguments: split on the commas outside quotes and nested `${...}` (`\\,` stays in its argument)."""
     cuts = [i for i, char in _top_level(raw) if char == ","]
-    return [raw[a + 1:b] for a, b in zip([-1, *cuts], [*cuts, len(raw)])]
+    return [raw[a + 1 : b] for a, b in zip([-1, *cuts], [*cuts, len(raw)])]
 
 
 def scalar(text: str) -> Any:

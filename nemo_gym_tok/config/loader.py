@@ -96,8 +96,11 @@ def load_config(paths: list[str | Path], overrides: list[str] | tuple[str, ...] 
         key = ".".join(unset[0])
         others = ", ".join(".".join(p) for p in unset[1:4])
         more = f" ({len(unset) - 1} more unset: {others})" if len(unset) > 1 else ""
-        raise ConfigError(_source_of(sources, unset[0]), key,
-                          f"is required ({MISSING!r} in the config): set it, e.g. --set {key}=VALUE{more}")
+        raise ConfigError(
+            _source_of(sources, unset[0]),
+            key,
+            f"is required ({MISSING!r} in the config): set it, e.g. --set {key}=VALUE{more}",
+        )
     resolved = Interpolator(merged, lambda path: _source_of(sources, path)).resolve_tree(merged)
     return _split_instances(resolved, sources)
 
@@ -171,7 +174,9 @@ def _parse_override(override: str) -> tuple[KeyPath, Any]:
     key, sep, raw_value = override.partition("=")
     parts = tuple(key.strip().split("."))
     if not sep or not all(parts):
-        raise ConfigError(_OVERRIDE_SOURCE, override, "expected KEY.PATH=VALUE, e.g. my_env.resources_servers.x.port=8001")
+        raise ConfigError(
+            _OVERRIDE_SOURCE, override, "expected KEY.PATH=VALUE, e.g. my_env.resources_servers.x.port=8001"
+        )
     try:
         value = yaml.safe_load(raw_value) if raw_value.strip() else ""
     except yaml.YAMLError:
@@ -195,15 +200,21 @@ def _split_instances(merged: dict[str, Any], sources: dict[KeyPath, str]) -> Gym
             continue
         source = _source_of(sources, (name,))
         if len(body) != 1:
-            raise ConfigError(source, name, f"a server instance holds exactly one server kind, found keys {sorted(body)}")
+            raise ConfigError(
+                source, name, f"a server instance holds exactly one server kind, found keys {sorted(body)}"
+            )
         kind = kinds[0]
         implementations = body[kind]
         if not isinstance(implementations, dict) or len(implementations) != 1:
-            raise ConfigError(source, f"{name}.{kind}", "expected exactly one implementation: {<folder name>: {...fields}}")
+            raise ConfigError(
+                source, f"{name}.{kind}", "expected exactly one implementation: {<folder name>: {...fields}}"
+            )
         implementation, raw_fields = next(iter(implementations.items()))
         raw_fields = {} if raw_fields is None else raw_fields
         if not isinstance(raw_fields, dict):
-            raise ConfigError(source, f"{name}.{kind}.{implementation}", "the implementation's fields must be a mapping")
+            raise ConfigError(
+                source, f"{name}.{kind}.{implementation}", "the implementation's fields must be a mapping"
+            )
         entry_source = _source_of(sources, (name, kind, implementation, "entrypoint"))
         source_dir = Path(entry_source).parent if entry_source and Path(entry_source).is_file() else None
         fields, nemo_gym_keys, refs = nemo_gym.split_fields(
@@ -226,8 +237,10 @@ def _check_refs(instances: dict[str, ServerInstance], sources: dict[KeyPath, str
                 detail = f"references {kind} {target!r}, but {target!r} is a {found.kind} instance"
             else:
                 same_kind = sorted(i.name for i in instances.values() if i.kind == kind)
-                detail = (f"references {kind} {target!r}, which is not an instance of the merged config "
-                          f"(its {kind}: {', '.join(same_kind) or 'none'})")
+                detail = (
+                    f"references {kind} {target!r}, which is not an instance of the merged config "
+                    f"(its {kind}: {', '.join(same_kind) or 'none'})"
+                )
             # The name's own source: a later file may change only the name of a reference an earlier file wrote.
             raise ConfigError(_source_of(sources, (*path, "name")), ".".join(path), detail)
 

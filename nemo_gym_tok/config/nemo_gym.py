@@ -21,16 +21,36 @@ ENVIRONMENT_SERVERS = "environment_servers"
 """NeMo Gym's fourth server kind (rollout dispatch in front of agents); no implementation of it lives here."""
 
 NEMO_GYM_SERVER_KEYS = (
-    "entrypoint", "domain", "verified", "verified_url", "description", "value", "datasets", "num_workers",
-    "allowed_agents", "allowed_model_types", "skip_verification", "skip_verification_reward",
+    "entrypoint",
+    "domain",
+    "verified",
+    "verified_url",
+    "description",
+    "value",
+    "datasets",
+    "num_workers",
+    "allowed_agents",
+    "allowed_model_types",
+    "skip_verification",
+    "skip_verification_reward",
 )
 """Keys NeMo Gym's own machinery (parser, launcher, registry listings, dataset tools) reads on any server. This
 project's servers do not read them: they are taken out of the fields this project's config classes validate (which
 forbid unknown keys, so a typo is still refused) and carried on `ServerInstance.nemo_gym`."""
 
 DOMAINS = (
-    "math", "coding", "agent", "knowledge", "instruction_following", "long_context", "safety", "games",
-    "translation", "e2e", "rlhf", "other",
+    "math",
+    "coding",
+    "agent",
+    "knowledge",
+    "instruction_following",
+    "long_context",
+    "safety",
+    "games",
+    "translation",
+    "e2e",
+    "rlhf",
+    "other",
 )
 """The values NeMo Gym 0.7.0's `Domain` enum accepts; NeMo Gym requires one on every resources server."""
 
@@ -45,9 +65,15 @@ REF_KEYS = frozenset({"type", "name"})
 
 DATASET_TYPES = ("train", "validation", "example", "benchmark")
 LICENSES = (
-    "Apache 2.0", "MIT", "Creative Commons Attribution 4.0 International",
-    "Creative Commons Attribution-ShareAlike 4.0 International", "CC BY-SA 4.0", "CC BY-NC 3.0",
-    "NVIDIA Internal Use Only, Do Not Distribute", "NVIDIA Evaluation Dataset License Agreement", "TBD",
+    "Apache 2.0",
+    "MIT",
+    "Creative Commons Attribution 4.0 International",
+    "Creative Commons Attribution-ShareAlike 4.0 International",
+    "CC BY-SA 4.0",
+    "CC BY-NC 3.0",
+    "NVIDIA Internal Use Only, Do Not Distribute",
+    "NVIDIA Evaluation Dataset License Agreement",
+    "TBD",
     "GNU General Public License v3.0",
 )
 """The dataset licenses NeMo Gym 0.7.0 accepts; it requires one on `train` and `validation` datasets."""
@@ -55,8 +81,10 @@ LICENSES = (
 
 def not_implemented_here(kind: str) -> str:
     """What `ngt run` says of an instance in NeMo Gym's shape whose implementation this project does not have."""
-    return (f"not an implementation of this project (no {kind} of that name here): a NeMo Gym server, which "
-            f"`ngt run` does not start; run it with NeMo Gym and give this instance `url: http://HOST:PORT`")
+    return (
+        f"not an implementation of this project (no {kind} of that name here): a NeMo Gym server, which "
+        f"`ngt run` does not start; run it with NeMo Gym and give this instance `url: http://HOST:PORT`"
+    )
 
 
 def include_paths(data: dict[str, Any], including: Path) -> list[Path]:
@@ -68,13 +96,18 @@ def include_paths(data: dict[str, Any], including: Path) -> list[Path]:
         raise ConfigError(str(including), CONFIG_PATHS_KEY, f"must be a list of paths, got {entries!r}")
     found = []
     for entry in entries:
-        candidates = [Path(entry)] if Path(entry).is_absolute() else [
-            Path.cwd() / entry, *(folder / entry for folder in including.resolve().parents)
-        ]
+        candidates = (
+            [Path(entry)]
+            if Path(entry).is_absolute()
+            else [Path.cwd() / entry, *(folder / entry for folder in including.resolve().parents)]
+        )
         path = next((c for c in candidates if c.is_file()), None)
         if path is None:
-            raise ConfigError(str(including), CONFIG_PATHS_KEY,
-                              f"{entry!r} not found (looked in the working directory and the folders above the file)")
+            raise ConfigError(
+                str(including),
+                CONFIG_PATHS_KEY,
+                f"{entry!r} not found (looked in the working directory and the folders above the file)",
+            )
         found.append(path)
     return found
 
@@ -120,7 +153,7 @@ def _walk_directives(
         for stale in [p for p in sources if p[: len(here)] == here]:
             del sources[stale]
         for origin, file in [(p, f) for p, f in sources.items() if p[: len(target)] == tuple(target)]:
-            sources[(*here, *origin[len(target):])] = file
+            sources[(*here, *origin[len(target) :])] = file
         if isinstance(value, dict):
             if not isinstance(result, dict):
                 raise ConfigError(where, ".".join(here), f"{source_path} is not a mapping, so it cannot be merged into")
@@ -139,7 +172,7 @@ def _directive_of(value: Any) -> tuple[str | None, bool]:
     if isinstance(value, str):
         for prefix, keep in ((INHERIT_PREFIX, False), (COPY_PREFIX, True)):
             if value.startswith(prefix) and value.endswith("}"):
-                return value[len(prefix):-1].strip(), keep
+                return value[len(prefix) : -1].strip(), keep
         return None, True
     if isinstance(value, dict):
         for key, keep in ((INHERIT_KEY, False), (COPY_KEY, True)):
@@ -185,8 +218,13 @@ def server_ref(value: Any, field: str, kind: str, kinds: tuple[str, ...]) -> str
 
 
 def split_fields(
-    name: str, kind: str, implementation: str, fields: dict[str, Any], kinds: tuple[str, ...],
-    where: Callable[[KeyPath], str | None], source_dir: Path | None,
+    name: str,
+    kind: str,
+    implementation: str,
+    fields: dict[str, Any],
+    kinds: tuple[str, ...],
+    where: Callable[[KeyPath], str | None],
+    source_dir: Path | None,
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, tuple[str, str]]]:
     """(fields this project validates, NeMo Gym's server keys, {field: (kind, instance)} of `{type, name}` refs).
 
@@ -202,8 +240,11 @@ def split_fields(
         if ref_kind is not None:
             target = value["name"]
             if not isinstance(target, str) or not target:
-                raise ConfigError(where((*base, field)), ".".join((*base, field, "name")),
-                                  f"a server reference needs an instance name, got {target!r}")
+                raise ConfigError(
+                    where((*base, field)),
+                    ".".join((*base, field, "name")),
+                    f"a server reference needs an instance name, got {target!r}",
+                )
             refs[field] = (ref_kind, target)
             ours[field] = target
         elif field == "entrypoint" and _own_entrypoint(value, source_dir):
@@ -214,15 +255,20 @@ def split_fields(
             ours[field] = value
     domain = theirs.get("domain")
     if domain is not None and domain not in DOMAINS:
-        raise ConfigError(where((*base, "domain")), ".".join((*base, "domain")),
-                          f"{domain!r} is not a NeMo Gym domain (one of: {', '.join(DOMAINS)})")
+        raise ConfigError(
+            where((*base, "domain")),
+            ".".join((*base, "domain")),
+            f"{domain!r} is not a NeMo Gym domain (one of: {', '.join(DOMAINS)})",
+        )
     if "datasets" in theirs:
         _check_datasets(theirs["datasets"], where((*base, "datasets")), ".".join((*base, "datasets")))
     # Only NeMo Gym's entrypoint (a file in the implementation's folder) makes it a config NeMo Gym launches.
     if kind == "resources_servers" and "entrypoint" in theirs and domain is None:
-        raise ConfigError(where(base), ".".join(base),
-                          f"NeMo Gym requires `domain` on a resources server that has an entrypoint "
-                          f"(one of: {', '.join(DOMAINS)})")
+        raise ConfigError(
+            where(base),
+            ".".join(base),
+            f"NeMo Gym requires `domain` on a resources server that has an entrypoint (one of: {', '.join(DOMAINS)})",
+        )
     return ours, theirs, refs
 
 
@@ -251,7 +297,10 @@ def _check_datasets(datasets: Any, where: str | None, key: str) -> None:
             raise ConfigError(where, f"{here}.type", f"{dataset['type']!r} is not one of {', '.join(DATASET_TYPES)}")
         license_ = dataset.get("license")
         if license_ is not None and license_ not in LICENSES:
-            raise ConfigError(where, f"{here}.license", f"{license_!r} is not a license NeMo Gym accepts "
-                                                        f"(one of: {'; '.join(LICENSES)})")
+            raise ConfigError(
+                where,
+                f"{here}.license",
+                f"{license_!r} is not a license NeMo Gym accepts (one of: {'; '.join(LICENSES)})",
+            )
         if license_ is None and dataset["type"] in ("train", "validation"):
             raise ConfigError(where, f"{here}.license", f"NeMo Gym requires a license on a {dataset['type']} dataset")

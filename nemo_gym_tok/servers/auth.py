@@ -43,8 +43,9 @@ def auth_token_of(config: GymConfig, environ: Mapping[str, str] = os.environ) ->
         try:
             return check_token(config.values[AUTH_TOKEN_KEY])
         except ValueError as exc:
-            raise ConfigError(config.sources.get((AUTH_TOKEN_KEY,)), AUTH_TOKEN_KEY, str(exc).removeprefix(
-                f"{AUTH_TOKEN_KEY} ")) from None
+            raise ConfigError(
+                config.sources.get((AUTH_TOKEN_KEY,)), AUTH_TOKEN_KEY, str(exc).removeprefix(f"{AUTH_TOKEN_KEY} ")
+            ) from None
     return env_auth_token(environ)
 
 
@@ -69,14 +70,24 @@ class BearerTokenMiddleware:
         if scope["type"] == "websocket":  # no route uses one; refuse the handshake without a body
             await send({"type": "websocket.close", "code": 1008})
             return
-        body = json.dumps(ApiError(
-            401, "missing or wrong bearer token: send `Authorization: Bearer <token>` with the gym's auth_token",
-            error_type="authentication_error",
-        ).body()).encode()
-        await send({"type": "http.response.start", "status": 401, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"www-authenticate", b"Bearer"),
-        ]})
+        body = json.dumps(
+            ApiError(
+                401,
+                "missing or wrong bearer token: send `Authorization: Bearer <token>` with the gym's auth_token",
+                error_type="authentication_error",
+            ).body()
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     def _authorized(self, scope: Scope) -> bool:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
 import httpx
@@ -18,7 +17,12 @@ from nemo_gym_tok.servers.auth import BearerTokenMiddleware
 from nemo_gym_tok.servers.bodies import DEFAULT_MAX_BODY_BYTES, MAX_BODY_STATE_KEY, json_object
 from nemo_gym_tok.servers.client import SESSION_HEADER, ServerClient
 from nemo_gym_tok.servers.errors import (
-    ApiError, UnexpectedErrorMiddleware, api_error_handler, error_response, http_error_handler, validation_message,
+    ApiError,
+    UnexpectedErrorMiddleware,
+    api_error_handler,
+    error_response,
+    http_error_handler,
+    validation_message,
 )
 from nemo_gym_tok.servers.http_pool import (
     DEFAULT_CONNECT_TIMEOUT_SECONDS,
@@ -28,7 +32,13 @@ from nemo_gym_tok.servers.http_pool import (
     pool_limits,
 )
 from nemo_gym_tok.servers.openapi import (
-    ANY_OBJECT, JsonSchema, SeedSessionRequest, StepRequest, VerifyRequest, install_components, json_body,
+    ANY_OBJECT,
+    JsonSchema,
+    SeedSessionRequest,
+    StepRequest,
+    VerifyRequest,
+    install_components,
+    json_body,
 )
 
 
@@ -139,7 +149,9 @@ class ResourcesServer(BaseServer):
             session, body = _session_of(request), await json_object(request)
             response = body.get("response")
             if not isinstance(response, dict) or not isinstance(response.get("output"), list):
-                raise ApiError(400, "verify needs response.output: the list of the episode's items", param="response.output")
+                raise ApiError(
+                    400, "verify needs response.output: the list of the episode's items", param="response.output"
+                )
             result = await self.verify(session, body)
             reward = result.get("reward") if isinstance(result, dict) else None
             if isinstance(reward, bool) or not isinstance(reward, (int, float)):
@@ -158,11 +170,17 @@ class ResourcesServer(BaseServer):
         schemas = self.tool_schemas()
         for tool_name, tool in tools.items():
             if tool_name in RESERVED_PATHS:
-                raise ValueError(f"{type(self).__name__}: a tool cannot be named {tool_name!r} (an endpoint of its own)")
+                raise ValueError(
+                    f"{type(self).__name__}: a tool cannot be named {tool_name!r} (an endpoint of its own)"
+                )
             schema = schemas.get(tool_name, ANY_OBJECT)
             arguments = json_body(schema, session="required", description="the tool's arguments")
             app.add_api_route(
-                f"/{tool_name}", _tool_endpoint(tool), methods=["POST"], name=tool_name, openapi_extra=arguments,
+                f"/{tool_name}",
+                _tool_endpoint(tool),
+                methods=["POST"],
+                name=tool_name,
+                openapi_extra=arguments,
             )
 
     async def seed_session(self, session_id: str, row: dict[str, Any]) -> dict[str, Any]:

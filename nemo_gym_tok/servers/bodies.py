@@ -113,7 +113,10 @@ def _refuse_problem(problem: tuple[str | None, str] | None) -> None:
 
 
 def json_value_problem(
-    value: Any, max_depth: int = MAX_JSON_DEPTH, *, check_strings: bool = True,
+    value: Any,
+    max_depth: int = MAX_JSON_DEPTH,
+    *,
+    check_strings: bool = True,
 ) -> tuple[str | None, str] | None:
     """(top-level field, what is wrong) for the first value in `value` nested past `max_depth` or (with
     `check_strings`) holding a lone surrogate, or None. Walks with an explicit stack, so no depth makes it recurse."""
@@ -131,11 +134,15 @@ def json_value_problem(
                     stack.append((child, child_top, depth + 1))
         elif isinstance(node, list):
             stack.extend(
-                (child, top, depth + 1) for child in node
+                (child, top, depth + 1)
+                for child in node
                 if isinstance(child, (dict, list)) or (check_strings and isinstance(child, str))
             )
         elif isinstance(node, str) and _has_lone_surrogate(node):
-            return top, f"{_field(top)}a string has a lone UTF-16 surrogate (\\ud800-\\udfff), which is not valid Unicode"
+            return (
+                top,
+                f"{_field(top)}a string has a lone UTF-16 surrogate (\\ud800-\\udfff), which is not valid Unicode",
+            )
     return None
 
 
@@ -168,5 +175,9 @@ def _refuse_constant(name: str) -> NoReturn:
 
 
 def _too_large(limit: int, how: str) -> NoReturn:
-    raise ApiError(413, f"request body is larger than this server's limit of {limit} bytes ({how}); "
-                        f"raise max_body_bytes in its config to accept it", error_type="invalid_request_error")
+    raise ApiError(
+        413,
+        f"request body is larger than this server's limit of {limit} bytes ({how}); "
+        f"raise max_body_bytes in its config to accept it",
+        error_type="invalid_request_error",
+    )

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 SESSION_HEADER = "x-session-id"
-"""Names the conversation / episode on every call: the adapter keeps it on one vLLM URL, environments key state by it."""
+"""Names the episode on every call: the adapter keeps it on one vLLM URL, environments key state by it."""
 AUTH_TOKEN_ENV = "NGT_AUTH_TOKEN"
 """The gym's bearer token when the config has no `auth_token`; what `ngt collect` sends; how `ngt run` hands the token
 to its child servers (an environment variable, not a command line that `ps` shows). Defined here, in the light
@@ -53,7 +53,9 @@ class ServerClient:
         self.auth_token = auth_token or None
         self._timeout = httpx.Timeout(call_timeout() if timeout is None else timeout)
         self._limits = limits or pool_limits()
-        self._http = httpx.AsyncClient(timeout=self._timeout, limits=self._limits, headers=auth_headers(self.auth_token))
+        self._http = httpx.AsyncClient(
+            timeout=self._timeout, limits=self._limits, headers=auth_headers(self.auth_token)
+        )
         self._posts: aiohttp.ClientSession | None = None
 
     async def base_url(self, name: str) -> str:

@@ -41,8 +41,11 @@ async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
     """Starlette's own errors (404 no such route, 405 wrong method) in the same shape as every other error."""
     assert isinstance(exc, StarletteHTTPException)
     message = f"{exc.detail}: {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
-    return JSONResponse(status_code=exc.status_code, content=ApiError(exc.status_code, message).body(),
-                        headers=getattr(exc, "headers", None))
+    return JSONResponse(
+        status_code=exc.status_code,
+        content=ApiError(exc.status_code, message).body(),
+        headers=getattr(exc, "headers", None),
+    )
 
 
 class UnexpectedErrorMiddleware:
@@ -75,8 +78,11 @@ class UnexpectedErrorMiddleware:
             logger.error("unexpected error in %s: %s: %s", where, type(exc).__name__, _one_line(str(exc)))
             if started:
                 return  # the status line is gone already; the client sees the body end early
-            body = ApiError(500, f"internal error in {where} ({type(exc).__name__}); the server log has the details",
-                            error_type="server_error").body()
+            body = ApiError(
+                500,
+                f"internal error in {where} ({type(exc).__name__}); the server log has the details",
+                error_type="server_error",
+            ).body()
             await JSONResponse(status_code=500, content=body)(scope, receive, send)
 
 

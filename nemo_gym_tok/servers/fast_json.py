@@ -43,4 +43,3 @@ def dumps(value: Any) -> bytes:
         return orjson.dumps(value)
     except orjson.JSONEncodeError:
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
-

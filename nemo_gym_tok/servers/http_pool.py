@@ -34,19 +34,22 @@ DEFAULT_REQUEST_TIMEOUT_SECONDS = 600.0
 
 
 def pool_limits(
-    max_connections: int = DEFAULT_MAX_CONNECTIONS, max_keepalive_connections: int | None = None,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    max_keepalive_connections: int | None = None,
 ) -> httpx.Limits:
     """httpx limits of a gym client: `max_connections` in all, as many kept alive unless `max_keepalive_connections`
     says fewer (a connection closed after each call costs a new TCP handshake on the next)."""
     keepalive = max_connections if max_keepalive_connections is None else max_keepalive_connections
     return httpx.Limits(
-        max_connections=max_connections, max_keepalive_connections=keepalive,
+        max_connections=max_connections,
+        max_keepalive_connections=keepalive,
         keepalive_expiry=DEFAULT_KEEPALIVE_EXPIRY_SECONDS,
     )
 
 
 def call_timeout(
-    request_seconds: float = DEFAULT_REQUEST_TIMEOUT_SECONDS, connect_seconds: float = DEFAULT_CONNECT_TIMEOUT_SECONDS,
+    request_seconds: float = DEFAULT_REQUEST_TIMEOUT_SECONDS,
+    connect_seconds: float = DEFAULT_CONNECT_TIMEOUT_SECONDS,
 ) -> httpx.Timeout:
     """httpx timeouts of a gym client: `connect_seconds` to open a connection, `request_seconds` for the rest (each
     read and write, and the wait for a free connection from the pool)."""
@@ -66,7 +69,9 @@ def aiohttp_session(
             limit=limits.max_connections or 0,
             keepalive_timeout=limits.keepalive_expiry or DEFAULT_KEEPALIVE_EXPIRY_SECONDS,
         ),
-        timeout=timeout, headers=dict(headers), cookie_jar=aiohttp.DummyCookieJar(),
+        timeout=timeout,
+        headers=dict(headers),
+        cookie_jar=aiohttp.DummyCookieJar(),
     )
 
 

@@ -18,9 +18,16 @@ from nemo_gym_tok.servers.http_pool import SERVER_KEEPALIVE_SECONDS
 def serve_in_thread(app: Any, host: str = "127.0.0.1", startup_timeout: float = 30.0) -> Iterator[str]:
     """Serve `app` until the block exits; yields its base URL."""
     port = free_port(host)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=host, port=port, log_level="warning", lifespan="on", timeout_keep_alive=SERVER_KEEPALIVE_SECONDS,
-    ))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            lifespan="on",
+            timeout_keep_alive=SERVER_KEEPALIVE_SECONDS,
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + startup_timeout

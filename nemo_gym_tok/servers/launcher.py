@@ -21,7 +21,13 @@ from nemo_gym_tok.servers.nemo_gym_servers import NeMoGymStartError, is_nemo_gym
 from nemo_gym_tok.servers.registry import validate_instance
 from nemo_gym_tok.servers.serve import SPEC_ENV, spec_for
 from nemo_gym_tok.servers.supervision import (
-    CrashHistory, PortInUseError, PortRequest, RestartPolicy, bind_ports, describe_exit, restart_policy,
+    CrashHistory,
+    PortInUseError,
+    PortRequest,
+    RestartPolicy,
+    bind_ports,
+    describe_exit,
+    restart_policy,
 )
 
 HEAD_NAME = "head"
@@ -95,8 +101,12 @@ class Gym:
         self.restart = restart_policy(self.config)
         head_host, head_port = head_address(self.config)
         requests = [PortRequest(HEAD_NAME, head_host, head_port, "head_server.port")] + [
-            PortRequest(name, _host_of(inst), int(inst.fields.get("port") or 0),
-                        f"{name}.{inst.kind}.{inst.implementation}.port")
+            PortRequest(
+                name,
+                _host_of(inst),
+                int(inst.fields.get("port") or 0),
+                f"{name}.{inst.kind}.{inst.implementation}.port",
+            )
             for name, inst in launched.items()
         ]
         try:
@@ -197,9 +207,11 @@ class Gym:
                     return self._give_up_reason(child, code)
                 child.restart_at = now + delay
                 child.healthy = False
-                report(f"server {child.name!r} {describe_exit(code)}; restarting it in {delay:g}s "
-                       f"(restart {len(child.history.exits)} of at most {self.restart.max_restarts} "
-                       f"within {self.restart.window_seconds:g}s)")
+                report(
+                    f"server {child.name!r} {describe_exit(code)}; restarting it in {delay:g}s "
+                    f"(restart {len(child.history.exits)} of at most {self.restart.max_restarts} "
+                    f"within {self.restart.window_seconds:g}s)"
+                )
             elif code is not None and child.restart_at is not None and now >= child.restart_at:
                 port = int(child.listener.getsockname()[1])
                 child.process = self._popen(child.instance, port, child.listener)
@@ -215,8 +227,10 @@ class Gym:
         if not self.restart.enabled:
             return f"server {child.name!r} {describe_exit(code)} (restart.enabled is false)"
         exits = len(child.history.exits) + 1
-        return (f"server {child.name!r} {describe_exit(code)}: {exits} exits within {self.restart.window_seconds:g}s, "
-                f"more than restart.max_restarts={self.restart.max_restarts} allows")
+        return (
+            f"server {child.name!r} {describe_exit(code)}: {exits} exits within {self.restart.window_seconds:g}s, "
+            f"more than restart.max_restarts={self.restart.max_restarts} allows"
+        )
 
     def _answers_health(self, child: ChildServer) -> bool:
         # A short timeout: the listening socket is ours, so a connection to a child still starting up is accepted

@@ -12,14 +12,15 @@ from pathlib import Path
 
 
 def main() -> None:
-    from omegaconf import OmegaConf
-
     import nemo_gym
     from nemo_gym.global_config import GlobalConfigDictParser, GlobalConfigDictParserConfig
+    from omegaconf import OmegaConf
 
     spec = OmegaConf.create(json.loads(sys.argv[1]))
     parser_config = GlobalConfigDictParserConfig(
-        initial_global_config_dict=spec, skip_load_from_cli=True, skip_load_from_dotenv=True,
+        initial_global_config_dict=spec,
+        skip_load_from_cli=True,
+        skip_load_from_dotenv=True,
     )
     resolved = GlobalConfigDictParser().parse(parser_config)
     root = Path(nemo_gym.__file__).resolve().parent.parent

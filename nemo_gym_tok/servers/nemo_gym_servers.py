@@ -35,38 +35,51 @@ def is_nemo_gym_instance(instance: ServerInstance) -> bool:
 
 
 def start_nemo_gym_server(
-    instance: ServerInstance, host: str, port: int, preexec_fn: Callable[[], None] | None = None,
+    instance: ServerInstance,
+    host: str,
+    port: int,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> subprocess.Popen[bytes]:
     """Resolve the instance's config with NeMo Gym's parser and start its server process on `host`:`port`
     (`preexec_fn`: what the launcher runs in each child before it starts, e.g. to die with the launcher)."""
     where = f"{instance.name}.{instance.kind}.{instance.implementation}"
     python = instance.fields[NEMO_GYM_PYTHON_KEY]
     if not isinstance(python, str) or not os.access(python, os.X_OK):
-        raise NeMoGymStartError(f"{where}.{NEMO_GYM_PYTHON_KEY}: {python!r} is not an executable Python "
-                                "(name the python of a venv with nemo-gym installed)")
+        raise NeMoGymStartError(
+            f"{where}.{NEMO_GYM_PYTHON_KEY}: {python!r} is not an executable Python "
+            "(name the python of a venv with nemo-gym installed)"
+        )
     # As NeMo Gym reads them: its own keys (domain, entrypoint...) back in, references as {type, name}.
     fields: dict[str, Any] = {k: v for k, v in instance.nemo_gym_fields().items() if k != NEMO_GYM_PYTHON_KEY}
     fields.setdefault("entrypoint", "app.py")
     fields.update(host=host, port=port)
     spec = {instance.name: {instance.kind: {instance.implementation: fields}}}
     try:
-        out = subprocess.run([python, str(RESOLVER), json.dumps(spec)], capture_output=True, text=True,
-                             timeout=RESOLVE_TIMEOUT_SECONDS)
+        out = subprocess.run(
+            [python, str(RESOLVER), json.dumps(spec)], capture_output=True, text=True, timeout=RESOLVE_TIMEOUT_SECONDS
+        )
     except subprocess.TimeoutExpired:
         raise NeMoGymStartError(f"{where}: NeMo Gym's config parser did not answer in {RESOLVE_TIMEOUT_SECONDS:g}s")
     if out.returncode != 0:
-        raise NeMoGymStartError(f"{where}: NeMo Gym's config parser ({python}) refused the instance:\n"
-                                f"{out.stderr.strip()[-2000:]}")
+        raise NeMoGymStartError(
+            f"{where}: NeMo Gym's config parser ({python}) refused the instance:\n{out.stderr.strip()[-2000:]}"
+        )
     resolved = json.loads(out.stdout)
     root = Path(resolved["root"])
     folder = root / instance.kind / instance.implementation
     entrypoint = folder / str(fields["entrypoint"])
     if not entrypoint.is_file():
-        raise NeMoGymStartError(f"{where}: the NeMo Gym package at {root} has no {instance.kind}/"
-                                f"{instance.implementation}/{fields['entrypoint']} (a server NeMo Gym ships?)")
+        raise NeMoGymStartError(
+            f"{where}: the NeMo Gym package at {root} has no {instance.kind}/"
+            f"{instance.implementation}/{fields['entrypoint']} (a server NeMo Gym ships?)"
+        )
     env = {**os.environ, "NEMO_GYM_CONFIG_DICT": resolved["config_yaml"], "NEMO_GYM_CONFIG_PATH": instance.name}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     env.pop(AUTH_TOKEN_ENV, None)  # the gym's token is none of a third-party server's business
     return subprocess.Popen(
-        [python, str(entrypoint)], cwd=folder, env=env, start_new_session=True, preexec_fn=preexec_fn,
+        [python, str(entrypoint)],
+        cwd=folder,
+        env=env,
+        start_new_session=True,
+        preexec_fn=preexec_fn,
     )

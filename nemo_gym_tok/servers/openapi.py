@@ -32,11 +32,17 @@ def json_body(
         request_body["description"] = description
     extra: dict[str, Any] = {"requestBody": request_body}
     if session:
-        extra["parameters"] = [{
-            "name": SESSION_HEADER, "in": "header", "required": session == "required",
-            "description": "names the episode (environments key its state by it; the adapter keeps it on one vLLM URL)",
-            "schema": {"type": "string", "minLength": 1},
-        }]
+        extra["parameters"] = [
+            {
+                "name": SESSION_HEADER,
+                "in": "header",
+                "required": session == "required",
+                "description": (
+                    "names the episode (environments key its state by it; the adapter keeps it on one vLLM URL)"
+                ),
+                "schema": {"type": "string", "minLength": 1},
+            }
+        ]
     return extra
 
 
@@ -79,6 +85,7 @@ def install_components(app: FastAPI) -> None:
 
 # The request bodies of an environment's fixed routes. Each keeps unknown fields: a row carries the environment's
 # own fields, and the agent may add its own.
+
 
 class SeedSessionRequest(BaseModel):
     """The input row of the episode; an environment's subclass names the fields it needs."""

@@ -21,7 +21,7 @@ KIND_PACKAGES = {
 }
 
 ENTRYPOINT_KEY = "entrypoint"
-"""Optional implementation field: `package.module` or `path/to/app.py` defining `SERVER`, for servers outside this repo."""
+"""Optional implementation field: `package.module` or `path/to/app.py` defining `SERVER` (servers outside this repo)."""
 
 
 def resolve_entrypoint(instance: ServerInstance) -> str | None:
@@ -40,17 +40,24 @@ def resolve_server_class(instance: ServerInstance) -> type[BaseServer]:
     if instance.kind not in KIND_PACKAGES:  # NeMo Gym's environment_servers
         raise ConfigError(instance.sources.get((instance.name,)), where, not_implemented_here(instance.kind))
     try:
-        module = _load_module(entrypoint) if entrypoint else _load_module(
-            f"{KIND_PACKAGES[instance.kind]}.{instance.implementation}.app"
-            if instance.kind != "head"
-            else "nemo_gym_tok.servers.head"
+        module = (
+            _load_module(entrypoint)
+            if entrypoint
+            else _load_module(
+                f"{KIND_PACKAGES[instance.kind]}.{instance.implementation}.app"
+                if instance.kind != "head"
+                else "nemo_gym_tok.servers.head"
+            )
         )
     except ModuleNotFoundError as exc:
         source = instance.sources.get((instance.name,))
         module_path = f"{KIND_PACKAGES[instance.kind]}.{instance.implementation}.app"
         missing_itself = bool(exc.name) and module_path.startswith(str(exc.name))  # not a dependency it imports
-        detail = (not_implemented_here(instance.kind) if instance.nemo_gym and missing_itself and not entrypoint
-                  else f"no implementation found ({exc.msg})")
+        detail = (
+            not_implemented_here(instance.kind)
+            if instance.nemo_gym and missing_itself and not entrypoint
+            else f"no implementation found ({exc.msg})"
+        )
         raise ConfigError(source, where, detail) from None
     server_class = getattr(module, "SERVER", None)
     if not (isinstance(server_class, type) and issubclass(server_class, BaseServer)):

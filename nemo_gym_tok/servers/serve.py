@@ -48,18 +48,26 @@ def main() -> int:
         return 2
     # The launcher hands the gym's token over in the environment (set, or removed when the gym has none).
     client = ServerClient(
-        spec["servers"], head_url=spec.get("head_url"), auth_token=os.environ.get(AUTH_TOKEN_ENV),
-        timeout=config.http_timeout(), limits=config.http_limits(),
+        spec["servers"],
+        head_url=spec.get("head_url"),
+        auth_token=os.environ.get(AUTH_TOKEN_ENV),
+        timeout=config.http_timeout(),
+        limits=config.http_limits(),
     )
     server = server_class(instance.name, config, client)
     listen_fd = spec.get("listen_fd")
     # The launcher's socket, already bound and listening: it outlives this process, so a restart keeps the port.
     # Without one, uvicorn binds host:port itself.
     sockets = None if listen_fd is None else [socket.socket(fileno=int(listen_fd))]
-    uvicorn.Server(uvicorn.Config(
-        server.build_app(), host=config.host, port=config.port, log_level="warning",
-        timeout_keep_alive=SERVER_KEEPALIVE_SECONDS,
-    )).run(sockets=sockets)
+    uvicorn.Server(
+        uvicorn.Config(
+            server.build_app(),
+            host=config.host,
+            port=config.port,
+            log_level="warning",
+            timeout_keep_alive=SERVER_KEEPALIVE_SECONDS,
+        )
+    ).run(sockets=sockets)
     return 0
 
 

@@ -39,8 +39,11 @@ def restart_policy(config: GymConfig) -> RestartPolicy:
     if raw is None:
         return RestartPolicy()
     if not isinstance(raw, dict):
-        raise ConfigError(config.sources.get((RESTART_KEY,)), RESTART_KEY,
-                          "expected a mapping, e.g. {enabled: true, max_restarts: 5, backoff_seconds: 1}")
+        raise ConfigError(
+            config.sources.get((RESTART_KEY,)),
+            RESTART_KEY,
+            "expected a mapping, e.g. {enabled: true, max_restarts: 5, backoff_seconds: 1}",
+        )
     try:
         return RestartPolicy.model_validate(raw)
     except ValidationError as exc:
@@ -48,8 +51,9 @@ def restart_policy(config: GymConfig) -> RestartPolicy:
         path = (RESTART_KEY, *(str(part) for part in error["loc"]))
         shown = error["type"] != "missing" and "input" in error
         detail = error["msg"] + (f" (got {error['input']!r})" if shown else "")
-        source = next((config.sources[path[:end]] for end in range(len(path), 0, -1) if path[:end] in config.sources),
-                      None)
+        source = next(
+            (config.sources[path[:end]] for end in range(len(path), 0, -1) if path[:end] in config.sources), None
+        )
         raise ConfigError(source, ".".join(path), detail) from None
 
 
@@ -108,8 +112,10 @@ def bind_ports(requests: Sequence[PortRequest]) -> dict[str, socket.socket]:
     try:
         for request in requests:
             if request.port and request.port in owners:
-                raise PortInUseError(f"port {request.port} is configured twice: for {owners[request.port]!r} and for "
-                                     f"{request.name!r} ({request.key}); give each server its own port")
+                raise PortInUseError(
+                    f"port {request.port} is configured twice: for {owners[request.port]!r} and for "
+                    f"{request.name!r} ({request.key}); give each server its own port"
+                )
             try:
                 sock = _listen(request.host, request.port)
             except OSError as exc:

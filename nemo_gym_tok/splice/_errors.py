@@ -1,4 +1,4 @@
-"""Why a prefix cannot be spliced: one exception per kind of refusal, each a 400 with a message that says what to fix."""
+"""Why a prefix cannot be spliced: one exception per kind of refusal, each a 400 whose message says what to fix."""
 
 from __future__ import annotations
 

@@ -31,7 +31,10 @@ class FixedTextMatcher:
     """Walks ids along a layout's fixed text by added-token ids and decoded text runs (see the module docstring)."""
 
     def __init__(
-        self, encode: Encode, decode_batch: DecodeBatch, added_tokens: Mapping[str, int],
+        self,
+        encode: Encode,
+        decode_batch: DecodeBatch,
+        added_tokens: Mapping[str, int],
         piece_cache: dict[str, list[int]] | None = None,
     ) -> None:
         self._encode = encode
@@ -56,7 +59,11 @@ class FixedTextMatcher:
             if number > 0:
                 if pieces:
                     body_end = segment_end(
-                        ids, position, lambda at: self._starts_at(ids, at, pieces), closer_ids, end_ids,
+                        ids,
+                        position,
+                        lambda at: self._starts_at(ids, at, pieces),
+                        closer_ids,
+                        end_ids,
                         next_closer=lambda start: _next_of(ids, start, closer_ids),
                     )
                 else:
@@ -99,8 +106,13 @@ class FixedTextMatcher:
         return not first_run or self._decode_batch([list(ids[first_run[0][0] : first_run[0][1]])])[0] == first_run[0][2]
 
     def _walk(
-        self, ids: list[int], position: int, pieces: list[str | int], runs: list[tuple[int, int, str]],
-        *, first_only: bool = False,
+        self,
+        ids: list[int],
+        position: int,
+        pieces: list[str | int],
+        runs: list[tuple[int, int, str]],
+        *,
+        first_only: bool = False,
     ) -> int | None:
         """Where the pieces end when they match at `position`, their text runs between added tokens queued in
         `runs` for the batched decode (only the first with `first_only`); None when they cannot match."""

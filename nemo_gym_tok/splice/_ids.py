@@ -68,7 +68,11 @@ def check_starts_with(template_full: Sequence[int], prefix: Sequence[int], decod
         check_prefix(template_full, prefix)
     except PrefixMismatchError as exc:
         found = "end of prompt" if exc.found is None else exc.found
-        context = f" (prompt begins with {decode(list(template_full[max(0, exc.position - 11) : exc.position + 1]))!r})" if decode else ""
+        context = (
+            f" (prompt begins with {decode(list(template_full[max(0, exc.position - 11) : exc.position + 1]))!r})"
+            if decode
+            else ""
+        )
         raise StalePrefixError(
             f"{PREFIX_KEY} names no assistant turn to splice (none in messages) and the rendered prompt does not "
             f"start with it: position {exc.position} is {found}, the prefix says {exc.expected}{context}"
@@ -104,4 +108,3 @@ def _non_negative_ints(ids: list[Any]) -> bool:
 
 def _get(message: Any, key: str) -> Any:
     return message.get(key) if isinstance(message, dict) else getattr(message, key, None)
-

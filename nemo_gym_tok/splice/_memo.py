@@ -56,9 +56,7 @@ class RenderMemo:
         self.misses = 0
         self.proven = 0
 
-    def render(
-        self, scope: str, messages: Sequence[Any], flags: dict[str, Any], render: Callable[[], str]
-    ) -> str:
+    def render(self, scope: str, messages: Sequence[Any], flags: dict[str, Any], render: Callable[[], str]) -> str:
         """The memoized rendering, or `render()` (kept when it succeeds). `scope` names everything else the
         rendering depends on: the template, its arguments and the tools."""
         key = _key(scope, messages, flags)

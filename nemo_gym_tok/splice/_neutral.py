@@ -1,4 +1,4 @@
-"""Assistant messages with their model-written text replaced by placeholders, so a template's rendering holds none of it.
+"""Assistant messages with their model-written text replaced by placeholders, so a template's rendering has none of it.
 
 The splice never needs to know how the template renders the model's own text (that is the part it replaces), and
 that text may spell anything, a turn terminator included. Rendering placeholders instead keeps every special token in
@@ -33,7 +33,11 @@ ANY_PLACEHOLDER = re.compile(r"ngt(msg|body|think|arg)(\d+)q")
 
 
 def neutralize(
-    messages: Sequence[Any], up_to: int, force_content: frozenset[int] = frozenset(), *, others: bool = False,
+    messages: Sequence[Any],
+    up_to: int,
+    force_content: frozenset[int] = frozenset(),
+    *,
+    others: bool = False,
     drop_call_text: bool = False,
 ) -> list[dict[str, Any]]:
     """Plain-dict copies of `messages`; assistant messages at index <= `up_to` get placeholder text.
@@ -68,7 +72,9 @@ def placeholder_spans(text: str) -> dict[int, tuple[int, int]]:
     return spans
 
 
-def _neutral_assistant(message: dict[str, Any], index: int, force_content: bool, drop_call_text: bool) -> dict[str, Any]:
+def _neutral_assistant(
+    message: dict[str, Any], index: int, force_content: bool, drop_call_text: bool
+) -> dict[str, Any]:
     neutral = {key: value for key, value in message.items() if key not in ("reasoning", "reasoning_content")}
     calls = message.get("tool_calls")
     if calls and drop_call_text and not force_content:

@@ -15,7 +15,11 @@ from nemo_gym_tok.splice._template_text import _proven_prompt, _render
 
 
 def _check_prefix(
-    renderer: ChatRenderer, profile: TemplateProfile, neutral: list[dict[str, Any]], earlier: list[int], find: Any,
+    renderer: ChatRenderer,
+    profile: TemplateProfile,
+    neutral: list[dict[str, Any]],
+    earlier: list[int],
+    find: Any,
     source: PrefixSource,
 ) -> tuple[int, bool, str]:
     """The structural check: the prefix is what the template renders for messages[:a] (with a generation prompt)
@@ -52,7 +56,11 @@ def _check_prefix(
 
 
 def _walk_prompt(
-    renderer: ChatRenderer, profile: TemplateProfile, neutral: list[dict[str, Any]], earlier: list[int], find: Any,
+    renderer: ChatRenderer,
+    profile: TemplateProfile,
+    neutral: list[dict[str, Any]],
+    earlier: list[int],
+    find: Any,
     source: PrefixSource,
 ) -> tuple[int, bool, str]:
     """The structural check's walk of the prefix along the template's rendering of messages[:a]: where the
@@ -62,7 +70,9 @@ def _walk_prompt(
     matcher = FixedTextMatcher(
         renderer.encode, batch_decoder(renderer), renderer.added_tokens, getattr(renderer, "piece_cache", None)
     )
-    prompt_text = _render(renderer, neutral[:a], add_generation_prompt=True, what="the messages before the prefix's turn")
+    prompt_text = _render(
+        renderer, neutral[:a], add_generation_prompt=True, what="the messages before the prefix's turn"
+    )
     prompt_layout = Layout(prompt_text, find(prompt_text, earlier, None))
     bodies = matcher.body_spans(prefix, prompt_layout, closer_ids, profile.end_token_ids)
     # Templates that move text between turns (Mistral v0.3 puts the system prompt in the last user turn; Kimi
@@ -74,7 +84,9 @@ def _walk_prompt(
         bodies = matcher.body_spans(prefix, turn_layout, closer_ids, profile.end_token_ids)
     checked_by_text = bodies is not None
     if bodies is None:
-        bodies, mismatch = match_fixed_segments(prefix, prompt_layout, renderer.encode, closer_ids, profile.end_token_ids)
+        bodies, mismatch = match_fixed_segments(
+            prefix, prompt_layout, renderer.encode, closer_ids, profile.end_token_ids
+        )
         if mismatch is not None and turn_layout is not None:
             turn_bodies, turn_mismatch = match_fixed_segments(
                 prefix, turn_layout, renderer.encode, closer_ids, profile.end_token_ids
@@ -85,6 +97,7 @@ def _walk_prompt(
             raise _mismatch_error(renderer, neutral, a, prompt_layout, mismatch, source)
     used = turn_layout if checked_by_text and turn_layout is not None else prompt_layout
     return bodies[-1][0], checked_by_text, used.text[used.bodies[-1].end if used.bodies else 0 :]
+
 
 def _turn_by_turn_layout(renderer: ChatRenderer, neutral: list[dict[str, Any]], turns: list[int], find: Any) -> Layout:
     """The prompt of the last of `turns` as a chain of splices builds it: the first turn's prompt, then each turn's
@@ -100,8 +113,13 @@ def _turn_by_turn_layout(renderer: ChatRenderer, neutral: list[dict[str, Any]], 
         text += rendered[body.end :]
     return Layout(text, tuple(bodies))
 
+
 def _mismatch_error(
-    renderer: ChatRenderer, neutral: list[dict[str, Any]], a: int, layout: Layout, mismatch: Mismatch,
+    renderer: ChatRenderer,
+    neutral: list[dict[str, Any]],
+    a: int,
+    layout: Layout,
+    mismatch: Mismatch,
     source: PrefixSource,
 ) -> StructureMismatchError:
     start, end = mismatch.segment

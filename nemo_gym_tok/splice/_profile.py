@@ -79,11 +79,17 @@ class TemplateProfile:
         how = "set by NEMO_GYM_TOK_TURN_TERMINATOR" if self.overridden else "detected"
         if self.closed_by_text:
             how += "; no special token: a turn ends where the model's text ends"
-        replaced = f"; model end tokens rendered as a closer: {sorted(self.replaced_end_tokens)}" if self.replaced_end_tokens else ""
+        replaced = (
+            f"; model end tokens rendered as a closer: {sorted(self.replaced_end_tokens)}"
+            if self.replaced_end_tokens
+            else ""
+        )
         if self.moves_call_text:
             replaced += "; text of tool-calling turns rendered after the results (kept where the model wrote it)"
-        after_tool = "" if self.header_after_tool == self.assistant_header else (
-            f"; after a tool result {self.header_after_tool.describe()}"
+        after_tool = (
+            ""
+            if self.header_after_tool == self.assistant_header
+            else (f"; after a tool result {self.header_after_tool.describe()}")
         )
         return (
             f"assistant turns close with {sorted(self.closers)} ({how}); assistant header "
@@ -235,7 +241,11 @@ def _next_text_at(text: str, conversation: list[dict[str, Any]], assistant_index
 
 
 def _closer(
-    pattern: re.Pattern[str] | None, text: str, body_end: int, next_text: int, renderer: ChatRenderer,
+    pattern: re.Pattern[str] | None,
+    text: str,
+    body_end: int,
+    next_text: int,
+    renderer: ChatRenderer,
     special: dict[str, int],
 ) -> str | None:
     """The special token that closes the turn: the first of the model's end tokens between the body and the next

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -25,7 +24,11 @@ class ChatRenderer(Protocol):
     """Ids on which generation stops for this model (generation config's eos ids and the tokenizer's eos)."""
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool, continue_final_message: bool = False
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        continue_final_message: bool = False,
     ) -> str: ...
 
     def encode(self, text: str) -> list[int]: ...
@@ -60,7 +63,11 @@ class HFChatRenderer:
         self._encode = text_encoder(self.tokenizer)
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool, continue_final_message: bool = False
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        continue_final_message: bool = False,
     ) -> str:
         return self.tokenizer.apply_chat_template(
             template_messages(messages, as_parts=self.content_format == "openai"),
@@ -85,8 +92,11 @@ class HFChatRenderer:
         for content_format in ("string", "openai"):
             try:
                 text = self.tokenizer.apply_chat_template(
-                    template_messages(probe, as_parts=content_format == "openai"), chat_template=self.chat_template,
-                    add_generation_prompt=True, tokenize=False, **self.template_kwargs,
+                    template_messages(probe, as_parts=content_format == "openai"),
+                    chat_template=self.chat_template,
+                    add_generation_prompt=True,
+                    tokenize=False,
+                    **self.template_kwargs,
                 )
             except Exception:  # noqa: BLE001 - a template that cannot take this format
                 continue
@@ -110,7 +120,9 @@ def text_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if (
-        backend is not None and hasattr(backend, "encode") and not getattr(tokenizer, "split_special_tokens", False)
+        backend is not None
+        and hasattr(backend, "encode")
+        and not getattr(tokenizer, "split_special_tokens", False)
         and not getattr(backend, "encode_special_tokens", False)
     ):
         return lambda text: backend.encode(text, add_special_tokens=False).ids

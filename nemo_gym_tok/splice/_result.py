@@ -37,11 +37,14 @@ class SpliceResult:
 
     def telemetry(self) -> dict[str, Any]:
         telemetry: dict[str, Any] = {
-            "applied": True, "template_differed": self.template_differed, "replaced_tokens": self.replaced_tokens,
+            "applied": True,
+            "template_differed": self.template_differed,
+            "replaced_tokens": self.replaced_tokens,
         }
         if self.repaired_turns is not None:
             telemetry["repaired_turns"] = [
-                {"message_index": turn.message_index, "replaced_tokens": turn.replaced_tokens} for turn in self.repaired_turns
+                {"message_index": turn.message_index, "replaced_tokens": turn.replaced_tokens}
+                for turn in self.repaired_turns
             ]
         if self.end_token_replaced:
             telemetry["end_token_replaced"] = True
@@ -59,8 +62,13 @@ class SplicedPrompt:
     """
 
     def __init__(
-        self, prompt_token_ids: list[int], kept_prefix_length: int, end_token_replaced: bool, checked_by_text: bool,
-        verify: Callable[[], None], measure_turn: Callable[[], tuple[bool, int, tuple[RepairedTurn, ...] | None]],
+        self,
+        prompt_token_ids: list[int],
+        kept_prefix_length: int,
+        end_token_replaced: bool,
+        checked_by_text: bool,
+        verify: Callable[[], None],
+        measure_turn: Callable[[], tuple[bool, int, tuple[RepairedTurn, ...] | None]],
     ) -> None:
         self.prompt_token_ids = prompt_token_ids
         self.kept_prefix_length = kept_prefix_length
@@ -80,7 +88,11 @@ class SplicedPrompt:
         self.verify()
         differed, replaced, repaired = self._measure_turn()
         return SpliceResult(
-            prompt_token_ids=self.prompt_token_ids, kept_prefix_length=self.kept_prefix_length,
-            template_differed=differed, replaced_tokens=replaced, end_token_replaced=self.end_token_replaced,
-            repaired_turns=repaired, checked_by_text=self.checked_by_text,
+            prompt_token_ids=self.prompt_token_ids,
+            kept_prefix_length=self.kept_prefix_length,
+            template_differed=differed,
+            replaced_tokens=replaced,
+            end_token_replaced=self.end_token_replaced,
+            repaired_turns=repaired,
+            checked_by_text=self.checked_by_text,
         )

@@ -66,8 +66,13 @@ def splice_prefix(
     subclass when the result could not be proven exact.
     """
     return splice_prompt(
-        renderer, profile, messages, source, add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message, truncate_prompt_tokens=truncate_prompt_tokens,
+        renderer,
+        profile,
+        messages,
+        source,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        truncate_prompt_tokens=truncate_prompt_tokens,
         template_text=template_text,
     ).result()
 
@@ -97,14 +102,16 @@ def splice_prompt(
         raise ValueError("splice_prefix() needs a prefix that belongs to an assistant message; use check_starts_with")
     if not prefix:
         raise StalePrefixError(
-            f"{_what(source)} is empty, but messages[{a}] is an assistant turn: send the ids of the call that produced it "
-            "(prompt + generation), or no prefix at all"
+            f"{_what(source)} is empty, but messages[{a}] is an assistant turn: send the ids of the call that "
+            "produced it (prompt + generation), or no prefix at all"
         )
     earlier = [j for j in range(a) if _get(messages[j], "role") == "assistant"]
     find = _body_finder(profile, messages)
     moved_call_text = bool(profile.moves_call_text and _get(messages[a], "tool_calls") and _get(messages[a], "content"))
-    remember = add_generation_prompt and not continue_final_message and not any(
-        _get(message, "role") == "assistant" for message in messages[a + 1 :]
+    remember = (
+        add_generation_prompt
+        and not continue_final_message
+        and not any(_get(message, "role") == "assistant" for message in messages[a + 1 :])
     )
     if template_text is not None and add_generation_prompt and not continue_final_message and not moved_call_text:
         try:
@@ -121,19 +128,34 @@ def splice_prompt(
         full_text = neutral_text
     else:
         full_text = _render(
-            renderer, neutral, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, what="the messages",
+            renderer,
+            neutral,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            what="the messages",
         )
     full_layout = Layout(full_text, find(full_text, [*earlier, a], a if continue_final_message else None))
     generation_start, checked_by_text, prompt_end = _check_prefix(renderer, profile, neutral, earlier, find, source)
     tail_text, tail = _template_tail(
-        renderer, profile, messages, neutral, [*earlier, a], find, full_layout, source, add_generation_prompt,
-        continue_final_message, template_text, prompt_end,
+        renderer,
+        profile,
+        messages,
+        neutral,
+        [*earlier, a],
+        find,
+        full_layout,
+        source,
+        add_generation_prompt,
+        continue_final_message,
+        template_text,
+        prompt_end,
     )
     kept, end_replaced = _kept_prefix(prefix, tail, profile, continue_final_message, source)
     calls = bool(_get(messages[a], "tool_calls"))
-    junction = "" if continue_final_message else junction_text(
-        full_layout.text, full_layout.bodies[-1], prefix, kept, end_replaced, profile, calls
+    junction = (
+        ""
+        if continue_final_message
+        else junction_text(full_layout.text, full_layout.bodies[-1], prefix, kept, end_replaced, profile, calls)
     )
     if junction:
         if template_text is not None and not moved_call_text and not template_text.endswith(junction + tail_text):
@@ -147,14 +169,27 @@ def splice_prompt(
     if remember:
         _remember_prompt(renderer, neutral, spliced, tail_text, checked_by_text)
     return SplicedPrompt(
-        spliced, kept, end_replaced, checked_by_text, verify=lambda: None,
-        measure_turn=lambda: _new_turn_repair(renderer, full_layout, tail_text, template_text, prompt_end, generation, a),
+        spliced,
+        kept,
+        end_replaced,
+        checked_by_text,
+        verify=lambda: None,
+        measure_turn=lambda: _new_turn_repair(
+            renderer, full_layout, tail_text, template_text, prompt_end, generation, a
+        ),
     )
 
 
 def _splice_by_placement(
-    renderer: ChatRenderer, profile: TemplateProfile, messages: Sequence[Any], source: PrefixSource,
-    earlier: list[int], find: Any, template_text: str, truncate_prompt_tokens: int | None, remember: bool,
+    renderer: ChatRenderer,
+    profile: TemplateProfile,
+    messages: Sequence[Any],
+    source: PrefixSource,
+    earlier: list[int],
+    find: Any,
+    template_text: str,
+    truncate_prompt_tokens: int | None,
+    remember: bool,
 ) -> SplicedPrompt:
     """The splice without rendering the neutral messages first (the common next turn, add_generation_prompt).
 
@@ -219,6 +254,10 @@ def _splice_by_placement(
         # is left to verify.
         settle(filled)
     return SplicedPrompt(
-        spliced, kept, end_replaced, checked_by_text, verify=(lambda: None) if proven else verify,
+        spliced,
+        kept,
+        end_replaced,
+        checked_by_text,
+        verify=(lambda: None) if proven else verify,
         measure_turn=lambda: _new_turn_repair(renderer, full[0], tail_text, template_text, prompt_end, generation, a),
     )

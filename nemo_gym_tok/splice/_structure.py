@@ -21,7 +21,7 @@ Encode = Callable[[str], list[int]]
 
 @dataclass(frozen=True)
 class Body:
-    """One assistant turn's body in a neutral rendering: text offsets [start, end); `end` is where its closing starts."""
+    """One assistant turn's body in a neutral rendering: text offsets [start, end); `end`: where its closing starts."""
 
     message_index: int
     start: int
@@ -60,8 +60,13 @@ class Mismatch:
 
 
 def locate_bodies(
-    text: str, message_indices: Sequence[int], *, special_tokens: Mapping[str, int], closers: frozenset[str],
-    header_for: Callable[[int], tuple[str, bool, frozenset[str]]], open_ended: int | None = None,
+    text: str,
+    message_indices: Sequence[int],
+    *,
+    special_tokens: Mapping[str, int],
+    closers: frozenset[str],
+    header_for: Callable[[int], tuple[str, bool, frozenset[str]]],
+    open_ended: int | None = None,
     closed_by_text: bool = False,
 ) -> tuple[Body, ...]:
     """The bodies of the neutral assistant messages `message_indices` in `text`, in order.
@@ -70,7 +75,8 @@ def locate_bodies(
     before the message's first placeholder, then its text (right there, or its last occurrence before the placeholder
     when message text comes between), and ends where the first closing token after the message's last
     placeholder starts (with `closed_by_text`, at the end of its last placeholder). `open_ended` names a message
-    whose body may run to the end of the text (a final message rendered with continue_final_message). Raises LookupError with the reason when a body cannot be located.
+    whose body may run to the end of the text (a final message rendered with continue_final_message).
+    Raises LookupError with the reason when a body cannot be located.
     """
     spans = placeholder_spans(text)
     specials = special_pattern(tuple(sorted(special_tokens, key=len, reverse=True)))
@@ -91,7 +97,9 @@ def locate_bodies(
             start = previous_end  # a header after message text is found by its own text
         if assistant_header:
             if header_follows_special:
-                header_at = start if text.startswith(assistant_header, start) and start + len(assistant_header) <= first else -1
+                header_at = (
+                    start if text.startswith(assistant_header, start) and start + len(assistant_header) <= first else -1
+                )
             else:
                 header_at = text.rfind(assistant_header, start, first)
             if header_at < 0:
@@ -114,7 +122,11 @@ def locate_bodies(
 
 
 def match_fixed_segments(
-    ids: Sequence[int], layout: Layout, encode: Encode, closer_ids: frozenset[int], end_ids: frozenset[int] = frozenset()
+    ids: Sequence[int],
+    layout: Layout,
+    encode: Encode,
+    closer_ids: frozenset[int],
+    end_ids: frozenset[int] = frozenset(),
 ) -> tuple[list[tuple[int, int]], Mismatch | None]:
     """Walk `ids` along `layout`: fixed segments id for id, each body up to the closing id where the next segment is.
 
@@ -137,7 +149,9 @@ def match_fixed_segments(
             position = body_end
         found = list(ids[position : position + len(expected)])
         if found != expected:
-            differs = next((i for i, (a, b) in enumerate(zip(found, expected)) if a != b), min(len(found), len(expected)))
+            differs = next(
+                (i for i, (a, b) in enumerate(zip(found, expected)) if a != b), min(len(found), len(expected))
+            )
             return body_spans, Mismatch(
                 position + differs, (start, end), differs, expected[differs : differs + 8], found[differs : differs + 8]
             )
@@ -147,8 +161,12 @@ def match_fixed_segments(
 
 
 def segment_end(
-    ids: Sequence[int], start: int, matches_at: Callable[[int], bool], closer_ids: frozenset[int],
-    end_ids: frozenset[int], next_closer: Callable[[int], int | None] | None = None,
+    ids: Sequence[int],
+    start: int,
+    matches_at: Callable[[int], bool],
+    closer_ids: frozenset[int],
+    end_ids: frozenset[int],
+    next_closer: Callable[[int], int | None] | None = None,
 ) -> int | None:
     """Where the body that starts at `start` ends: the first closing id at which the next fixed segment matches.
 

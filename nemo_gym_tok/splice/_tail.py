@@ -79,16 +79,25 @@ def _filled_layout(text: str, bodies: Sequence[Body], messages: Sequence[Any]) -
 def _check_truncation(truncate_prompt_tokens: int | None, spliced: list[int]) -> None:
     if truncate_prompt_tokens is not None and 0 <= truncate_prompt_tokens < len(spliced):
         raise StalePrefixError(
-            f"truncate_prompt_tokens={truncate_prompt_tokens} would cut the first {len(spliced) - truncate_prompt_tokens} "
-            f"ids of the spliced prompt ({len(spliced)} ids), which are the model's prefix; drop truncate_prompt_tokens "
-            "or start a new token segment"
+            f"truncate_prompt_tokens={truncate_prompt_tokens} would cut the first "
+            f"{len(spliced) - truncate_prompt_tokens} ids of the spliced prompt ({len(spliced)} ids), which are the "
+            "model's prefix; drop truncate_prompt_tokens or start a new token segment"
         )
 
 
 def _template_tail(
-    renderer: ChatRenderer, profile: TemplateProfile, messages: Sequence[Any], neutral: list[dict[str, Any]],
-    turns: list[int], find: Any, full_layout: Layout, source: PrefixSource, add_generation_prompt: bool,
-    continue_final_message: bool, template_text: str | None, prompt_end: str,
+    renderer: ChatRenderer,
+    profile: TemplateProfile,
+    messages: Sequence[Any],
+    neutral: list[dict[str, Any]],
+    turns: list[int],
+    find: Any,
+    full_layout: Layout,
+    source: PrefixSource,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    template_text: str | None,
+    prompt_end: str,
 ) -> tuple[str, list[int]]:
     """The template's text and ids from the closing of messages[a] on, checked against the server's own rendering.
 
@@ -121,16 +130,26 @@ def _template_tail(
 
 
 def _check_message_placement(
-    renderer: ChatRenderer, neutral: list[dict[str, Any]], a: int, turns: list[int], find: Any,
-    add_generation_prompt: bool, continue_final_message: bool,
+    renderer: ChatRenderer,
+    neutral: list[dict[str, Any]],
+    a: int,
+    turns: list[int],
+    find: Any,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
 ) -> tuple[str, tuple[Body, ...]]:
     """Every message after messages[a] is rendered after its turn closes, and no message lies inside an assistant
     body: the structural check does not look inside bodies, and a template that renders a tool result inside the
     assistant turn (Gemma 4 after a turn with text) would hide it. Rendered with every message's text a placeholder;
     returns that rendering and its assistant bodies."""
     marked = neutralize(neutral, -1, others=True)
-    text = _render(renderer, marked, add_generation_prompt=add_generation_prompt,
-                   continue_final_message=continue_final_message, what="the messages")
+    text = _render(
+        renderer,
+        marked,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        what="the messages",
+    )
     open_ended = a if continue_final_message else None
     memo: RenderMemo | None = getattr(renderer, "render_memo", None)
     if memo is None:
@@ -164,8 +183,8 @@ def _kept_prefix(
     if continue_final_message:
         if last in profile.end_token_ids:
             raise StalePrefixError(
-                f"continue_final_message asks to continue messages[{source.message_index}], but {_what(source)} ends on "
-                f"the model's end token {last}: that turn is over. Drop continue_final_message"
+                f"continue_final_message asks to continue messages[{source.message_index}], but {_what(source)} "
+                f"ends on the model's end token {last}: that turn is over. Drop continue_final_message"
             )
         return len(prefix), False
     if tail and last == tail[0]:
@@ -176,8 +195,13 @@ def _kept_prefix(
 
 
 def _new_turn_repair(
-    renderer: ChatRenderer, full: Layout, tail_text: str, template_text: str | None, prompt_end: str,
-    generation: list[int], a: int,
+    renderer: ChatRenderer,
+    full: Layout,
+    tail_text: str,
+    template_text: str | None,
+    prompt_end: str,
+    generation: list[int],
+    a: int,
 ) -> tuple[bool, int, tuple[RepairedTurn, ...] | None]:
     """Whether the template's ids for messages[a]'s turn differ from the model's, and from where.
 

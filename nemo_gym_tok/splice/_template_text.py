@@ -43,8 +43,13 @@ def _body_finder(profile: TemplateProfile, messages: Sequence[Any]) -> Any:
     def find(text: str, indices: list[int], open_ended: int | None) -> Any:
         try:
             return locate_bodies(
-                text, indices, special_tokens=profile.special_tokens, closers=profile.closers, header_for=header_for,
-                open_ended=open_ended, closed_by_text=profile.closed_by_text,
+                text,
+                indices,
+                special_tokens=profile.special_tokens,
+                closers=profile.closers,
+                header_for=header_for,
+                open_ended=open_ended,
+                closed_by_text=profile.closed_by_text,
             )
         except LookupError as exc:
             raise BoundaryNotFoundError(f"{exc}; the splice cannot tell where the model's ids end") from None
@@ -73,7 +78,10 @@ def _proven_prompt(renderer: ChatRenderer, neutral: list[dict[str, Any]], prefix
 
 
 def _remember_prompt(
-    renderer: ChatRenderer, neutral: list[dict[str, Any]], prompt_ids: list[int], closing_text: str,
+    renderer: ChatRenderer,
+    neutral: list[dict[str, Any]],
+    prompt_ids: list[int],
+    closing_text: str,
     checked_by_text: bool,
 ) -> None:
     memo: RenderMemo | None = getattr(renderer, "render_memo", None)

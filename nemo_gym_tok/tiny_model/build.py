@@ -12,10 +12,12 @@ from nemo_gym_tok.tiny_model._cache import (
     MARKER_FILE,
     build_cached,
     cache_root,
-    is_complete as _is_complete,
     file_sha256,
     hash_spec,
     write_marker,
+)
+from nemo_gym_tok.tiny_model._cache import (
+    is_complete as _is_complete,
 )
 from nemo_gym_tok.tiny_model.tokenizer import (
     ENDOFTEXT_ID,
@@ -184,14 +186,23 @@ def _write_build(out: Path, max_position_embeddings: int | None = None) -> None:
         tokenizer.model_max_length = limit
     # Only <|im_end|> ends a turn; listing <|endoftext|> too would let a turn end on a token the template never writes.
     write_random_qwen3(
-        out, model_config_for(limit), seed=SEED, tokenizer=tokenizer, chat_template_text=chat_template(),
-        eos_token_id=IM_END_ID, pad_token_id=ENDOFTEXT_ID, bos_token_id=None,
+        out,
+        model_config_for(limit),
+        seed=SEED,
+        tokenizer=tokenizer,
+        chat_template_text=chat_template(),
+        eos_token_id=IM_END_ID,
+        pad_token_id=ENDOFTEXT_ID,
+        bos_token_id=None,
     )
     write_marker(out, spec_hash(limit), build_spec(limit))
 
 
 def build_tiny_model(
-    dest: Path | None = None, *, force: bool = False, max_position_embeddings: int | None = None,
+    dest: Path | None = None,
+    *,
+    force: bool = False,
+    max_position_embeddings: int | None = None,
 ) -> Path:
     """Return a directory holding the tiny Qwen3 model (weights, configs, tokenizer), building it if needed.
 
@@ -205,6 +216,9 @@ def build_tiny_model(
     limit = _limit(max_position_embeddings)
     target = Path(dest).expanduser().absolute() if dest is not None else default_tiny_model_dir(limit)
     return build_cached(
-        target, force=force, complete=lambda directory: is_complete(directory, limit),
-        write=lambda out: _write_build(out, limit), what="tiny-model",
+        target,
+        force=force,
+        complete=lambda directory: is_complete(directory, limit),
+        write=lambda out: _write_build(out, limit),
+        what="tiny-model",
     )

@@ -64,7 +64,8 @@ def family_build(template_name: str, *, ordinary_markers: tuple[str, ...] = ()) 
     family = family_of(item)
     if ordinary_markers:
         family = replace(
-            family, special=tuple(t for t in family.special if t not in ordinary_markers),
+            family,
+            special=tuple(t for t in family.special if t not in ordinary_markers),
             markup=(*ordinary_markers, *family.markup),
         )
     tokenizer = family_tokenizer(item.text, family)
@@ -126,8 +127,13 @@ def build_family_model(
 
     def write(out: Path) -> None:
         write_random_qwen3(
-            out, build.model_config, seed=SEED, tokenizer=build.tokenizer, chat_template_text=build.entry.text,
-            eos_token_id=list(build.end_token_ids), pad_token_id=build.tokenizer.pad_token_id,
+            out,
+            build.model_config,
+            seed=SEED,
+            tokenizer=build.tokenizer,
+            chat_template_text=build.entry.text,
+            eos_token_id=list(build.end_token_ids),
+            pad_token_id=build.tokenizer.pad_token_id,
             bos_token_id=build.tokenizer.bos_token_id,
         )
         write_marker(out, digest, build.spec)

@@ -264,7 +264,10 @@ def _write_build(out: Path) -> None:
         model = GptOssForCausalLM(config)
     model = model.to(torch.bfloat16).eval()
     model.generation_config = GenerationConfig(
-        bos_token_id=STARTOFTEXT_ID, eos_token_id=GENERATION_EOS_IDS, pad_token_id=ENDOFTEXT_ID, do_sample=True,
+        bos_token_id=STARTOFTEXT_ID,
+        eos_token_id=GENERATION_EOS_IDS,
+        pad_token_id=ENDOFTEXT_ID,
+        do_sample=True,
     )
     model.save_pretrained(str(out), safe_serialization=True)
     save_tokenizer(tokenizer, out, gpt_oss_chat_template())

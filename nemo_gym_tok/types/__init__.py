@@ -5,6 +5,14 @@ from nemo_gym_tok.types.responses import Response, ResponseItem, ResponsesReques
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS, PrefixSplice, TokenBundleMixin, bundle_of
 
 __all__ = [
-    "BUNDLE_FIELDS", "ChatCompletionRequest", "ChatMessage", "PrefixSplice", "Response", "ResponseItem",
-    "ResponseUsage", "ResponsesRequest", "TokenBundleMixin", "bundle_of",
+    "BUNDLE_FIELDS",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "PrefixSplice",
+    "Response",
+    "ResponseItem",
+    "ResponseUsage",
+    "ResponsesRequest",
+    "TokenBundleMixin",
+    "bundle_of",
 ]

@@ -13,7 +13,12 @@ LogProb = Annotated[float, Field(allow_inf_nan=True)]
 
 BUNDLE_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 TELEMETRY_FIELDS = (
-    "prefix_splice", "token_source", "constrained_by", "generation_forced_mask", "sampling", "model_fingerprint",
+    "prefix_splice",
+    "token_source",
+    "constrained_by",
+    "generation_forced_mask",
+    "sampling",
+    "model_fingerprint",
 )
 """Fields that travel with a bundle: kept on the output item that carries it, left out of what environments get."""
 # 1 where the grammar left the sampler one token (nemo_gym_tok.constrained.forced_mask), else 0.
@@ -57,9 +62,7 @@ class TokenBundleMixin(BaseModel):
         present = [name for name in BUNDLE_FIELDS if getattr(self, name) is not None]
         if present and len(present) != len(BUNDLE_FIELDS):
             missing = [name for name in BUNDLE_FIELDS if name not in present]
-            raise ValueError(
-                f"token bundle is all or none: got {', '.join(present)} without {', '.join(missing)}"
-            )
+            raise ValueError(f"token bundle is all or none: got {', '.join(present)} without {', '.join(missing)}")
         if present and len(self.generation_token_ids or ()) != len(self.generation_log_probs or ()):
             raise ValueError(
                 f"generation_token_ids ({len(self.generation_token_ids or ())}) and generation_log_probs "

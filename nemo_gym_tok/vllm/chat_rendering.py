@@ -9,6 +9,8 @@ from typing import Any
 
 from nemo_gym_tok.splice import (
     TERMINATOR_ENV as TERMINATOR_ENV,
+)
+from nemo_gym_tok.splice import (
     RenderMemo,
     TemplateProfile,
     UnsupportedTemplateError,
@@ -16,7 +18,6 @@ from nemo_gym_tok.splice import (
     detect_profile,
     text_encoder,
 )
-
 
 
 class _RequestRenderer:
@@ -36,7 +37,7 @@ class _RequestRenderer:
         self.piece_cache: dict[str, list[int]] = _cache_of(online).setdefault("pieces", {})
         """Ids of short template pieces (role headers), shared by the server's requests: see splice._fixed_text."""
         self.render_memo: RenderMemo = _cache_of(online).setdefault("renders", RenderMemo())
-        """Neutral renderings shared by the server's requests: the next turn renders this turn's again (splice._memo)."""
+        """Neutral renderings shared by the server's requests: the next turn renders this one's again (splice._memo)."""
         # Everything a rendering depends on but the messages and flags: the request's own template arguments
         # (chat_template_kwargs, reasoning effort, ...) as vLLM's chat params hold them, the defaults and the tools.
         params = request.build_chat_params(self.template, self.content_format)
@@ -94,7 +95,8 @@ def _profile_for(
     """The template profile for this request's template and template arguments, detected once per combination."""
     params = request.build_chat_params(*_template_and_format(online, default_template, content_format))
     template_kwargs = {
-        key: value for key, value in (params.chat_template_kwargs or {}).items()
+        key: value
+        for key, value in (params.chat_template_kwargs or {}).items()
         if key not in ("add_generation_prompt", "continue_final_message", "tools")
     }
     key = (params.chat_template, repr(sorted(template_kwargs.items(), key=lambda item: item[0])))

@@ -184,8 +184,11 @@ def _final_chunk(last: str | None, telemetry: dict[str, Any] | None, record: _St
     if head is None or "error" in head:
         return None
     chunk: dict[str, Any] = {
-        "id": head.get("id"), "object": "chat.completion.chunk", "created": head.get("created"),
-        "model": head.get("model"), "choices": record.choices(),
+        "id": head.get("id"),
+        "object": "chat.completion.chunk",
+        "created": head.get("created"),
+        "model": head.get("model"),
+        "choices": record.choices(),
     }
     if telemetry is not None:
         chunk["prefix_splice"] = telemetry
@@ -207,7 +210,7 @@ def _sse_json(chunk: str | None) -> dict[str, Any] | None:
     if chunk is None or not chunk.startswith(_SSE_DATA):
         return None
     try:
-        data = json.loads(chunk[len(_SSE_DATA):])
+        data = json.loads(chunk[len(_SSE_DATA) :])
     except ValueError:
         return None
     return data if isinstance(data, dict) else None

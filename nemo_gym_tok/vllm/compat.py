@@ -97,9 +97,11 @@ def check_release(sources: ModuleSources, version: str = "", wheel: str = "") ->
             report.problems.append(f"missing {module_name}.{class_name}.{method}")
         else:
             report.patched_found += 1
-    for method, expected in (("preprocess_chat", PREPROCESS_CHAT_PARAMETERS),
-                             ("_make_request_with_harmony", HARMONY_PARAMETERS),
-                             (TOKENIZE_METHOD, TOKENIZE_PROMPTS_PARAMETERS)):
+    for method, expected in (
+        ("preprocess_chat", PREPROCESS_CHAT_PARAMETERS),
+        ("_make_request_with_harmony", HARMONY_PARAMETERS),
+        (TOKENIZE_METHOD, TOKENIZE_PROMPTS_PARAMETERS),
+    ):
         found = methods.get(method)
         if isinstance(found, (ast.FunctionDef, ast.AsyncFunctionDef)):
             present = parameter_names(found)
@@ -145,8 +147,18 @@ def download_wheel(version: str, directory: Path) -> Path:
     if cached:
         return cached[0]
     directory.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-               f"vllm=={version}", "--dest", str(directory)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--only-binary=:all:",
+        f"vllm=={version}",
+        "--dest",
+        str(directory),
+    ]
     completed = subprocess.run(command, capture_output=True, text=True)
     cached = sorted(directory.glob(f"vllm-{version}-*.whl"))
     if completed.returncode != 0 or not cached:
@@ -172,18 +184,26 @@ def format_reports(reports: list[ReleaseReport]) -> str:
         result = "ok" if report.ok else "INCOMPATIBLE"
         if not report.in_supported_range:
             result += " (outside SUPPORTED_VLLM)"
-        rows.append((
-            report.version, f"{report.patched_found}/{report.patched_expected}",
-            "ok" if report.signatures_ok else "changed",
-            f"{report.symbols_found}/{total_symbols}", "yes" if report.token_in else "no", splice, result,
-        ))
+        rows.append(
+            (
+                report.version,
+                f"{report.patched_found}/{report.patched_expected}",
+                "ok" if report.signatures_ok else "changed",
+                f"{report.symbols_found}/{total_symbols}",
+                "yes" if report.token_in else "no",
+                splice,
+                result,
+            )
+        )
     widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * width for width in widths))
     for report in reports:
         for method in report.not_in_release:
-            lines.append(f"vLLM {report.version}: no {method}, expected (added in a later release; its route is not "
-                         "guarded here)")
+            lines.append(
+                f"vLLM {report.version}: no {method}, expected (added in a later release; its route is not "
+                "guarded here)"
+            )
         for problem in report.problems:
             lines.append(f"vLLM {report.version}: {problem}")
     return "\n".join(lines)

@@ -57,8 +57,8 @@ def _harmony_with_splice(original: Any) -> Any:
             _remember(request, dict(_NEW_SEGMENT))
             return harmony_messages, engine_inputs
         with _as_400():
-            include_tools = _signature(original).bind(self, request, *args, **kwargs).arguments.get(
-                "should_include_tools", True
+            include_tools = (
+                _signature(original).bind(self, request, *args, **kwargs).arguments.get("should_include_tools", True)
             )
             result = _splice_harmony(self, request, bool(include_tools), source, engine_inputs)
         _apply(request, engine_inputs, result)
@@ -80,8 +80,12 @@ def _splice_harmony(
     # Harmony always ends the prompt with `<|start|>assistant` (no add_generation_prompt, no continue_final_message)
     # and applies no truncate_prompt_tokens while rendering.
     return splice_prefix(
-        renderer, _harmony_profile(online), [_plain_message(m) for m in request.messages], source,
-        add_generation_prompt=True, template_text=renderer.decode(template_ids),
+        renderer,
+        _harmony_profile(online),
+        [_plain_message(m) for m in request.messages],
+        source,
+        add_generation_prompt=True,
+        template_text=renderer.decode(template_ids),
     )
 
 
@@ -135,8 +139,12 @@ class _HarmonyRenderer:
             ids = ids[:cut]
             last = harmony_messages[-1] if harmony_messages else None
             if (
-                last is not None and str(getattr(last.author.role, "value", last.author.role)) == "assistant"
-                and last.channel == "final" and ids and ids[-1] == self._end and self._return is not None
+                last is not None
+                and str(getattr(last.author.role, "value", last.author.role)) == "assistant"
+                and last.channel == "final"
+                and ids
+                and ids[-1] == self._end
+                and self._return is not None
             ):
                 ids[-1] = self._return
         return self.decode(ids)

@@ -79,7 +79,9 @@ def install() -> None:
             )
         logger.warning(
             "nemo_gym_tok prefix-splice hook: vLLM %s is outside the supported range %s; trying because %s=1",
-            vllm.__version__, supported_vllm_text(), ALLOW_UNTESTED_ENV,
+            vllm.__version__,
+            supported_vllm_text(),
+            ALLOW_UNTESTED_ENV,
         )
     # The authority inside the range too: a release that moved what the hook wraps is refused, naming it.
     missing = check_internals()
@@ -114,7 +116,8 @@ def _warmup_with_profile(original: Any) -> Any:
         except SpliceError as exc:
             logger.warning(
                 "nemo_gym_tok prefix-splice hook active (vLLM %s), but it cannot splice for this chat template: %s",
-                vllm.__version__, exc,
+                vllm.__version__,
+                exc,
             )
             return
         logger.info("nemo_gym_tok prefix-splice hook active (vLLM %s): %s", vllm.__version__, profile.describe())
@@ -144,7 +147,9 @@ def _preprocess_chat_with_splice(original: Any) -> Any:
                     raise SpliceError(HARMONY_TOKENIZE_REFUSAL)
             if source is None or new_segment:
                 # Read before vLLM runs: its token-reuse path pops the forwarded ids from the request.
-                unspliced_path = "new_segment" if source is not None else "token_in" if _forwards_ids(request) else "template"
+                unspliced_path = (
+                    "new_segment" if source is not None else "token_in" if _forwards_ids(request) else "template"
+                )
                 answer = await original(self, request, messages, *args, **kwargs)
                 if source is not None:
                     _remember(request, dict(_NEW_SEGMENT))
@@ -195,7 +200,11 @@ class _PendingSplice:
         self, online: Any, request: Any, messages: list[Any], arguments: dict[str, Any], source: PrefixSource
     ) -> None:
         self.online, self.request, self.messages, self.arguments, self.source = (
-            online, request, messages, arguments, source
+            online,
+            request,
+            messages,
+            arguments,
+            source,
         )
         self.claimed = False
         self.result: SplicedPrompt | None = None
@@ -256,7 +265,10 @@ def _splice(
     profile = _profile_for(online, request, default_template, content_format, default_kwargs)
     truncate = getattr(request, "truncate_prompt_tokens", None)
     return splice_prompt(
-        renderer, profile, [_plain_message(m) for m in messages], source,
+        renderer,
+        profile,
+        [_plain_message(m) for m in messages],
+        source,
         add_generation_prompt=bool(getattr(request, "add_generation_prompt", True)),
         continue_final_message=bool(getattr(request, "continue_final_message", False)),
         truncate_prompt_tokens=truncate if isinstance(truncate, int) and truncate >= 0 else None,

@@ -30,7 +30,12 @@ PATCHED_METHODS = (
 # Other internals the wrappers use.
 # preprocess_chat's parameters the splice reads (by name, as vLLM's callers pass them).
 PREPROCESS_CHAT_PARAMETERS = (
-    "request", "messages", "default_template", "default_template_content_format", "default_template_kwargs", "tool_dicts",
+    "request",
+    "messages",
+    "default_template",
+    "default_template_content_format",
+    "default_template_kwargs",
+    "tool_dicts",
 )
 # tokenize_prompts_async's parameters: the rendered text prompts and the tokenization parameters. A prompt that
 # already holds `prompt_token_ids` is not tokenized again (the splice relies on that: `ngt vllm-compat` checks it).
@@ -65,7 +70,8 @@ def check_internals() -> list[str]:
             if not routes.not_served((module_name, class_name, method), vllm.__version__):
                 missing.append(f"{module_name}.{class_name}.{method}")
     checked = (
-        (PATCHED_METHODS[0], PREPROCESS_CHAT_PARAMETERS), (PATCHED_METHODS[3], HARMONY_PARAMETERS),
+        (PATCHED_METHODS[0], PREPROCESS_CHAT_PARAMETERS),
+        (PATCHED_METHODS[3], HARMONY_PARAMETERS),
         (PATCHED_METHODS[5], TOKENIZE_PROMPTS_PARAMETERS),
     )
     for patched, expected in checked:

@@ -6,9 +6,7 @@ from prometheus_client import Counter, Histogram
 
 from nemo_gym_tok.splice import SpliceResult
 
-SPLICES = Counter(
-    "nemo_gym_tok_prefix_splices", "Requests whose prompt started with a spliced model prefix"
-)
+SPLICES = Counter("nemo_gym_tok_prefix_splices", "Requests whose prompt started with a spliced model prefix")
 DRIFTED_TURNS = Counter(
     "nemo_gym_tok_prefix_splice_drifted_turns",
     "Spliced requests where the chat template's ids for the prefix's own assistant turn differed from the model's "

@@ -55,21 +55,42 @@ ROUTES = (
     Route(("/tokenize",), "splice"),
     Route(("/v1/chat/completions/render",), "splice"),
     Route(("/v1/chat/completions/batch",), "splice"),
-    Route(("/v1/messages", "/v1/messages/count_tokens", "/v1/messages/render"), "refuse",
-          "the Anthropic Messages request model drops token ids; send the conversation, with its bundles, to "
-          "/v1/chat/completions (or /v1/chat/completions/render, served with --enable-scale-out from vLLM 0.30 on, "
-          "for the prompt ids alone)"),
-    Route(("/v1/responses", "/v1/responses/render"), "refuse",
-          "the Responses API does not splice (its input items are converted to chat messages without their ids); "
-          "send the conversation, with its bundles, to /v1/chat/completions (or /v1/chat/completions/render)"),
-    Route(("/pooling", "/classify", "/v1/embeddings", "/v2/embed", "/score", "/v1/score", "/rerank", "/v1/rerank",
-           "/v2/rerank"), "refuse",
-          "the pooling routes render messages without the splice; send the prompt's token ids as the input instead "
-          "(e.g. the prompt_token_ids + generation_token_ids of the turn to score)"),
-    Route(COHERE_PATHS, "refuse",
-          "the Cohere v2 chat request model drops token ids (its messages are rebuilt from their text for vLLM's "
-          "chat completion); send the conversation, with its bundles, to /v1/chat/completions (or "
-          "/v1/chat/completions/render for the prompt ids alone)"),
+    Route(
+        ("/v1/messages", "/v1/messages/count_tokens", "/v1/messages/render"),
+        "refuse",
+        "the Anthropic Messages request model drops token ids; send the conversation, with its bundles, to "
+        "/v1/chat/completions (or /v1/chat/completions/render, served with --enable-scale-out from vLLM 0.30 on, "
+        "for the prompt ids alone)",
+    ),
+    Route(
+        ("/v1/responses", "/v1/responses/render"),
+        "refuse",
+        "the Responses API does not splice (its input items are converted to chat messages without their ids); "
+        "send the conversation, with its bundles, to /v1/chat/completions (or /v1/chat/completions/render)",
+    ),
+    Route(
+        (
+            "/pooling",
+            "/classify",
+            "/v1/embeddings",
+            "/v2/embed",
+            "/score",
+            "/v1/score",
+            "/rerank",
+            "/v1/rerank",
+            "/v2/rerank",
+        ),
+        "refuse",
+        "the pooling routes render messages without the splice; send the prompt's token ids as the input instead "
+        "(e.g. the prompt_token_ids + generation_token_ids of the turn to score)",
+    ),
+    Route(
+        COHERE_PATHS,
+        "refuse",
+        "the Cohere v2 chat request model drops token ids (its messages are rebuilt from their text for vLLM's "
+        "chat completion); send the conversation, with its bundles, to /v1/chat/completions (or "
+        "/v1/chat/completions/render for the prompt ids alone)",
+    ),
 )
 
 # (module, class, method) the route guards wrap, with the wrapper factory (install() below).
@@ -124,6 +145,7 @@ def not_served(route_method: tuple[str, str, str], version: str) -> bool:
         return True
     return False
 
+
 # Set while OpenAIServingChat.create_chat_completion runs: its unstreamed answer goes through the hook's chat
 # response wrapper, which awaits the splice's verification before anything leaves.
 _answered_by_chat_wrapper: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -136,9 +158,7 @@ def defers_verification(request: Any) -> bool:
     answered by create_chat_completion (whose response the hook's wrapper holds until the proof is done)."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    return (
-        _answered_by_chat_wrapper.get() and isinstance(request, ChatCompletionRequest) and not request.stream
-    )
+    return _answered_by_chat_wrapper.get() and isinstance(request, ChatCompletionRequest) and not request.stream
 
 
 def install(wrap: Any) -> None:
@@ -291,7 +311,10 @@ def _keys_in_items(items: Any) -> set[str]:
         if isinstance(item, list):  # a batch of conversations
             found |= _keys_in_items(item)
             continue
-        fields = item if isinstance(item, dict) else {**(getattr(item, "model_extra", None) or {}),
-                                                      **getattr(item, "__dict__", {})}
+        fields = (
+            item
+            if isinstance(item, dict)
+            else {**(getattr(item, "model_extra", None) or {}), **getattr(item, "__dict__", {})}
+        )
         found |= {key for key in BUNDLE_KEYS if fields.get(key) is not None}
     return found

@@ -38,10 +38,20 @@ def _scale_out_args() -> tuple[str, ...]:
 # --enable-scale-out serves the render routes and /inference/v1/generate (TRL's and verifiers' clients use them);
 # --trust-request-chat-template lets a test send its own template (docs/clients.md: every route, tests/test_routes.py).
 TEST_BED_ARGS = (
-    "--max-model-len", "4096", "--max-num-batched-tokens", "4096", "--no-enable-chunked-prefill",
-    "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--seed", "0", *_scale_out_args(),
+    "--max-model-len",
+    "4096",
+    "--max-num-batched-tokens",
+    "4096",
+    "--no-enable-chunked-prefill",
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+    "--seed",
+    "0",
+    *_scale_out_args(),
     "--trust-request-chat-template",
-    "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}',
+    "--structured-outputs-config",
+    '{"backend": "xgrammar", "disable_any_whitespace": true}',
 )
 CPU_SERVING_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 # Required/named tool calls as plain JSON-schema output (which honours disable_any_whitespace) instead of the
@@ -86,8 +96,15 @@ class VLLMServer:
         return f"http://{self.host}:{self.port}"
 
     def argv(self) -> list[str]:
-        args = ["--served-model-name", self.served_model_name, "--host", self.host, "--port", str(self.port),
-                *self.extra_args]
+        args = [
+            "--served-model-name",
+            self.served_model_name,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            *self.extra_args,
+        ]
         if self.hook:
             return [sys.executable, "-m", "nemo_gym_tok", "vllm-serve", self.model, *args]
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, *args]
@@ -99,7 +116,10 @@ class VLLMServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                self.argv(), stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+                self.argv(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
                 start_new_session=True,
             )
         try:
@@ -153,4 +173,3 @@ class VLLMServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-

@@ -48,26 +48,42 @@ class SplicePoint:
             return f"{owner} has no def of {method}" if method in self.not_found else None
 
         if not self.renders:
-            gaps.append((f"no {RENDER_CHAT_METHOD} call",
-                         f"preprocess_chat does not call {RENDER_CHAT_METHOD}: the hook's splice at "
-                         f"{owner}.{TOKENIZE_METHOD} would never see its request"))
+            gaps.append(
+                (
+                    f"no {RENDER_CHAT_METHOD} call",
+                    f"preprocess_chat does not call {RENDER_CHAT_METHOD}: the hook's splice at "
+                    f"{owner}.{TOKENIZE_METHOD} would never see its request",
+                )
+            )
         if not self.tokenizes:
             what = unread(RENDER_CHAT_METHOD) or f"{owner}.{RENDER_CHAT_METHOD} does not call self.{TOKENIZE_METHOD}"
             gaps.append((f"no {TOKENIZE_METHOD} call", f"{what}: the hook's splice would never run"))
         if not self.reaches_singleton:
             what = unread(TOKENIZE_METHOD) or f"{owner}.{TOKENIZE_METHOD} does not lead to self.{SINGLETON_METHOD}"
-            gaps.append((f"no {SINGLETON_METHOD} call",
-                         f"{what}: re-check that a prompt holding {PROMPT_IDS_KEY} is still not tokenized"))
+            gaps.append(
+                (
+                    f"no {SINGLETON_METHOD} call",
+                    f"{what}: re-check that a prompt holding {PROMPT_IDS_KEY} is still not tokenized",
+                )
+            )
         if not self.skips_prompt_ids:
             what = unread(SINGLETON_METHOD) or (
                 f"{owner}.{SINGLETON_METHOD} does not skip tokenizing a prompt that holds {PROMPT_IDS_KEY}"
             )
-            gaps.append((f"tokenizes prompts with {PROMPT_IDS_KEY}",
-                         f"{what}: the spliced ids would be replaced by the template's"))
+            gaps.append(
+                (
+                    f"tokenizes prompts with {PROMPT_IDS_KEY}",
+                    f"{what}: the spliced ids would be replaced by the template's",
+                )
+            )
         if not self.parser_after_render:
-            gaps.append(("parser used before rendering",
-                         f"preprocess_chat uses its request parser before {RENDER_CHAT_METHOD}: the parser would "
-                         "not see the spliced prompt ids"))
+            gaps.append(
+                (
+                    "parser used before rendering",
+                    f"preprocess_chat uses its request parser before {RENDER_CHAT_METHOD}: the parser would "
+                    "not see the spliced prompt ids",
+                )
+            )
         return gaps
 
 
@@ -81,28 +97,34 @@ def splice_point(reader: _Reader, preprocess: _Function | None) -> SplicePoint:
     """Read the splice point from preprocess_chat (None when the release has no def of it) and the base renderer."""
     module, _, class_name = _tokenize_owner().rpartition(".")
     found = {
-        method: definition for method in (RENDER_CHAT_METHOD, TOKENIZE_METHOD, SINGLETON_METHOD)
+        method: definition
+        for method in (RENDER_CHAT_METHOD, TOKENIZE_METHOD, SINGLETON_METHOD)
         if isinstance(definition := reader.method(module, class_name, method), (ast.FunctionDef, ast.AsyncFunctionDef))
     }
-    render, tokenize, singleton = (found.get(method) for method in (RENDER_CHAT_METHOD, TOKENIZE_METHOD,
-                                                                     SINGLETON_METHOD))
+    render, tokenize, singleton = (
+        found.get(method) for method in (RENDER_CHAT_METHOD, TOKENIZE_METHOD, SINGLETON_METHOD)
+    )
     return SplicePoint(
         renders=preprocess is not None and _calls(preprocess, RENDER_CHAT_METHOD),
         tokenizes=render is not None and _calls_on_self(render, TOKENIZE_METHOD),
         reaches_singleton=tokenize is not None and _reaches(reader, module, class_name, tokenize, SINGLETON_METHOD),
         skips_prompt_ids=singleton is not None and _tokenizes_only_without_ids(singleton),
         parser_after_render=preprocess is None or _parser_after_render(preprocess),
-        not_found=tuple(method for method in (RENDER_CHAT_METHOD, TOKENIZE_METHOD, SINGLETON_METHOD)
-                        if method not in found),
+        not_found=tuple(
+            method for method in (RENDER_CHAT_METHOD, TOKENIZE_METHOD, SINGLETON_METHOD) if method not in found
+        ),
     )
 
 
 def _self_calls(function: ast.AST) -> set[str]:
     """Names of the methods `function` calls on `self`."""
     return {
-        node.func.attr for node in ast.walk(function)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-        and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
+        node.func.attr
+        for node in ast.walk(function)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "self"
     }
 
 
@@ -120,7 +142,8 @@ def _reaches(reader: _Reader, module: str, class_name: str, start: _Function, ta
             return True
         seen |= called
         frontier = [
-            found for name in called
+            found
+            for name in called
             if isinstance(found := reader.method(module, class_name, name), (ast.FunctionDef, ast.AsyncFunctionDef))
         ]
         if not frontier:
@@ -145,9 +168,13 @@ def _ids_test(test: ast.expr, prompt: str) -> str | None:
 
     def key_test(node: ast.expr, operator: type[ast.cmpop]) -> bool:
         return (
-            isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], operator)
-            and isinstance(node.left, ast.Constant) and node.left.value == PROMPT_IDS_KEY
-            and isinstance(node.comparators[0], ast.Name) and node.comparators[0].id == prompt
+            isinstance(node, ast.Compare)
+            and len(node.ops) == 1
+            and isinstance(node.ops[0], operator)
+            and isinstance(node.left, ast.Constant)
+            and node.left.value == PROMPT_IDS_KEY
+            and isinstance(node.comparators[0], ast.Name)
+            and node.comparators[0].id == prompt
         )
 
     def operands(node: ast.expr, joiner: type[ast.boolop]) -> list[ast.expr]:
@@ -195,8 +222,10 @@ def _tokenizes_only_without_ids(function: _Function) -> bool:
                 if isinstance(value, list) and value and all(isinstance(item, ast.stmt) for item in value):
                     visit_block(value, guarded)
                 else:
-                    visit_nodes([item for item in (value if isinstance(value, list) else [value])
-                                 if isinstance(item, ast.AST)], guarded)
+                    visit_nodes(
+                        [item for item in (value if isinstance(value, list) else [value]) if isinstance(item, ast.AST)],
+                        guarded,
+                    )
 
     visit_block(function.body, False)
     return calls["guarded"] > 0 and calls["unguarded"] == 0
@@ -216,18 +245,28 @@ def _parser_after_render(preprocess: _Function) -> bool:
     first_render = min(_position(node) for node in renders)
 
     def builds_parser(node: ast.AST) -> bool:
-        return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == PARSER_PARAMETER
-                and PARSER_PARAMETER in parameter_names(preprocess))
+        return (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == PARSER_PARAMETER
+            and PARSER_PARAMETER in parameter_names(preprocess)
+        )
 
     built = {
         target.id
-        for node in ast.walk(preprocess) if isinstance(node, ast.Assign) and builds_parser(node.value)
-        for target in node.targets if isinstance(target, ast.Name)
+        for node in ast.walk(preprocess)
+        if isinstance(node, ast.Assign) and builds_parser(node.value)
+        for target in node.targets
+        if isinstance(target, ast.Name)
     }
     uses = [
-        node for node in ast.walk(preprocess)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
-            node.func.attr == PARSER_PROMPT_METHOD or builds_parser(node.func.value)
+        node
+        for node in ast.walk(preprocess)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and (
+            node.func.attr == PARSER_PROMPT_METHOD
+            or builds_parser(node.func.value)
             or (isinstance(node.func.value, ast.Name) and node.func.value.id in built)
         )
     ]
@@ -237,8 +276,8 @@ def _parser_after_render(preprocess: _Function) -> bool:
 def _mentions(node: ast.AST, text: str) -> bool:
     """Whether `text` appears in the code as a string constant or an attribute name."""
     return any(
-        (isinstance(child, ast.Constant) and child.value == text) or (isinstance(child, ast.Attribute)
-                                                                       and child.attr == text)
+        (isinstance(child, ast.Constant) and child.value == text)
+        or (isinstance(child, ast.Attribute) and child.attr == text)
         for child in ast.walk(node)
     )
 

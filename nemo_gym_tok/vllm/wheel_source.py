@@ -64,8 +64,12 @@ def _runtime_statements(body: Iterable[ast.stmt]) -> Iterator[ast.stmt]:
             yield from _runtime_statements(statement.body)
             yield from _runtime_statements(statement.orelse)
         elif isinstance(statement, ast.Try):
-            for block in (statement.body, *(handler.body for handler in statement.handlers), statement.orelse,
-                          statement.finalbody):
+            for block in (
+                statement.body,
+                *(handler.body for handler in statement.handlers),
+                statement.orelse,
+                statement.finalbody,
+            ):
                 yield from _runtime_statements(block)
         else:
             yield statement
@@ -109,8 +113,12 @@ class _Reader:
                 isinstance(target, ast.Name) and target.id == name for target in statement.targets
             ):
                 found = _Found(module, statement)
-            elif (isinstance(statement, ast.AnnAssign) and statement.value is not None
-                  and isinstance(statement.target, ast.Name) and statement.target.id == name):
+            elif (
+                isinstance(statement, ast.AnnAssign)
+                and statement.value is not None
+                and isinstance(statement.target, ast.Name)
+                and statement.target.id == name
+            ):
                 found = _Found(module, statement)
             elif isinstance(statement, (ast.Import, ast.ImportFrom)) and any(
                 (alias.asname or alias.name.split(".")[0]) == name for alias in statement.names

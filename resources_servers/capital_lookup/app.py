@@ -105,7 +105,6 @@ class CapitalLookup(ResourcesServer):
         return {"reward": 1.0 if named and used_tool else 0.0, "answered": answered, "tool_calls": episode.tool_calls}
 
 
-
 def _output_items(body: dict[str, Any]) -> list[Any]:
     response = body.get("response")
     output = response.get("output") if isinstance(response, dict) else None

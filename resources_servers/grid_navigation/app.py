@@ -22,14 +22,21 @@ def _tool(name: str, description: str, properties: dict[str, Any]) -> dict[str, 
     return {"type": "function", "name": name, "description": description, "parameters": parameters, "strict": True}
 
 
-TOOLS: dict[str, dict[str, Any]] = {tool["name"]: tool for tool in (
-    _tool("move", "Walk up to `steps` cells in one direction; walls and the grid edge stop you.", {
-        "direction": {"type": "string", "enum": list(DIRECTIONS)},
-        "steps": {"type": "integer", "enum": [1, 2, 3]},
-    }),
-    _tool("look", "Your position, the goal, blocked directions, items on the grid and what you hold.", {}),
-    _tool("pick_up", "Pick up an item lying on your cell.", {"item": {"type": "string", "enum": ["key", "coin"]}}),
-)}
+TOOLS: dict[str, dict[str, Any]] = {
+    tool["name"]: tool
+    for tool in (
+        _tool(
+            "move",
+            "Walk up to `steps` cells in one direction; walls and the grid edge stop you.",
+            {
+                "direction": {"type": "string", "enum": list(DIRECTIONS)},
+                "steps": {"type": "integer", "enum": [1, 2, 3]},
+            },
+        ),
+        _tool("look", "Your position, the goal, blocked directions, items on the grid and what you hold.", {}),
+        _tool("pick_up", "Pick up an item lying on your cell.", {"item": {"type": "string", "enum": ["key", "coin"]}}),
+    )
+}
 """The tools as rows offer them to the model; data/example.jsonl repeats them and a test keeps them equal."""
 
 
@@ -84,9 +91,13 @@ class GridNavigation(ResourcesServer):
         span = 2 * (walker.grid.size - 1)  # the longest Manhattan distance on the grid
         partial = max(0.0, 1.0 - walker.distance_to_goal() / span) * self.config.partial_credit
         succeeded = at_goal and (not walker.grid.requires_key or "key" in walker.held)
-        return {"reward": 1.0 if succeeded else partial, "final_position": list(walker.position),
-                "reached_goal": at_goal, "moves": walker.moves, "holding": walker.held}
-
+        return {
+            "reward": 1.0 if succeeded else partial,
+            "final_position": list(walker.position),
+            "reached_goal": at_goal,
+            "moves": walker.moves,
+            "holding": walker.held,
+        }
 
 
 def _argument_problem(tool: dict[str, Any], arguments: dict[str, Any]) -> str | None:

@@ -72,15 +72,20 @@ class Walker:
 
     def look(self) -> str:
         row, col = self.position
-        blocked = [f"{name} ({why})" for name, (d_row, d_col) in DIRECTIONS.items()
-                   if (why := self.grid.obstacle((row + d_row, col + d_col)))]
-        return "; ".join([
-            f"you are at {[row, col]}",
-            f"the goal is at {list(self.grid.goal)}" + (" and needs the key" if self.grid.requires_key else ""),
-            f"blocked: {', '.join(blocked) or 'nothing'}",
-            f"items: {', '.join(f'{item} at {list(cell)}' for item, cell in self.items_left.items()) or 'none'}",
-            f"holding: {', '.join(self.held) or 'nothing'}",
-        ])
+        blocked = [
+            f"{name} ({why})"
+            for name, (d_row, d_col) in DIRECTIONS.items()
+            if (why := self.grid.obstacle((row + d_row, col + d_col)))
+        ]
+        return "; ".join(
+            [
+                f"you are at {[row, col]}",
+                f"the goal is at {list(self.grid.goal)}" + (" and needs the key" if self.grid.requires_key else ""),
+                f"blocked: {', '.join(blocked) or 'nothing'}",
+                f"items: {', '.join(f'{item} at {list(cell)}' for item, cell in self.items_left.items()) or 'none'}",
+                f"holding: {', '.join(self.held) or 'nothing'}",
+            ]
+        )
 
     def pick_up(self, item: str) -> str:
         if item in self.held:

@@ -86,7 +86,6 @@ class NumberGuess(ResourcesServer):
         return {"reward": 1.0 if game.solved else 0.0, "guesses": game.guesses, "rounds": len(game.guesses)}
 
 
-
 def _last_assistant_text(items: list[Any]) -> str:
     """Text of the assistant message answering the last user turn; empty when that turn has none (reasoning only)."""
     for item in reversed(items):

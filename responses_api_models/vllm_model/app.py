@@ -11,22 +11,27 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 from fastapi.responses import Response as HTTPResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from nemo_gym_tok.conversion import chat_message_to_items, responses_to_chat_request
-from nemo_gym_tok.servers.base import BaseServerConfig, ModelServer
-from nemo_gym_tok.servers.bodies import json_object
 from nemo_gym_tok.http_errors import error_message, error_param
 from nemo_gym_tok.provenance import generation_defaults, model_fingerprint
+from nemo_gym_tok.servers.base import BaseServerConfig, ModelServer
+from nemo_gym_tok.servers.bodies import json_object
 from nemo_gym_tok.servers.errors import ApiError, validation_message
 from nemo_gym_tok.servers.json_response import JSONBytesResponse
 from nemo_gym_tok.servers.openapi import json_body
-from nemo_gym_tok.splice import PREFIX_KEY
+from nemo_gym_tok.splice import PREFIX_KEY, TERMINATOR_ENV
 from nemo_gym_tok.types import ChatCompletionRequest, Response, ResponsesRequest
-from nemo_gym_tok.splice import TERMINATOR_ENV
+from responses_api_models.vllm_model.local_splice import AdapterSplicer, _served_model_root
+from responses_api_models.vllm_model.nemo_gym_capture import NeMoGymTokenStore
+from responses_api_models.vllm_model.request_metadata import apply_metadata
+from responses_api_models.vllm_model.response_fields import request_echo, response_usage
+from responses_api_models.vllm_model.rollout_paths import RolloutPathMiddleware, rollout_of
 from responses_api_models.vllm_model.sessions import SessionRouter
+from responses_api_models.vllm_model.streaming import chat_sse, open_chat_stream, responses_sse
 from responses_api_models.vllm_model.token_capture import (
     attach_bundles,
     attach_provenance,
@@ -34,12 +39,6 @@ from responses_api_models.vllm_model.token_capture import (
     drop_unrequested,
     tokenize_request,
 )
-from responses_api_models.vllm_model.local_splice import AdapterSplicer, _served_model_root
-from responses_api_models.vllm_model.nemo_gym_capture import NeMoGymTokenStore
-from responses_api_models.vllm_model.request_metadata import apply_metadata
-from responses_api_models.vllm_model.rollout_paths import RolloutPathMiddleware, rollout_of
-from responses_api_models.vllm_model.response_fields import request_echo, response_usage
-from responses_api_models.vllm_model.streaming import chat_sse, open_chat_stream, responses_sse
 from responses_api_models.vllm_model.upstream import VLLMUpstream, answer_json, is_context_overflow
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -124,8 +123,10 @@ class VLLMModelConfig(BaseServerConfig):
     @model_validator(mode="after")
     def _capture_needs_bundles(self) -> VLLMModelConfig:
         if self.nemo_gym_token_capture_dir and not self.return_token_id_information:
-            raise ValueError("nemo_gym_token_capture_dir records the token bundle of each answer: set "
-                             "return_token_id_information: true")
+            raise ValueError(
+                "nemo_gym_token_capture_dir records the token bundle of each answer: set "
+                "return_token_id_information: true"
+            )
         return self
 
     @property
@@ -165,8 +166,12 @@ def forwarded_body(body: dict[str, Any], chat: ChatCompletionRequest) -> dict[st
     messages = body.get("messages")
     if isinstance(messages, list) and any(_renames_reasoning(message) for message in messages):
         forwarded["messages"] = [
-            {**{key: value for key, value in message.items() if key != "reasoning"},
-             "reasoning_content": message["reasoning"]} if _renames_reasoning(message) else message
+            {
+                **{key: value for key, value in message.items() if key != "reasoning"},
+                "reasoning_content": message["reasoning"],
+            }
+            if _renames_reasoning(message)
+            else message
             for message in messages
         ]
     return forwarded
@@ -197,7 +202,8 @@ class VLLMModel(ModelServer):
 
     def setup_routes(self, app: FastAPI) -> None:
         self.router = SessionRouter(
-            self.config.base_urls, probe=lambda url: self.upstream.healthy(url),
+            self.config.base_urls,
+            probe=lambda url: self.upstream.healthy(url),
             health_check_interval=self.config.health_check_interval_seconds,
         )
         app.add_api_route("/routing", self.router.report, methods=["GET"])
@@ -209,9 +215,11 @@ class VLLMModel(ModelServer):
             backoff_seconds=self.config.retry_backoff_seconds,
         )
         self.splicer = AdapterSplicer(
-            tokenizer=self.config.tokenizer, chat_template=self.config.chat_template,
+            tokenizer=self.config.tokenizer,
+            chat_template=self.config.chat_template,
             content_format=self.config.chat_template_content_format,
-            default_template_kwargs=self.config.default_chat_template_kwargs, harmony=self.config.harmony,
+            default_template_kwargs=self.config.default_chat_template_kwargs,
+            harmony=self.config.harmony,
             terminator_override=os.environ.get(TERMINATOR_ENV) or None,
         )
         self._hooked: dict[str, bool] = {}
@@ -270,20 +278,27 @@ class VLLMModel(ModelServer):
         if rollout is None or not rollout.training_capture:
             return
         if chat.stream and self.capture_store is not None:
-            raise ApiError(400, "stream: true on a training-capture path: the adapter records unstreamed calls only; "
-                           "send stream: false (NeMo Gym's agents do)", param="stream")
+            raise ApiError(
+                400,
+                "stream: true on a training-capture path: the adapter records unstreamed calls only; "
+                "send stream: false (NeMo Gym's agents do)",
+                param="stream",
+            )
         if self.capture_store is None and not self.config.return_token_id_information:
             raise ApiError(
-                400, f"rollout {rollout.rollout_id}: training-token capture asked for, but this adapter neither "
+                400,
+                f"rollout {rollout.rollout_id}: training-token capture asked for, but this adapter neither "
                 "records (nemo_gym_token_capture_dir unset) nor returns token ids (return_token_id_information: false);"
-                " set either on the adapter", param="path",
+                " set either on the adapter",
+                param="path",
             )
 
     async def _capture(self, request: Request, answer: dict[str, Any], chat: ChatCall) -> None:
         rollout = rollout_of(request)
         if rollout is not None and rollout.training_capture and self.capture_store is not None:
-            await self.capture_store.record(rollout.rollout_id, answer, chat_body=chat.body,
-                                            required_prefix=chat.required_prefix)
+            await self.capture_store.record(
+                rollout.rollout_id, answer, chat_body=chat.body, required_prefix=chat.required_prefix
+            )
 
     def _check_forwarded(self, body: dict[str, Any], *, responses_api: bool = False) -> None:
         """400 naming the first top-level field outside `forwarded_fields` (when set): refused, never dropped
@@ -297,8 +312,10 @@ class VLLMModel(ModelServer):
                 continue
             listed = ", ".join(sorted(allowed)) or "none"
             raise ApiError(
-                400, f"{name}: this adapter does not forward the field {name!r} to the model (forwarded_fields: "
-                f"{listed}; plus the fields the adapter reads itself)", param=name,
+                400,
+                f"{name}: this adapter does not forward the field {name!r} to the model (forwarded_fields: "
+                f"{listed}; plus the fields the adapter reads itself)",
+                param=name,
             )
 
     async def complete(self, chat: ChatCall, url: str) -> dict[str, Any]:
@@ -311,7 +328,9 @@ class VLLMModel(ModelServer):
             return _context_overflow_result(self.config.model, error_message(response))
         if response.status_code >= 400:
             raise ApiError(
-                response.status_code, error_message(response), param=error_param(response),  # e.g. the hook's field
+                response.status_code,
+                error_message(response),
+                param=error_param(response),  # e.g. the hook's field
                 error_type="upstream_invalid_request",
             )
         return await self.finish(call, answer_json(response, f"vLLM at {url}"), url)
@@ -324,10 +343,16 @@ class VLLMModel(ModelServer):
         prefix check on the first chunk) comes before the first byte (streaming.py)."""
         call = await self.prepare(chat, url)
         stream = await open_chat_stream(
-            call, url, post=lambda body: self.upstream.open_stream(url, "/v1/chat/completions", body),
-            prompt_ids=lambda: self._tokenize(url, tokenize_request(
-                call.body, exclude_tools_when_tool_choice_none=self.config.exclude_tools_when_tool_choice_none,
-            )),
+            call,
+            url,
+            post=lambda body: self.upstream.open_stream(url, "/v1/chat/completions", body),
+            prompt_ids=lambda: self._tokenize(
+                url,
+                tokenize_request(
+                    call.body,
+                    exclude_tools_when_tool_choice_none=self.config.exclude_tools_when_tool_choice_none,
+                ),
+            ),
             finish=lambda result: self.finish(call, result, url),
             overflow=lambda reason: _context_overflow_result(self.config.model, reason),
         )
@@ -354,7 +379,8 @@ class VLLMModel(ModelServer):
         telemetry: dict[str, Any] | None = None
         if required_prefix is not None and await self.splices_here(url):
             spliced = await self.splicer.prepare(
-                body, post=lambda path, payload: self.upstream.post(url, path, payload),
+                body,
+                post=lambda path, payload: self.upstream.post(url, path, payload),
                 get=lambda path: self.upstream.get(url, path),
                 tokenize_body=tokenize_request(
                     body, exclude_tools_when_tool_choice_none=self.config.exclude_tools_when_tool_choice_none
@@ -374,8 +400,12 @@ class VLLMModel(ModelServer):
             result["prefix_splice"]["spliced_by"] = "hook"
         if call.needs_ids:
             await attach_bundles(
-                result, generation_body=call.body, required_prefix=call.required_prefix, return_bundle=call.capture,
-                tokenize=lambda tokenize_body: self._tokenize(url, tokenize_body), upstream_url=url,
+                result,
+                generation_body=call.body,
+                required_prefix=call.required_prefix,
+                return_bundle=call.capture,
+                tokenize=lambda tokenize_body: self._tokenize(url, tokenize_body),
+                upstream_url=url,
                 exclude_tools_when_tool_choice_none=self.config.exclude_tools_when_tool_choice_none,
             )
             drop_unrequested(result, call.caller_body, bundle_returned=call.capture)
@@ -429,7 +459,8 @@ class VLLMModel(ModelServer):
         if response.status_code == 400 and PREFIX_KEY in response.text:
             return True
         raise ApiError(
-            502, f"splice: auto could not tell whether the vLLM server at {url} has the prefix-splice hook: its "
+            502,
+            f"splice: auto could not tell whether the vLLM server at {url} has the prefix-splice hook: its "
             f"/tokenize answered HTTP {response.status_code}: {error_message(response)}. Set splice: hook or adapter",
         )
 
@@ -441,7 +472,9 @@ class VLLMModel(ModelServer):
     async def _tokenize(self, url: str, body: dict[str, Any]) -> list[int]:
         response = await self.upstream.post(url, "/tokenize", body)
         if response.status_code >= 400:
-            raise ApiError(502, f"vLLM /tokenize fallback failed with HTTP {response.status_code}: {error_message(response)}")
+            raise ApiError(
+                502, f"vLLM /tokenize fallback failed with HTTP {response.status_code}: {error_message(response)}"
+            )
         return list(answer_json(response, f"vLLM /tokenize at {url}")["tokens"])
 
 
@@ -460,10 +493,13 @@ def _context_overflow_result(model: str, reason: str) -> dict[str, Any]:
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{
-            "index": 0, "finish_reason": "length",
-            "message": {"role": "assistant", "content": "", "context_overflow": reason},
-        }],
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "length",
+                "message": {"role": "assistant", "content": "", "context_overflow": reason},
+            }
+        ],
         "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
     }
 

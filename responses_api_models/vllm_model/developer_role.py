@@ -19,6 +19,7 @@ def as_server_renders(messages: list[dict[str, Any]], chat_template: Any) -> lis
         return messages
     return [
         {key: value for key, value in message.items() if key != "tools"} | {"role": "system"}
-        if message.get("role") == "developer" else message
+        if message.get("role") == "developer"
+        else message
         for message in messages
     ]

@@ -62,8 +62,14 @@ class LocalTemplate:
     """The served model's tokenizer and chat template in the adapter process, with template profiles detected once."""
 
     def __init__(
-        self, tokenizer: Any, *, chat_template: str | None, content_format: str, end_token_ids: Sequence[int],
-        default_template_kwargs: Mapping[str, Any], terminator_override: str | None = None,
+        self,
+        tokenizer: Any,
+        *,
+        chat_template: str | None,
+        content_format: str,
+        end_token_ids: Sequence[int],
+        default_template_kwargs: Mapping[str, Any],
+        terminator_override: str | None = None,
         vocab_size: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
@@ -79,8 +85,14 @@ class LocalTemplate:
 
     @classmethod
     def load(
-        cls, source: str, *, chat_template: str | None, content_format: str, default_template_kwargs: Mapping[str, Any],
-        terminator_override: str | None = None, local_files_only: bool = False,
+        cls,
+        source: str,
+        *,
+        chat_template: str | None,
+        content_format: str,
+        default_template_kwargs: Mapping[str, Any],
+        terminator_override: str | None = None,
+        local_files_only: bool = False,
     ) -> LocalTemplate:
         """Load the tokenizer (directory or hub name; `local_files_only`: from the hub cache, without asking the hub)
         and the generation config's end ids; blocking."""
@@ -96,17 +108,28 @@ class LocalTemplate:
             configured = GenerationConfig.from_pretrained(source, local_files_only=local_files_only).eos_token_id
         except (OSError, ValueError):  # no generation config: the tokenizer's eos is the only end id
             configured = None
-        ends = [value for value in (configured if isinstance(configured, list) else [configured]) if isinstance(value, int)]
+        ends = [
+            value for value in (configured if isinstance(configured, list) else [configured]) if isinstance(value, int)
+        ]
         return cls(
-            tokenizer, chat_template=_template_text(chat_template), content_format=content_format, end_token_ids=ends,
-            default_template_kwargs=default_template_kwargs, terminator_override=terminator_override,
+            tokenizer,
+            chat_template=_template_text(chat_template),
+            content_format=content_format,
+            end_token_ids=ends,
+            default_template_kwargs=default_template_kwargs,
+            terminator_override=terminator_override,
             vocab_size=vocab_size if isinstance(vocab_size, int) else None,
         )
 
-    def renderer(self, tools: list[dict[str, Any]] | None, template_kwargs: Mapping[str, Any], chat_template: str | None) -> HFChatRenderer:
+    def renderer(
+        self, tools: list[dict[str, Any]] | None, template_kwargs: Mapping[str, Any], chat_template: str | None
+    ) -> HFChatRenderer:
         return HFChatRenderer(
-            self.tokenizer, tools=tools, template_kwargs={**self.default_template_kwargs, **template_kwargs},
-            chat_template=chat_template or self.chat_template, extra_end_token_ids=self.end_token_ids,
+            self.tokenizer,
+            tools=tools,
+            template_kwargs={**self.default_template_kwargs, **template_kwargs},
+            chat_template=chat_template or self.chat_template,
+            extra_end_token_ids=self.end_token_ids,
             content_format=self.content_format,
         )
 
@@ -165,14 +188,25 @@ class AdapterSplicer:
         kv_params = sent.get("kv_transfer_params")
         if isinstance(kv_params, dict) and "prompt_token_ids" in kv_params:
             raise ApiError(
-                400, "kv_transfer_params.prompt_token_ids cannot be combined with a token prefix: the adapter sends "
-                "the spliced prompt there; drop one of them", param="kv_transfer_params",
+                400,
+                "kv_transfer_params.prompt_token_ids cannot be combined with a token prefix: the adapter sends "
+                "the spliced prompt there; drop one of them",
+                param="kv_transfer_params",
             )
         template_ids = await _server_template_ids(post, strip_token_fields(tokenize_body))
         prompt_ids, telemetry = await asyncio.to_thread(
-            _splice, template, source, sent["messages"], body, tokenize_body, template_ids,
+            _splice,
+            template,
+            source,
+            sent["messages"],
+            body,
+            tokenize_body,
+            template_ids,
         )
-        sent["kv_transfer_params"] = {**(kv_params if isinstance(kv_params, dict) else {}), "prompt_token_ids": prompt_ids}
+        sent["kv_transfer_params"] = {
+            **(kv_params if isinstance(kv_params, dict) else {}),
+            "prompt_token_ids": prompt_ids,
+        }
         return SplicedCall(sent, telemetry)
 
     async def _template(self, get: Callable[[str], Awaitable[Any]]) -> LocalTemplate:
@@ -190,25 +224,37 @@ class AdapterSplicer:
                 unreachable = await hub_unreachable(source)
                 try:
                     template = await asyncio.to_thread(
-                        LocalTemplate.load, source, chat_template=self.chat_template, content_format=self.content_format,
+                        LocalTemplate.load,
+                        source,
+                        chat_template=self.chat_template,
+                        content_format=self.content_format,
                         default_template_kwargs=self.default_template_kwargs,
-                        terminator_override=self.terminator_override, local_files_only=unreachable is not None,
+                        terminator_override=self.terminator_override,
+                        local_files_only=unreachable is not None,
                     )
                 except (OSError, ValueError) as exc:
-                    detail = offline_advice(source, unreachable) if unreachable is not None else (
-                        f"{exc}. Set vllm_model.tokenizer to the model's directory or hub name"
+                    detail = (
+                        offline_advice(source, unreachable)
+                        if unreachable is not None
+                        else (f"{exc}. Set vllm_model.tokenizer to the model's directory or hub name")
                     )
                     raise ApiError(
-                        502, f"the adapter splices prompts itself (splice: adapter) and needs the served tokenizer, but "
-                        f"could not load it from {source!r}: {detail}", error_type="adapter_tokenizer_unavailable",
+                        502,
+                        f"the adapter splices prompts itself (splice: adapter) and needs the served tokenizer, but "
+                        f"could not load it from {source!r}: {detail}",
+                        error_type="adapter_tokenizer_unavailable",
                     ) from None
                 self._templates[source] = template
         return template
 
 
 def _splice(
-    template: LocalTemplate, source: PrefixSource, messages: list[dict[str, Any]], body: Mapping[str, Any],
-    tokenize_body: Mapping[str, Any], template_ids: list[int],
+    template: LocalTemplate,
+    source: PrefixSource,
+    messages: list[dict[str, Any]],
+    body: Mapping[str, Any],
+    tokenize_body: Mapping[str, Any],
+    template_ids: list[int],
 ) -> tuple[list[int], dict[str, Any]]:
     """The spliced prompt ids and the splice telemetry; the CPU-bound part, run off the event loop."""
     template_kwargs = dict(tokenize_body.get("chat_template_kwargs") or {})
@@ -221,8 +267,9 @@ def _splice(
         if source.message_index < 0:
             check_starts_with(template_ids, source.prefix, renderer.decode)
             return template_ids, {"applied": False, "template_differed": False, "replaced_tokens": 0}
-        text = renderer.render(messages, add_generation_prompt=add_generation_prompt,
-                               continue_final_message=continue_final_message)
+        text = renderer.render(
+            messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message
+        )
     except SpliceError as exc:
         raise ApiError(400, str(exc), param=PREFIX_KEY) from None
     except Exception as exc:  # noqa: BLE001 - the server rendered it, so a local failure means another template
@@ -231,15 +278,20 @@ def _splice(
     if local_ids != template_ids:
         at = first_difference(local_ids, template_ids) or 0
         raise _not_the_servers_template(
-            f"for this request the server's /tokenize gives {len(template_ids)} ids and the local copy {len(local_ids)}, "
-            f"first different at id {at}: server {renderer.decode(template_ids[at:at + 12])!r}, "
-            f"local {renderer.decode(local_ids[at:at + 12])!r}"
+            f"for this request the server's /tokenize gives {len(template_ids)} ids and the local copy "
+            f"{len(local_ids)}, "
+            f"first different at id {at}: server {renderer.decode(template_ids[at : at + 12])!r}, "
+            f"local {renderer.decode(local_ids[at : at + 12])!r}"
         )
     truncate = body.get("truncate_prompt_tokens")
     try:
         result = splice_prefix(
-            renderer, template.profile(template_kwargs, request_template), messages, source,
-            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            renderer,
+            template.profile(template_kwargs, request_template),
+            messages,
+            source,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             truncate_prompt_tokens=truncate if isinstance(truncate, int) and truncate >= 0 else None,
             template_text=text,
         )
@@ -275,8 +327,10 @@ async def _served_model_root(get: Callable[[str], Awaitable[Any]]) -> str:
         return str(models[0].get("root") or models[0]["id"])
     except (ValueError, KeyError, IndexError, TypeError):
         raise ApiError(
-            502, f"could not read the served model's path from vLLM's /v1/models (HTTP {response.status_code}); set "
-            "vllm_model.tokenizer to the model's directory or hub name", error_type="adapter_tokenizer_unavailable",
+            502,
+            f"could not read the served model's path from vLLM's /v1/models (HTTP {response.status_code}); set "
+            "vllm_model.tokenizer to the model's directory or hub name",
+            error_type="adapter_tokenizer_unavailable",
         ) from None
 
 
@@ -285,7 +339,8 @@ def strip_token_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     stripped = {key: value for key, value in body.items() if key not in (PREFIX_KEY, NEW_SEGMENT_KEY)}
     if isinstance(body.get("messages"), list):
         stripped["messages"] = [
-            {key: value for key, value in message.items() if key not in TOKEN_FIELDS} if isinstance(message, dict)
+            {key: value for key, value in message.items() if key not in TOKEN_FIELDS}
+            if isinstance(message, dict)
             else message
             for message in body["messages"]
         ]

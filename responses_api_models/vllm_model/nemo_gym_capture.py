@@ -66,8 +66,9 @@ class NeMoGymTokenStore:
     def _path(self, rollout_id: str, suffix: str) -> Path:
         return self.root / f"{rollout_id}.tokens{suffix}"
 
-    async def record(self, rollout_id: str, answer: dict[str, Any], *, chat_body: dict[str, Any],
-                     required_prefix: list[int] | None) -> str:
+    async def record(
+        self, rollout_id: str, answer: dict[str, Any], *, chat_body: dict[str, Any], required_prefix: list[int] | None
+    ) -> str:
         """Append the record of one served `answer` (Responses or chat, bundle on one item); its model call id.
 
         No bundle on the answer (a context overflow ends the turn empty): the rollout is marked incomplete instead,
@@ -75,11 +76,13 @@ class NeMoGymTokenStore:
         try:
             return await asyncio.to_thread(self._record, rollout_id, answer, chat_body, required_prefix)
         except OSError as exc:
-            raise ApiError(500, f"training-token capture could not write to {self.root}: {exc}",
-                           error_type="capture_write_failed") from None
+            raise ApiError(
+                500, f"training-token capture could not write to {self.root}: {exc}", error_type="capture_write_failed"
+            ) from None
 
-    def _record(self, rollout_id: str, answer: dict[str, Any], chat_body: dict[str, Any],
-                required_prefix: list[int] | None) -> str:
+    def _record(
+        self, rollout_id: str, answer: dict[str, Any], chat_body: dict[str, Any], required_prefix: list[int] | None
+    ) -> str:
         call_id = uuid.uuid4().hex
         items = output_items(answer)
         bearing = [index for index, item in enumerate(items) if item.get("generation_token_ids") is not None]
@@ -87,8 +90,10 @@ class NeMoGymTokenStore:
             state = self._state(rollout_id)
             if state.get("frozen") or state.get("retired"):
                 raise ApiError(
-                    409, f"rollout {rollout_id}: NeMo Gym has already collected this rollout's capture (frozen), so "
-                    "no call can be added to it; start a new rollout id", param="path",
+                    409,
+                    f"rollout {rollout_id}: NeMo Gym has already collected this rollout's capture (frozen), so "
+                    "no call can be added to it; start a new rollout id",
+                    param="path",
                 )
             if len(bearing) != 1:
                 self._mark_incomplete(rollout_id, call_id, state)
@@ -97,17 +102,27 @@ class NeMoGymTokenStore:
             prompt, generation = list(bundle["prompt_token_ids"]), list(bundle["generation_token_ids"])
             parent, resolution, reason = self._parent(rollout_id, required_prefix, continues_history(chat_body))
             record = {
-                "schema_version": RECORD_SCHEMA_VERSION, "rollout_id": rollout_id, "model_call_id": call_id,
-                "model": str(answer.get("model") or ""), "prompt_token_ids": prompt,
-                "generation_token_ids": generation, "generation_log_probs": list(bundle["generation_log_probs"]),
+                "schema_version": RECORD_SCHEMA_VERSION,
+                "rollout_id": rollout_id,
+                "model_call_id": call_id,
+                "model": str(answer.get("model") or ""),
+                "prompt_token_ids": prompt,
+                "generation_token_ids": generation,
+                "generation_log_probs": list(bundle["generation_log_probs"]),
                 "routed_experts": bundle.get("routed_experts"),
                 "output_items": [{k: v for k, v in item.items() if k not in TOKEN_FIELDS} for item in items],
-                "token_item_index": bearing[0], "response_id": str(answer.get("id") or "") or None,
-                "created_at": time.time(), "parent_call_id": parent, "cum_len": len(prompt) + len(generation),
-                "digest": sequence_digest(prompt + generation), "parent_resolution": resolution,
-                "parent_resolution_reason": reason, "prompt_is_delta": False,
+                "token_item_index": bearing[0],
+                "response_id": str(answer.get("id") or "") or None,
+                "created_at": time.time(),
+                "parent_call_id": parent,
+                "cum_len": len(prompt) + len(generation),
+                "digest": sequence_digest(prompt + generation),
+                "parent_resolution": resolution,
+                "parent_resolution_reason": reason,
+                "prompt_is_delta": False,
                 # The adapter enforced the required prefix on the generation-time prompt ids (or refused the call).
-                "prefix_requested": required_prefix is not None, "prefix_supplied": required_prefix is not None,
+                "prefix_requested": required_prefix is not None,
+                "prefix_supplied": required_prefix is not None,
             }
             with self._path(rollout_id, ".jsonl").open("ab") as handle:
                 handle.write(orjson.dumps(record, option=orjson.OPT_SORT_KEYS) + b"\n")
@@ -121,8 +136,11 @@ class NeMoGymTokenStore:
         if prefix is None:
             return (None, "unresolved", "history_without_token_ids") if continues else (None, "root", "first_call")
         digest = sequence_digest(prefix)
-        matches = [entry["model_call_id"] for entry in self._entries(rollout_id)
-                   if entry.get("digest") == digest and entry.get("cum_len") == len(prefix)]
+        matches = [
+            entry["model_call_id"]
+            for entry in self._entries(rollout_id)
+            if entry.get("digest") == digest and entry.get("cum_len") == len(prefix)
+        ]
         if len(matches) == 1:
             return matches[0], "resolved", "required_prefix"
         return None, "unresolved", "prefix_matches_no_recorded_call" if not matches else "prefix_matches_several_calls"

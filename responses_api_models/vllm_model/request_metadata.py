@@ -12,10 +12,19 @@ TEMPLATE_KWARGS = "chat_template_kwargs"
 EXTRA_BODY = "extra_body"
 AUDIO_KEYS = ("audio_data", "audio_path", "audio_paths")
 # What the adapter reads itself to build the call: a row's extra_body must not reshape the request under it.
-STRUCTURAL_FIELDS = frozenset({
-    "messages", "input", "instructions", "stream", "stream_options", "n", "required_prefix_token_ids",
-    "start_token_segment", "metadata",
-})
+STRUCTURAL_FIELDS = frozenset(
+    {
+        "messages",
+        "input",
+        "instructions",
+        "stream",
+        "stream_options",
+        "n",
+        "required_prefix_token_ids",
+        "start_token_segment",
+        "metadata",
+    }
+)
 
 
 def apply_metadata(body: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -34,8 +43,10 @@ def apply_metadata(body: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     audio = [key for key in AUDIO_KEYS if metadata.get(key)]
     if audio:
         raise ApiError(
-            400, f"metadata.{audio[0]}: NeMo Gym's audio side channel is not supported by this adapter; send the "
-            "audio as a content part of the user message instead", param=f"metadata.{audio[0]}",
+            400,
+            f"metadata.{audio[0]}: NeMo Gym's audio side channel is not supported by this adapter; send the "
+            "audio as a content part of the user message instead",
+            param=f"metadata.{audio[0]}",
         )
     template_kwargs = _json_object(metadata, TEMPLATE_KWARGS)
     extra = _json_object(metadata, EXTRA_BODY)
@@ -50,8 +61,10 @@ def apply_metadata(body: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     structural = sorted(STRUCTURAL_FIELDS & extra.keys())
     if structural:
         raise ApiError(
-            400, f"metadata.{EXTRA_BODY}: {structural[0]!r} cannot be set per row (the adapter builds the call from "
-            "it); send it at the top level of the request", param=f"metadata.{EXTRA_BODY}",
+            400,
+            f"metadata.{EXTRA_BODY}: {structural[0]!r} cannot be set per row (the adapter builds the call from "
+            "it); send it at the top level of the request",
+            param=f"metadata.{EXTRA_BODY}",
         )
     added = [name for name in extra if name not in out]
     for name in added:
@@ -68,12 +81,15 @@ def _json_object(metadata: dict[str, Any], key: str) -> dict[str, Any]:
             value = json.loads(value)
         except ValueError as exc:
             raise ApiError(
-                400, f"metadata.{key}: not valid JSON ({exc}); give a JSON object as a string, e.g. "
-                '"{\\"enable_thinking\\": false}"', param=f"metadata.{key}",
+                400,
+                f"metadata.{key}: not valid JSON ({exc}); give a JSON object as a string, e.g. "
+                '"{\\"enable_thinking\\": false}"',
+                param=f"metadata.{key}",
             ) from None
     if not isinstance(value, dict):
         raise ApiError(
-            400, f"metadata.{key}: must be a JSON object (a string holding one), got {type(value).__name__}",
+            400,
+            f"metadata.{key}: must be a JSON object (a string holding one), got {type(value).__name__}",
             param=f"metadata.{key}",
         )
     return value

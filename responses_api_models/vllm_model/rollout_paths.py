@@ -15,9 +15,7 @@ CAPTURE_SEGMENT = "training-token-capture"
 STATE_KEY = "nemo_gym_rollout"
 # NeMo Gym's own rule for rollout ids: they name files in its capture directory, so nothing else is accepted.
 ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-_PATH = re.compile(
-    rf"/{ROLLOUT_SEGMENT}/(?P<rollout_id>[^/]*)(?P<capture>/{CAPTURE_SEGMENT})?(?P<route>/.*)?"
-)
+_PATH = re.compile(rf"/{ROLLOUT_SEGMENT}/(?P<rollout_id>[^/]*)(?P<capture>/{CAPTURE_SEGMENT})?(?P<route>/.*)?")
 
 
 @dataclass(frozen=True)
@@ -35,12 +33,16 @@ def parse_rollout_path(path: str) -> tuple[Rollout, str] | str | None:
         return None
     match = _PATH.fullmatch(path)
     if match is None or not match["route"] or match["route"] == "/":
-        return (f"{path}: a NeMo Gym rollout path is /{ROLLOUT_SEGMENT}/<rollout id>[/{CAPTURE_SEGMENT}]/<route>, "
-                "e.g. /ng-rollout/3-0/training-token-capture/v1/responses")
+        return (
+            f"{path}: a NeMo Gym rollout path is /{ROLLOUT_SEGMENT}/<rollout id>[/{CAPTURE_SEGMENT}]/<route>, "
+            "e.g. /ng-rollout/3-0/training-token-capture/v1/responses"
+        )
     rollout_id = match["rollout_id"]
     if not ROLLOUT_ID.fullmatch(rollout_id):
-        return (f"rollout id {rollout_id!r} in {path}: use letters, digits, dots, dashes or underscores, starting "
-                "with a letter or digit (NeMo Gym's rule: the id names its capture files)")
+        return (
+            f"rollout id {rollout_id!r} in {path}: use letters, digits, dots, dashes or underscores, starting "
+            "with a letter or digit (NeMo Gym's rule: the id names its capture files)"
+        )
     return Rollout(rollout_id, match["capture"] is not None), match["route"]
 
 

@@ -56,8 +56,14 @@ class ChatStream:
     assembles them; `completion()` then gives the whole completion as the non-streaming route answers it."""
 
     def __init__(
-        self, chunks: AsyncIterator[dict[str, Any]], *, read: list[dict[str, Any]], telemetry: dict[str, Any] | None,
-        finish: Finish | None, close: Callable[[], Awaitable[None]], url: str,
+        self,
+        chunks: AsyncIterator[dict[str, Any]],
+        *,
+        read: list[dict[str, Any]],
+        telemetry: dict[str, Any] | None,
+        finish: Finish | None,
+        close: Callable[[], Awaitable[None]],
+        url: str,
     ) -> None:
         self._chunks = chunks
         self._read = read
@@ -102,8 +108,13 @@ class ChatStream:
 
 
 async def open_chat_stream(
-    call: PreparedCall, url: str, *, post: Callable[[dict[str, Any]], Awaitable[httpx.Response]],
-    prompt_ids: Callable[[], Awaitable[list[int]]], finish: Finish, overflow: Callable[[str], dict[str, Any]],
+    call: PreparedCall,
+    url: str,
+    *,
+    post: Callable[[dict[str, Any]], Awaitable[httpx.Response]],
+    prompt_ids: Callable[[], Awaitable[list[int]]],
+    finish: Finish,
+    overflow: Callable[[str], dict[str, Any]],
 ) -> ChatStream:
     """Send the prepared call to vLLM at `url` streamed, and read until the first chunk. Raises ApiError for what
     refuses the request (vLLM's 4xx, an error chunk first, a prompt that does not start with the required prefix),
@@ -414,7 +425,8 @@ class ResponsesEvents:
             id=self.response_id, created_at=self.created_at, model=self.model, status="in_progress", output=[]
         ).model_dump(exclude_none=True)
         return [
-            self._event("response.created", response=snapshot), self._event("response.in_progress", response=snapshot),
+            self._event("response.created", response=snapshot),
+            self._event("response.in_progress", response=snapshot),
         ]
 
     def add(self, chunk: dict[str, Any]) -> list[str]:
@@ -443,10 +455,14 @@ class ResponsesEvents:
         if message.get("context_overflow"):
             extra["context_overflow"] = message["context_overflow"]
         events += self._close(extra)
-        final = Response.model_validate({
-            **response.model_dump(exclude_none=True), "id": self.response_id, "created_at": self.created_at,
-            "output": self.items,
-        }).model_dump(exclude_none=True)
+        final = Response.model_validate(
+            {
+                **response.model_dump(exclude_none=True),
+                "id": self.response_id,
+                "created_at": self.created_at,
+                "output": self.items,
+            }
+        ).model_dump(exclude_none=True)
         kind = "response.completed" if final.get("status") == "completed" else "response.incomplete"
         events.append(self._event(kind, response=final))
         return events
@@ -460,8 +476,14 @@ class ResponsesEvents:
             events += self._close()
             item = {"type": "reasoning", "id": _new_id("rs"), "summary": []}
             events += self._added(item)
-            events.append(self._event("response.reasoning_summary_part.added", **self._where(), summary_index=0,
-                                      part={"type": "summary_text", "text": ""}))
+            events.append(
+                self._event(
+                    "response.reasoning_summary_part.added",
+                    **self._where(),
+                    summary_index=0,
+                    part={"type": "summary_text", "text": ""},
+                )
+            )
         self.text += text
         events.append(
             self._event("response.reasoning_summary_text.delta", **self._where(), summary_index=0, delta=text)
@@ -473,15 +495,21 @@ class ResponsesEvents:
         if self.open != "message":
             events += self._close()
             item = {
-                "type": "message", "id": _new_id("msg"), "role": "assistant", "status": "in_progress", "content": [],
+                "type": "message",
+                "id": _new_id("msg"),
+                "role": "assistant",
+                "status": "in_progress",
+                "content": [],
             }
             events += self._added(item)
-            events.append(self._event("response.content_part.added", **self._where(), content_index=0,
-                                      part=_output_text("")))
+            events.append(
+                self._event("response.content_part.added", **self._where(), content_index=0, part=_output_text(""))
+            )
         if text:
             self.text += text
-            events.append(self._event("response.output_text.delta", **self._where(), content_index=0, delta=text,
-                                      logprobs=[]))
+            events.append(
+                self._event("response.output_text.delta", **self._where(), content_index=0, delta=text, logprobs=[])
+            )
         return events
 
     def _tool_call(self, delta: dict[str, Any]) -> list[str]:
@@ -490,8 +518,14 @@ class ResponsesEvents:
         position = delta.get("index", 0)
         if position not in self.calls:
             events += self._close()
-            item = {"type": "function_call", "id": _new_id("fc"), "call_id": delta.get("id") or _new_id("call"),
-                    "name": function.get("name") or "", "arguments": "", "status": "in_progress"}
+            item = {
+                "type": "function_call",
+                "id": _new_id("fc"),
+                "call_id": delta.get("id") or _new_id("call"),
+                "name": function.get("name") or "",
+                "arguments": "",
+                "status": "in_progress",
+            }
             events += self._added(item)
             self.calls[position] = len(self.items) - 1
         elif function.get("name"):  # a name after the call opened: vLLM sends it whole with the first delta
@@ -499,8 +533,14 @@ class ResponsesEvents:
         if function.get("arguments"):
             output_index = self.calls[position]
             self.items[output_index]["arguments"] += function["arguments"]
-            events.append(self._event("response.function_call_arguments.delta", item_id=self.items[output_index]["id"],
-                                      output_index=output_index, delta=function["arguments"]))
+            events.append(
+                self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=self.items[output_index]["id"],
+                    output_index=output_index,
+                    delta=function["arguments"],
+                )
+            )
         return events
 
     def _added(self, item: dict[str, Any]) -> list[str]:
@@ -519,14 +559,19 @@ class ResponsesEvents:
             events.append(self._event("response.reasoning_summary_part.done", **where, summary_index=0, part=part))
             item["summary"] = [part]
         elif self.open == "message":
-            events.append(self._event("response.output_text.done", **where, content_index=0, text=self.text,
-                                      logprobs=[]))
-            events.append(self._event("response.content_part.done", **where, content_index=0,
-                                      part=_output_text(self.text)))
+            events.append(
+                self._event("response.output_text.done", **where, content_index=0, text=self.text, logprobs=[])
+            )
+            events.append(
+                self._event("response.content_part.done", **where, content_index=0, part=_output_text(self.text))
+            )
             item.update(status="completed", content=[_output_text(self.text)])
         else:
-            events.append(self._event("response.function_call_arguments.done", **where, name=item["name"],
-                                      arguments=item["arguments"]))
+            events.append(
+                self._event(
+                    "response.function_call_arguments.done", **where, name=item["name"], arguments=item["arguments"]
+                )
+            )
             item["status"] = "completed"
         item.update(extra or {})
         events.append(self._event("response.output_item.done", output_index=where["output_index"], item=dict(item)))

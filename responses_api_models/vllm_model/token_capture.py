@@ -22,9 +22,19 @@ from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 
 # Fields of a chat request that change the rendered prompt: the /tokenize fallback gets exactly these.
 PROMPT_AFFECTING_FIELDS = (
-    "model", "messages", "tools", "chat_template", "chat_template_kwargs", "add_generation_prompt",
-    "continue_final_message", "add_special_tokens", "documents", "mm_processor_kwargs", "media_io_kwargs",
-    "required_prefix_token_ids", "start_token_segment",
+    "model",
+    "messages",
+    "tools",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "documents",
+    "mm_processor_kwargs",
+    "media_io_kwargs",
+    "required_prefix_token_ids",
+    "start_token_segment",
 )
 # Chat fields /tokenize does not take; what vLLM's chat path makes of them is translated or refused.
 _UNRENDERABLE_ON_TOKENIZE = ("truncate_prompt_tokens",)
@@ -34,8 +44,11 @@ Tokenize = Callable[[dict[str, Any]], Awaitable[list[int]]]
 
 def capture_request_fields(body: dict[str, Any], *, use_return_token_ids: bool) -> dict[str, Any]:
     """The fields that make vLLM report this call's ids and log probs (caller's own top_logprobs kept)."""
-    fields: dict[str, Any] = {"logprobs": True, "top_logprobs": body.get("top_logprobs") or 0,
-                              "return_tokens_as_token_ids": True}
+    fields: dict[str, Any] = {
+        "logprobs": True,
+        "top_logprobs": body.get("top_logprobs") or 0,
+        "return_tokens_as_token_ids": True,
+    }
     if use_return_token_ids:
         fields["return_token_ids"] = True
     return fields
@@ -89,9 +102,11 @@ async def attach_bundles(
         present = _distinct_sources(_message_source(message), _returned_source(result, choice))
         if all(source.prompt_token_ids is None for source in present):
             if tokenized is None:
-                tokenized = await tokenize(tokenize_request(
-                    generation_body, exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none
-                ))
+                tokenized = await tokenize(
+                    tokenize_request(
+                        generation_body, exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none
+                    )
+                )
             present.append(PartialBundle(TokenSource.TOKENIZE, prompt_token_ids=tokenized))
         try:
             from_logprobs = logprobs_bundle(choice.get("logprobs"))
@@ -122,7 +137,9 @@ def _constraint_fields(
 
 
 def attach_provenance(
-    result: dict[str, Any], generation_body: dict[str, Any], defaults: dict[str, Any] | None,
+    result: dict[str, Any],
+    generation_body: dict[str, Any],
+    defaults: dict[str, Any] | None,
     fingerprint: dict[str, str] | None,
 ) -> None:
     """Put `sampling` (the effective parameters of the body sent to vLLM) and, when known, `model_fingerprint` on
@@ -146,7 +163,7 @@ def check_required_prefix(
         return
     # The hook may give the model's final end token way to the template's closing (GPT-OSS <|return|>).
     expected = required_prefix[:-1] if telemetry.get("end_token_replaced") else required_prefix
-    if prompt_ids[:len(expected)] == expected:
+    if prompt_ids[: len(expected)] == expected:
         return  # compared at C speed; check_prefix walks id by id in Python, so it runs only to say where they differ
     try:
         check_prefix(prompt_ids, expected)
@@ -181,7 +198,8 @@ def _distinct_sources(first: PartialBundle | None, later: PartialBundle | None) 
     if first is None or later is None:
         return [source for source in (first, later) if source is not None]
     agreeing = {
-        field: None for field in ("prompt_token_ids", "generation_token_ids")
+        field: None
+        for field in ("prompt_token_ids", "generation_token_ids")
         if getattr(later, field) is not None and getattr(later, field) == getattr(first, field)
     }
     return [first, replace(later, **agreeing) if agreeing else later]

@@ -2,8 +2,8 @@
 
 The adapter's one call per model turn (POST, answer read whole) goes over aiohttp: its client costs the adapter less
 CPU per call than httpx, httpcore and anyio (bench/p4_collect.py: 2.99 -> 1.80 ms per model call; most of what
-is left is the sockets of the extra hop). Streams, GETs and health probes stay on httpx; every answer reaches the caller as an
-httpx.Response, so nothing downstream knows which client read it.
+is left is the sockets of the extra hop). Streams, GETs and health probes stay on httpx; every answer reaches the
+caller as an httpx.Response, so nothing downstream knows which client read it.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def answer_json(response: httpx.Response, what: str) -> Any:
         return loads(response.content)
     except ValueError:
         raise ApiError(
-            502, f"{what} answered HTTP {response.status_code} with a body that is not JSON: {response.text[:200]!r}",
+            502,
+            f"{what} answered HTTP {response.status_code} with a body that is not JSON: {response.text[:200]!r}",
         ) from None
 
 
@@ -71,7 +72,12 @@ class VLLMUpstream:
     """Calls a vLLM server (POST JSON, GET); raises ApiError for anything the caller must see as an error."""
 
     def __init__(
-        self, *, api_key: str, timeout: float | httpx.Timeout, max_attempts: int, backoff_seconds: float,
+        self,
+        *,
+        api_key: str,
+        timeout: float | httpx.Timeout,
+        max_attempts: int,
+        backoff_seconds: float,
         limits: httpx.Limits | None = None,
     ) -> None:
         """`timeout` and `limits`: the adapter's config (BaseServerConfig.http_timeout(), http_limits()); a bare
@@ -139,7 +145,8 @@ class VLLMUpstream:
                     base_url,
                 ) from None
             raise UpstreamUnavailable(
-                503, f"vLLM at {url} is unreachable after {self._max_attempts} attempts: {type(last).__name__}: {last}",
+                503,
+                f"vLLM at {url} is unreachable after {self._max_attempts} attempts: {type(last).__name__}: {last}",
                 base_url,
             ) from None
         raise AssertionError("unreachable")
@@ -175,6 +182,11 @@ class VLLMUpstream:
             await self._posts.close()
 
 
-_TRANSPORT_ERRORS = (httpx.TransportError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
-                     asyncio.TimeoutError, UpstreamStatusError)
+_TRANSPORT_ERRORS = (
+    httpx.TransportError,
+    aiohttp.ClientConnectionError,
+    aiohttp.ClientPayloadError,
+    asyncio.TimeoutError,
+    UpstreamStatusError,
+)
 """What a retry can help with: the connection (either client's), a timeout, or a "not now" answer."""

@@ -37,7 +37,9 @@ BAD_BODIES: list[BadBody] = [
     BadBody("bom_then_array", b"\xef\xbb\xbf[1]", 400, "must be a JSON object"),
     BadBody("nested_1000", nested(1000), 400, "nest more than 128 deep"),
     BadBody("nested_129", nested(128), 400, "extra: arrays/objects nest more than 128 deep"),
-    BadBody("nested_objects_300", b'{"extra": ' + b'{"a": ' * 300 + b"1" + b"}" * 300 + b"}", 400, "nest more than 128"),
+    BadBody(
+        "nested_objects_300", b'{"extra": ' + b'{"a": ' * 300 + b"1" + b"}" * 300 + b"}", 400, "nest more than 128"
+    ),
     BadBody("top_level_nested_3000", b"[" * 3000, 400, "nest more than 128 deep"),
     BadBody("nan_unknown_field", b'{"extra": NaN}', 400, "NaN is not a JSON number"),
     BadBody("infinity_unknown_field", b'{"extra": [1, Infinity]}', 400, "Infinity is not a JSON number"),

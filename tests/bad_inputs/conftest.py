@@ -22,7 +22,12 @@ class _Watch(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
-        if record.exc_info or "Traceback" in text or record.name == "nemo_gym_tok.servers" and record.levelno >= logging.ERROR:
+        if (
+            record.exc_info
+            or "Traceback" in text
+            or record.name == "nemo_gym_tok.servers"
+            and record.levelno >= logging.ERROR
+        ):
             self.bad.append(f"{record.name}: {text[:300]}")
         return True
 

@@ -25,8 +25,14 @@ def vllm() -> Iterator[ScriptedChat]:
 
 @pytest.fixture(scope="module")
 def adapter(vllm: ScriptedChat) -> Iterator[str]:
-    config = VLLMModelConfig(base_url=vllm.url, model="m", max_body_bytes=SMALL_LIMIT,  # type: ignore[attr-defined]
-                             return_token_id_information=True, splice="hook", retry_backoff_seconds=0.01)
+    config = VLLMModelConfig(
+        base_url=vllm.url,
+        model="m",
+        max_body_bytes=SMALL_LIMIT,  # type: ignore[attr-defined]
+        return_token_id_information=True,
+        splice="hook",
+        retry_backoff_seconds=0.01,
+    )
     with serve_in_thread(VLLMModel("policy_model", config).build_app()) as url:
         yield url
 
@@ -48,16 +54,29 @@ def test_both_routes_refuse_the_bad_body(adapter: str, route: str, case) -> None
 RESPONSES_CASES = [
     # (kind, body, param the error must name)
     ("content_part_text_int", {"input": [{"role": "user", "content": [{"text": 5}]}]}, "input[0].content[0].text"),
-    ("content_part_text_list", {"input": [USER, {"role": "user", "content": [{"type": "input_text", "text": [1]}]}]},
-     "input[1].content[0].text"),
-    ("summary_text_object", {"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": {}}]}]},
-     "input[0].summary[0].text"),
-    ("tool_output_part_text_null", {"input": [{"type": "function_call_output", "call_id": "c", "output": [{"text": None}]}]},
-     "input[0].output[0].text"),
+    (
+        "content_part_text_list",
+        {"input": [USER, {"role": "user", "content": [{"type": "input_text", "text": [1]}]}]},
+        "input[1].content[0].text",
+    ),
+    (
+        "summary_text_object",
+        {"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": {}}]}]},
+        "input[0].summary[0].text",
+    ),
+    (
+        "tool_output_part_text_null",
+        {"input": [{"type": "function_call_output", "call_id": "c", "output": [{"text": None}]}]},
+        "input[0].output[0].text",
+    ),
     ("input_number", {"input": 5}, "input"),
     ("input_item_string", {"input": ["hi"]}, "input[0]"),
     ("message_without_role", {"input": [{"type": "message", "content": "hi"}]}, "input[0]"),
-    ("function_call_without_call_id", {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0]"),
+    (
+        "function_call_without_call_id",
+        {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+        "input[0]",
+    ),
     ("item_without_chat_equivalent", {"input": [{"type": "web_search_call"}]}, "input"),
     ("tools_string", {"input": "hi", "tools": "abc"}, "tools"),
     ("tools_of_numbers", {"input": "hi", "tools": [1]}, "tools[0]"),
@@ -70,7 +89,9 @@ RESPONSES_CASES = [
 ]
 
 
-@pytest.mark.parametrize("body, param", [case[1:] for case in RESPONSES_CASES], ids=[case[0] for case in RESPONSES_CASES])
+@pytest.mark.parametrize(
+    "body, param", [case[1:] for case in RESPONSES_CASES], ids=[case[0] for case in RESPONSES_CASES]
+)
 def test_bad_responses_fields_are_400_naming_them(adapter: str, body: dict, param: str) -> None:
     assert_refused(httpx.post(f"{adapter}/v1/responses", json=body), 400, param, param=param)
 
@@ -78,9 +99,16 @@ def test_bad_responses_fields_are_400_naming_them(adapter: str, body: dict, para
 BUNDLE = {"prompt_token_ids": [1], "generation_token_ids": [2], "generation_log_probs": [-0.1]}
 CHAT_CASES = [
     ("messages_object", {"messages": USER}, "messages"),
-    ("bundle_partial", {"messages": [USER, {"role": "assistant", "content": "x", "prompt_token_ids": [1]}]}, "messages[1]"),
-    ("bundle_ids_strings", {"messages": [USER, {"role": "assistant", "content": "x", **BUNDLE, "prompt_token_ids": ["1"]}]},
-     "messages[1].prompt_token_ids[0]"),
+    (
+        "bundle_partial",
+        {"messages": [USER, {"role": "assistant", "content": "x", "prompt_token_ids": [1]}]},
+        "messages[1]",
+    ),
+    (
+        "bundle_ids_strings",
+        {"messages": [USER, {"role": "assistant", "content": "x", **BUNDLE, "prompt_token_ids": ["1"]}]},
+        "messages[1].prompt_token_ids[0]",
+    ),
     ("n_two_with_ids", {"messages": [USER], "n": 2}, "n"),
 ]
 

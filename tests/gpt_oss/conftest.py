@@ -18,9 +18,19 @@ GPT_OSS_ARGS = (
     # No chunked prefill, as on the test bed (nemo_gym_tok/vllm/server.py): the CPU engine dies when it splits the
     # prefill of a seeded request. These seeded conversations run one at a time and fit the budget today; the flag
     # keeps a later concurrent test from reaching the split.
-    "--max-model-len", "4096", "--max-num-batched-tokens", "4096", "--no-enable-chunked-prefill", "--seed", "0",
+    "--max-model-len",
+    "4096",
+    "--max-num-batched-tokens",
+    "4096",
+    "--no-enable-chunked-prefill",
+    "--seed",
+    "0",
     # Forced tool calls on gpt_oss need the openai tool parser; without it tool_choice is silently ignored.
-    "--enable-auto-tool-choice", "--tool-call-parser", "openai", "--reasoning-parser", "openai_gptoss",
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "openai",
+    "--reasoning-parser",
+    "openai_gptoss",
 )
 
 
@@ -36,8 +46,11 @@ def gpt_oss_server(gpt_oss_model_dir: Path, tmp_path_factory: pytest.TempPathFac
     For local iteration only, NGT_TEST_GPT_OSS_URL points these tests at a server already running the same way.
     """
     with hooked_server(
-        gpt_oss_model_dir, served_model_name=SERVED_MODEL_NAME, extra_args=(*CPU_SERVING_ARGS, *GPT_OSS_ARGS),
-        env={"VLLM_SYSTEM_START_DATE": START_DATE}, log_path=tmp_path_factory.mktemp("vllm-gpt-oss") / "vllm.log",
+        gpt_oss_model_dir,
+        served_model_name=SERVED_MODEL_NAME,
+        extra_args=(*CPU_SERVING_ARGS, *GPT_OSS_ARGS),
+        env={"VLLM_SYSTEM_START_DATE": START_DATE},
+        log_path=tmp_path_factory.mktemp("vllm-gpt-oss") / "vllm.log",
         reuse_env="NGT_TEST_GPT_OSS_URL",
     ) as server:
         yield server

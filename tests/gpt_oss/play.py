@@ -75,7 +75,12 @@ def stock_continues(prompt: list[int], previous: list[int]) -> bool:
 
 
 async def converse(
-    http: httpx.AsyncClient, seed: int, *, turns: int = 4, mode: Mode = "bundles", tools: bool = False,
+    http: httpx.AsyncClient,
+    seed: int,
+    *,
+    turns: int = 4,
+    mode: Mode = "bundles",
+    tools: bool = False,
     system: bool = True,
 ) -> Conversation:
     """Play `turns` model turns, sending the history with each turn's bundle (or without, for stock)."""
@@ -88,8 +93,14 @@ async def converse(
         if not messages or messages[-1]["role"] != "tool":
             messages.append({"role": "user", "content": f"Conversation {seed}, turn {turn}: what next?"})
         body: dict[str, Any] = {
-            "model": MODEL, "messages": messages, "seed": seed * 100 + turn, "temperature": 1.0,
-            "logprobs": True, "top_logprobs": 0, "return_token_ids": True, **turn_settings(turn, tools),
+            "model": MODEL,
+            "messages": messages,
+            "seed": seed * 100 + turn,
+            "temperature": 1.0,
+            "logprobs": True,
+            "top_logprobs": 0,
+            "return_token_ids": True,
+            **turn_settings(turn, tools),
         }
         answer = await http.post("/v1/chat/completions", json=body)
         assert answer.status_code == 200, answer.text

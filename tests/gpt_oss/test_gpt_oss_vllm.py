@@ -70,8 +70,10 @@ def test_turns_end_on_return_and_are_cut_by_max_tokens(hooked: list[Conversation
 def test_forced_tool_calls_parse_and_end_on_call(hooked: list[Conversation]) -> None:
     tool_turns = [c.turns[1] for c in hooked if c.seed >= 100]
     parsed = [turn for turn in tool_turns if turn.message.get("tool_calls")]
-    print(f"\nforced tool calls: {len(parsed)} of {len(tool_turns)} parsed as tool_calls; ended "
-          f"{dict(Counter(turn.ended_on for turn in tool_turns))}")
+    print(
+        f"\nforced tool calls: {len(parsed)} of {len(tool_turns)} parsed as tool_calls; ended "
+        f"{dict(Counter(turn.ended_on for turn in tool_turns))}"
+    )
     assert len(parsed) >= len(tool_turns) // 2
     assert all(turn.ended_on == "call" and turn.finish_reason == "tool_calls" for turn in parsed)
 
@@ -94,8 +96,11 @@ def test_edited_history_is_refused(gpt_oss_server: VLLMServer) -> None:
     messages = [dict(message) for message in conversation.messages[:-1]]  # up to the last user message
     edited_index = next(i for i, m in enumerate(messages) if m["role"] == "user")
     messages[edited_index]["content"] += " (edited)"
-    answer = httpx.post(f"{gpt_oss_server.base_url}/v1/chat/completions", timeout=60,
-                        json={"model": MODEL, "messages": messages, "max_tokens": 4})
+    answer = httpx.post(
+        f"{gpt_oss_server.base_url}/v1/chat/completions",
+        timeout=60,
+        json={"model": MODEL, "messages": messages, "max_tokens": 4},
+    )
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["param"] == "required_prefix_token_ids"
@@ -111,8 +116,11 @@ def test_stale_bundle_is_refused(gpt_oss_server: VLLMServer) -> None:
     for key in ("prompt_token_ids", "generation_token_ids", "generation_log_probs"):
         messages[first][key] = messages[last][key]
     truncated = messages[: first + 2]
-    answer = httpx.post(f"{gpt_oss_server.base_url}/v1/chat/completions", timeout=60,
-                        json={"model": MODEL, "messages": truncated, "max_tokens": 4})
+    answer = httpx.post(
+        f"{gpt_oss_server.base_url}/v1/chat/completions",
+        timeout=60,
+        json={"model": MODEL, "messages": truncated, "max_tokens": 4},
+    )
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"] == "required_prefix_token_ids"
 

@@ -95,8 +95,15 @@ def _episode(online, tokenizer, seed: int, turns: int = 4) -> list[dict[str, Any
         if turn % 2 == 0:
             generation.append(RETURN_ID)
         text = tokenizer.decode(generation)  # what vLLM's Harmony parser hands back from a headerless turn
-        messages.append({"role": "assistant", "content": text, "prompt_token_ids": prompt,
-                         "generation_token_ids": generation, "generation_log_probs": [0.0] * len(generation)})
+        messages.append(
+            {
+                "role": "assistant",
+                "content": text,
+                "prompt_token_ids": prompt,
+                "generation_token_ids": generation,
+                "generation_log_probs": [0.0] * len(generation),
+            }
+        )
         messages.append({"role": "user", "content": f"turn {turn}: more"})
         request = _request(messages)
         _, inputs = online._make_request_with_harmony(request)
@@ -122,10 +129,16 @@ def test_edited_history_is_refused(online, tokenizer) -> None:
     messages = [{"role": "user", "content": "Hello"}]
     _, inputs = online._make_request_with_harmony(_request(messages))
     generation = tokenizer.encode("Hi there", add_special_tokens=False) + [RETURN_ID]
-    bundle = {"prompt_token_ids": inputs[0]["prompt_token_ids"], "generation_token_ids": generation,
-              "generation_log_probs": [0.0] * len(generation)}
-    edited = [{"role": "user", "content": "Hello, edited"}, {"role": "assistant", "content": "Hi there", **bundle},
-              {"role": "user", "content": "more"}]
+    bundle = {
+        "prompt_token_ids": inputs[0]["prompt_token_ids"],
+        "generation_token_ids": generation,
+        "generation_log_probs": [0.0] * len(generation),
+    }
+    edited = [
+        {"role": "user", "content": "Hello, edited"},
+        {"role": "assistant", "content": "Hi there", **bundle},
+        {"role": "user", "content": "more"},
+    ]
     with pytest.raises(VLLMValidationError, match="does not belong to these messages"):
         online._make_request_with_harmony(_request(edited))
 
@@ -139,28 +152,54 @@ def test_real_gpt_oss_turn_shapes_stay_contiguous(online, tokenizer) -> None:
     Harmony's history, kept by the splice), and a tool call on the commentary channel ended on <|call|>."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
 
-    tool = {"type": "function", "function": {"name": "get_weather", "description": "Weather.", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
     messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Rome, then a joke?"}]
     tools = [ChatCompletionToolsParam.model_validate(tool)]
     _, inputs = online._make_request_with_harmony(_request(messages, tools=[tool]), True)
     prompt = inputs[0]["prompt_token_ids"]
     turns = [
-        ("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary "
-         'to=functions.get_weather <|constrain|>json<|message|>{"city":"Rome"}<|call|>',
-         {"content": "", "reasoning": "Need weather.", "tool_calls": [{"id": "call_1", "type": "function", "function": {
-             "name": "get_weather", "arguments": '{"city":"Rome"}'}}]},
-         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}),
-        ("<|channel|>analysis<|message|>Sunny; answer.<|end|><|start|>assistant<|channel|>final<|message|>"
-         "It is sunny in Rome.<|return|>",
-         {"content": "It is sunny in Rome.", "reasoning": "Sunny; answer."},
-         {"role": "user", "content": "And the joke?"}),
+        (
+            "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary "
+            'to=functions.get_weather <|constrain|>json<|message|>{"city":"Rome"}<|call|>',
+            {
+                "content": "",
+                "reasoning": "Need weather.",
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ),
+        (
+            "<|channel|>analysis<|message|>Sunny; answer.<|end|><|start|>assistant<|channel|>final<|message|>"
+            "It is sunny in Rome.<|return|>",
+            {"content": "It is sunny in Rome.", "reasoning": "Sunny; answer."},
+            {"role": "user", "content": "And the joke?"},
+        ),
         ("<|channel|>final<|message|>Why did the", {"content": "Why did the"}, {"role": "user", "content": "Go on."}),
     ]
     for generated, fields, following in turns:
         generation = _harmony_ids(tokenizer, generated)
-        messages.append({"role": "assistant", **fields, "prompt_token_ids": prompt, "generation_token_ids": generation,
-                         "generation_log_probs": [0.0] * len(generation)})
+        messages.append(
+            {
+                "role": "assistant",
+                **fields,
+                "prompt_token_ids": prompt,
+                "generation_token_ids": generation,
+                "generation_log_probs": [0.0] * len(generation),
+            }
+        )
         messages.append(following)
         request = _request(messages, tools=[tool])
         assert request.tools == tools
@@ -178,14 +217,24 @@ def test_a_new_token_segment_takes_harmony_ids_as_they_are(online, tokenizer) ->
     messages = [{"role": "user", "content": "Hello"}]
     _, inputs = online._make_request_with_harmony(_request(messages))
     generation = tokenizer.encode("Hi there", add_special_tokens=False) + [RETURN_ID]
-    bundle = {"prompt_token_ids": inputs[0]["prompt_token_ids"], "generation_token_ids": generation,
-              "generation_log_probs": [0.0] * len(generation)}
-    edited = [{"role": "user", "content": "Hello, edited"}, {"role": "assistant", "content": "Hi there", **bundle},
-              {"role": "user", "content": "more"}]
+    bundle = {
+        "prompt_token_ids": inputs[0]["prompt_token_ids"],
+        "generation_token_ids": generation,
+        "generation_log_probs": [0.0] * len(generation),
+    }
+    edited = [
+        {"role": "user", "content": "Hello, edited"},
+        {"role": "assistant", "content": "Hi there", **bundle},
+        {"role": "user", "content": "more"},
+    ]
     request = _request(edited, start_token_segment=True)
     _, spliced = online._make_request_with_harmony(request)
     plain = [{key: value for key, value in m.items() if key not in bundle} for m in edited]
     _, stock = online._make_request_with_harmony(_request(plain))
     assert spliced[0]["prompt_token_ids"] == stock[0]["prompt_token_ids"]
-    assert hook._telemetry[id(request)] == {"applied": False, "template_differed": False, "replaced_tokens": 0,
-                                            "new_segment": True}
+    assert hook._telemetry[id(request)] == {
+        "applied": False,
+        "template_differed": False,
+        "replaced_tokens": 0,
+        "new_segment": True,
+    }

@@ -61,14 +61,23 @@ def test_added_tokens_sit_at_gpt_oss_ids(tokenizer) -> None:
     for token_id, text in GPT_OSS_ADDED_TOKENS:
         assert tokenizer.convert_tokens_to_ids(text) == token_id
     assert tokenizer.encode("<|start|>assistant<|end|><|return|><|call|>", add_special_tokens=False) == [
-        START_ID, 173781, END_ID, RETURN_ID, CALL_ID,
+        START_ID,
+        173781,
+        END_ID,
+        RETURN_ID,
+        CALL_ID,
     ]
 
 
 def test_tokenizer_matches_openai_harmony(tokenizer, harmony) -> None:
     rng = random.Random(0)
-    samples = ["Hello world, how are you? 12345", "  spaced\n\n\ttabs", "naïve 日本語 emoji🙂", "x=1; {\"k\": 2}",
-               "Current date: 2025-06-28\n\nReasoning: medium"]
+    samples = [
+        "Hello world, how are you? 12345",
+        "  spaced\n\n\ttabs",
+        "naïve 日本語 emoji🙂",
+        'x=1; {"k": 2}',
+        "Current date: 2025-06-28\n\nReasoning: medium",
+    ]
     samples += [harmony.decode([rng.randrange(199998) for _ in range(12)]) for _ in range(50)]
     for text in samples:
         assert tokenizer.encode(text, add_special_tokens=False) == harmony.encode(text), text

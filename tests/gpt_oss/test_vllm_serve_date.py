@@ -13,7 +13,10 @@ from nemo_gym_tok.vllm.hook import ENABLE_ENV
 def test_the_start_date_is_pinned_to_the_day_the_server_starts() -> None:
     env = server_env({"PATH": "/bin"}, today=datetime.date(2025, 12, 31))
     assert env == {
-        "PATH": "/bin", ENABLE_ENV: "1", START_DATE_ENV: "2025-12-31", KEEPALIVE_ENV: str(SERVER_KEEPALIVE_SECONDS),
+        "PATH": "/bin",
+        ENABLE_ENV: "1",
+        START_DATE_ENV: "2025-12-31",
+        KEEPALIVE_ENV: str(SERVER_KEEPALIVE_SECONDS),
     }
 
 

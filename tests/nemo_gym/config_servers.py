@@ -13,19 +13,23 @@ top-level key of that mapping resolved by OmegaConf with NeMo Gym's resolvers re
 import json
 import sys
 
-from omegaconf import OmegaConf
-
 from nemo_gym.config_types import is_server_ref
 from nemo_gym.global_config import GlobalConfigDictParser, GlobalConfigDictParserConfig
+from omegaconf import OmegaConf
 
 
 def servers_of(request: dict) -> dict:
     initial = OmegaConf.create({**request.get("values", {}), "config_paths": request["config_paths"]})
     parser = GlobalConfigDictParser()
     try:
-        resolved = parser.parse(GlobalConfigDictParserConfig(
-            initial_global_config_dict=initial, skip_load_from_cli=True, skip_load_from_dotenv=True, offline=True,
-        ))
+        resolved = parser.parse(
+            GlobalConfigDictParserConfig(
+                initial_global_config_dict=initial,
+                skip_load_from_cli=True,
+                skip_load_from_dotenv=True,
+                offline=True,
+            )
+        )
         found = []
         for server in parser.filter_for_server_instance_configs(resolved):
             inner = server.get_inner_run_server_config_dict()
@@ -35,14 +39,16 @@ def servers_of(request: dict) -> dict:
                 ref = is_server_ref(value) if isinstance(value, dict) else None
                 if ref is not None:
                     refs[key] = [ref.type, ref.name]
-            found.append({
-                "name": server.name,
-                "kind": server.SERVER_TYPE,
-                "implementation": next(iter(getattr(server, server.SERVER_TYPE))),
-                "entrypoint": fields.get("entrypoint"),
-                "domain": fields.get("domain"),
-                "refs": refs,
-            })
+            found.append(
+                {
+                    "name": server.name,
+                    "kind": server.SERVER_TYPE,
+                    "implementation": next(iter(getattr(server, server.SERVER_TYPE))),
+                    "entrypoint": fields.get("entrypoint"),
+                    "domain": fields.get("domain"),
+                    "refs": refs,
+                }
+            )
         return {"servers": found}
     except Exception as exc:  # every refusal is reported, whatever NeMo Gym raises
         first = (str(exc).strip().splitlines() or [""])[0]

@@ -36,7 +36,9 @@ def package_root() -> Path:
         raise FileNotFoundError(f"{NEMO_GYM_PYTHON} is missing: `make test-nemo-gym` builds .venv-nemo-gym")
     out = subprocess.run(
         [str(NEMO_GYM_PYTHON), "-c", "import nemo_gym, pathlib; print(pathlib.Path(nemo_gym.__file__).parent.parent)"],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     )
     return Path(out.stdout.strip())
 
@@ -94,8 +96,13 @@ def server_instances(config: dict[str, Any]) -> list[GymServer]:
 
 
 @contextmanager
-def running_gym(config_paths: Sequence[str], overrides: dict[str, Any], env: dict[str, str] | None = None,
-                startup_timeout: float = 120.0, external: Sequence[str] = ()) -> Iterator[Gym]:
+def running_gym(
+    config_paths: Sequence[str],
+    overrides: dict[str, Any],
+    env: dict[str, str] | None = None,
+    startup_timeout: float = 120.0,
+    external: Sequence[str] = (),
+) -> Iterator[Gym]:
     """Resolve the config, start every server of it from the package, wait until each answers, stop them after.
 
     `external`: instance keys served elsewhere (already running at the host and port the config gives them, e.g.
@@ -111,11 +118,20 @@ def running_gym(config_paths: Sequence[str], overrides: dict[str, Any], env: dic
                 continue
             folder = root / server.kind / server.impl
             server.log_path = log_dir / f"{server.key}.log"
-            server_env = {**os.environ, **(env or {}), "PYTHONPATH": str(root), "NEMO_GYM_CONFIG_DICT": config_yaml,
-                          "NEMO_GYM_CONFIG_PATH": server.key}
+            server_env = {
+                **os.environ,
+                **(env or {}),
+                "PYTHONPATH": str(root),
+                "NEMO_GYM_CONFIG_DICT": config_yaml,
+                "NEMO_GYM_CONFIG_PATH": server.key,
+            }
             with open(server.log_path, "wb") as log:
                 server.process = subprocess.Popen(
-                    [str(NEMO_GYM_PYTHON), "app.py"], cwd=folder, env=server_env, stdout=log, stderr=subprocess.STDOUT,
+                    [str(NEMO_GYM_PYTHON), "app.py"],
+                    cwd=folder,
+                    env=server_env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )
             gym.servers[server.key] = server
@@ -161,9 +177,11 @@ class RunResult:
     body: Any
 
 
-def run_rows(agent_url: str, rows: Sequence[dict[str, Any]], concurrency: int = 4, timeout: float = 300.0
-             ) -> list[RunResult]:
+def run_rows(
+    agent_url: str, rows: Sequence[dict[str, Any]], concurrency: int = 4, timeout: float = 300.0
+) -> list[RunResult]:
     """POST each row to the agent's `/run` (seed session, agent loop, verify), `concurrency` at a time."""
+
     def one(row: dict[str, Any]) -> RunResult:
         answer = httpx.post(f"{agent_url}/run", json=row, timeout=timeout)
         try:

@@ -35,8 +35,11 @@ def check_rollout(result: dict[str, Any]) -> RuleResult:
         prompt = item["prompt_token_ids"]
         if prompt[: len(seen)] != seen:
             at = next((i for i, (a, b) in enumerate(zip(seen, prompt)) if a != b), min(len(seen), len(prompt)))
-            return RuleResult(calls, f"output[{position}]: prompt differs from the ids seen before at position {at} "
-                                     f"(seen {len(seen)} ids, prompt has {len(prompt)})")
+            return RuleResult(
+                calls,
+                f"output[{position}]: prompt differs from the ids seen before at position {at} "
+                f"(seen {len(seen)} ids, prompt has {len(prompt)})",
+            )
         seen = list(prompt) + list(generation)
         calls += 1
     return RuleResult(calls, None)
@@ -63,7 +66,10 @@ def check_collection(results: list[Any]) -> Collection:
     assert not failed, failed
     checks = [check_rollout(r.body) for r in results]
     return Collection(
-        checks, [c.first_break for c in checks if c.first_break is not None], sum(c.model_calls >= 3 for c in checks),
-        sum(c.model_calls for c in checks), sum(bool(r.body["response"].get("incomplete_details")) for r in results),
+        checks,
+        [c.first_break for c in checks if c.first_break is not None],
+        sum(c.model_calls >= 3 for c in checks),
+        sum(c.model_calls for c in checks),
+        sum(bool(r.body["response"].get("incomplete_details")) for r in results),
         sum(r.body["reward"] for r in results),
     )

@@ -35,19 +35,25 @@ async def main() -> None:
             for item in result["response"]["output"]
         ]
         build = await finalize_rollout_token_capture(result, store) or {}
-        report.append({
-            "rollout_id": rollout_id,
-            "entries": [
-                {**{key: getattr(record, key) for key in BUNDLE}, "parent_resolution": str(record.parent_resolution),
-                 "parent_call_id": record.parent_call_id, "model_call_id": record.model_call_id,
-                 "response_id": record.response_id}
-                for record in records
-            ],
-            "rebuilt": bundles(result["response"]["output"]),
-            "mask_sample": build.get("mask_sample"),
-            "error": build.get("error"),
-            "metrics": build.get("metrics"),
-        })
+        report.append(
+            {
+                "rollout_id": rollout_id,
+                "entries": [
+                    {
+                        **{key: getattr(record, key) for key in BUNDLE},
+                        "parent_resolution": str(record.parent_resolution),
+                        "parent_call_id": record.parent_call_id,
+                        "model_call_id": record.model_call_id,
+                        "response_id": record.response_id,
+                    }
+                    for record in records
+                ],
+                "rebuilt": bundles(result["response"]["output"]),
+                "mask_sample": build.get("mask_sample"),
+                "error": build.get("error"),
+                "metrics": build.get("metrics"),
+            }
+        )
     json.dump(report, sys.stdout)
 
 

@@ -10,9 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from nemo_gym.global_config import GlobalConfigDictParser, GlobalConfigDictParserConfig
+from omegaconf import OmegaConf
 
 
 def main() -> None:

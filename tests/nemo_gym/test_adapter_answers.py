@@ -28,14 +28,26 @@ pytestmark = pytest.mark.vllm
 VALIDATOR = Path(__file__).with_name("validate_answers.py")
 # An enum keeps the random tiny model's arguments short (it otherwise writes a free string until max_tokens).
 WEATHER = {
-    "type": "function", "name": "get_weather", "description": "Weather in a city.", "strict": False,
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["sf", "nyc", "paris"]}},
-                   "required": ["city"], "additionalProperties": False},
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather in a city.",
+    "strict": False,
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["sf", "nyc", "paris"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
 }
 TIME = {
-    "type": "function", "name": "get_time", "description": "Time in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["sf", "nyc"]}},
-                   "required": ["city"]},
+    "type": "function",
+    "name": "get_time",
+    "description": "Time in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["sf", "nyc"]}},
+        "required": ["city"],
+    },
 }
 CHAT_FORM_TIME = {"type": "function", "function": {k: v for k, v in TIME.items() if k != "type"}}
 QUESTION = [{"role": "user", "content": "What is the weather in sf?"}]
@@ -43,10 +55,19 @@ QUESTION = [{"role": "user", "content": "What is the weather in sf?"}]
 RESPONSES_REQUESTS: dict[str, dict[str, Any]] = {
     "plain": {"input": "Say hello.", "max_output_tokens": 24, "temperature": 0.0},
     "cut": {"input": "Tell me a long story.", "max_output_tokens": 4, "instructions": "You are terse."},
-    "tool_required": {"input": QUESTION, "tools": [WEATHER, TIME], "tool_choice": "required",
-                      "parallel_tool_calls": False, "max_output_tokens": 40},
-    "tool_named": {"input": QUESTION, "tools": [WEATHER, CHAT_FORM_TIME],
-                   "tool_choice": {"type": "function", "name": "get_time"}, "max_output_tokens": 40},
+    "tool_required": {
+        "input": QUESTION,
+        "tools": [WEATHER, TIME],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_output_tokens": 40,
+    },
+    "tool_named": {
+        "input": QUESTION,
+        "tools": [WEATHER, CHAT_FORM_TIME],
+        "tool_choice": {"type": "function", "name": "get_time"},
+        "max_output_tokens": 40,
+    },
     "tool_auto": {"input": QUESTION, "tools": [WEATHER], "max_output_tokens": 24},
 }
 
@@ -55,8 +76,9 @@ RESPONSES_REQUESTS: dict[str, dict[str, Any]] = {
 def adapter(request: pytest.FixtureRequest, vllm_server: VLLMServer) -> Iterator[tuple[str, bool]]:
     """The adapter in front of the shared hooked vLLM: its URL, and whether it returns token bundles."""
     bundles = request.param == "bundles"
-    config = VLLMModelConfig(base_url=f"{vllm_server.base_url}/v1", model=vllm_server.served_model_name,
-                             return_token_id_information=bundles)
+    config = VLLMModelConfig(
+        base_url=f"{vllm_server.base_url}/v1", model=vllm_server.served_model_name, return_token_id_information=bundles
+    )
     with serve_in_thread(VLLMModel("policy_model", config).build_app()) as url:
         yield url, bundles
 
@@ -84,16 +106,22 @@ def second_turn(body: dict[str, Any], first: dict[str, Any]) -> dict[str, Any]:
     """The next call of the episode: the first call's items back (bundles kept), plus a tool result for each call."""
     follow = copy.deepcopy(body)
     items = list(body["input"]) if isinstance(body["input"], list) else [{"role": "user", "content": body["input"]}]
-    outputs = [{"type": "function_call_output", "call_id": item["call_id"], "output": "sunny"}
-               for item in first["output"] if item["type"] == "function_call"]
+    outputs = [
+        {"type": "function_call_output", "call_id": item["call_id"], "output": "sunny"}
+        for item in first["output"]
+        if item["type"] == "function_call"
+    ]
     follow["input"] = [*items, *first["output"], *outputs, *([] if outputs else [{"role": "user", "content": "More."}])]
     return follow
 
 
 def expected_echo(body: dict[str, Any]) -> dict[str, Any]:
     tools = [{"type": "function", **t["function"]} if "function" in t else t for t in body.get("tools", [])]
-    return {"tools": tools, "tool_choice": body.get("tool_choice", "auto"),
-            "parallel_tool_calls": body.get("parallel_tool_calls", True)}
+    return {
+        "tools": tools,
+        "tool_choice": body.get("tool_choice", "auto"),
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+    }
 
 
 def check_own_shape(response: dict[str, Any], body: dict[str, Any], bundles: bool) -> None:
@@ -110,8 +138,13 @@ def check_own_shape(response: dict[str, Any], body: dict[str, Any], bundles: boo
 
 
 def validate_with_nemo_gym(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    out = subprocess.run([str(gym.NEMO_GYM_PYTHON), str(VALIDATOR)], input=json.dumps(entries), capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [str(gym.NEMO_GYM_PYTHON), str(VALIDATOR)],
+        input=json.dumps(entries),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout)
 
@@ -142,9 +175,17 @@ def test_nemo_gym_validates_every_answer(adapter: tuple[str, bool]) -> None:
         assert answer.status_code == 200, answer.text
         message = answer.json()["choices"][0]["message"]
         entries.append({"kind": "chat", "body": answer.json()})
-        follow = {**body, "messages": [*body["messages"], message, *[
-            {"role": "tool", "tool_call_id": call["id"], "content": "sunny"} for call in message.get("tool_calls") or []
-        ]]}
+        follow = {
+            **body,
+            "messages": [
+                *body["messages"],
+                message,
+                *[
+                    {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}
+                    for call in message.get("tool_calls") or []
+                ],
+            ],
+        }
         if not message.get("tool_calls"):
             follow["messages"].append({"role": "user", "content": "More."})
         again = httpx.post(f"{adapter_url}/v1/chat/completions", json=follow, timeout=120)
@@ -153,10 +194,12 @@ def test_nemo_gym_validates_every_answer(adapter: tuple[str, bool]) -> None:
 
     report = validate_with_nemo_gym(entries)
     responses = sum(entry["kind"] == "response" for entry in entries)
-    print(f"\n[nemo-gym adapter answers {'bundles' if bundles else 'no bundles'}] NeMo Gym 0.7.0 validated "
-          f"{report['validated']}/{report['total']} ({responses} Responses answers, half streamed; "
-          f"{report['total'] - responses} chat completions); function calls {tool_calls}, statuses {sorted(statuses)}, "
-          f"spliced by the hook {spliced}")
+    print(
+        f"\n[nemo-gym adapter answers {'bundles' if bundles else 'no bundles'}] NeMo Gym 0.7.0 validated "
+        f"{report['validated']}/{report['total']} ({responses} Responses answers, half streamed; "
+        f"{report['total'] - responses} chat completions); function calls {tool_calls}, statuses {sorted(statuses)}, "
+        f"spliced by the hook {spliced}"
+    )
     assert report["failures"] == [], report["failures"]
     assert report["validated"] == report["total"] == len(entries) > 0
     assert tool_calls > 0 and statuses == {"completed", "incomplete"}

@@ -41,16 +41,27 @@ THINKING_OFF = json.dumps({"enable_thinking": False})
 @contextmanager
 def serve_adapter(server: VLLMServer, capture_dir: Path, seen: list[dict[str, Any]]) -> Iterator[str]:
     """The adapter (bundles on, recording NeMo Gym's capture) in front of `server`; records each request's path."""
-    config = VLLMModelConfig(base_url=f"{server.base_url}/v1", model=server.served_model_name, splice="hook",
-                             return_token_id_information=True, nemo_gym_token_capture_dir=str(capture_dir))
+    config = VLLMModelConfig(
+        base_url=f"{server.base_url}/v1",
+        model=server.served_model_name,
+        splice="hook",
+        return_token_id_information=True,
+        nemo_gym_token_capture_dir=str(capture_dir),
+    )
     app = VLLMModel(MODEL_KEY, config).build_app()
 
     @app.middleware("http")
     async def record(request: Request, call_next: Any) -> Any:
         response = await call_next(request)
         answer = b"".join([chunk async for chunk in response.body_iterator])
-        seen.append({"path": request.url.path, "status": response.status_code, "cookies": dict(request.cookies),
-                     "set_cookie": response.headers.get("set-cookie")})
+        seen.append(
+            {
+                "path": request.url.path,
+                "status": response.status_code,
+                "cookies": dict(request.cookies),
+                "set_cookie": response.headers.get("set-cookie"),
+            }
+        )
         return HTTPResponse(answer, response.status_code, dict(response.headers))
 
     with serve_in_thread(app) as url:
@@ -72,13 +83,14 @@ def bundles(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def think_block(server: VLLMServer) -> list[int]:
     """The ids thinking-off adds at the end of a generation prompt (the tiny model's Qwen3 template), by vLLM."""
+
     def tokens(**kwargs: Any) -> list[int]:
         body = {"model": server.served_model_name, "messages": [{"role": "user", "content": "hi"}], **kwargs}
         return httpx.post(f"{server.base_url}/tokenize", json=body, timeout=60).json()["tokens"]
 
     on, off = tokens(), tokens(chat_template_kwargs={"enable_thinking": False})
     assert off[: len(on)] == on and len(off) > len(on)
-    return off[len(on):]
+    return off[len(on) :]
 
 
 def _thinking_off(row: dict[str, Any]) -> bool:
@@ -113,17 +125,28 @@ def test_training_capture_and_metadata_through_adapter(vllm_server: VLLMServer, 
     assert len(seen) == rollouts.model_calls
 
     # NeMo Gym's collector puts the row's indices on its result before reading the capture; so does this test.
-    report = read_capture(capture_dir, [
-        {"rollout_id": rid, "result": {**copy.deepcopy(result.body), "_ng_task_index": row["_ng_task_index"],
-                                       "_ng_rollout_index": row["_ng_rollout_index"]}}
-        for rid, row, result in zip(ids, rows, results)
-    ])
+    report = read_capture(
+        capture_dir,
+        [
+            {
+                "rollout_id": rid,
+                "result": {
+                    **copy.deepcopy(result.body),
+                    "_ng_task_index": row["_ng_task_index"],
+                    "_ng_rollout_index": row["_ng_rollout_index"],
+                },
+            }
+            for rid, row, result in zip(ids, rows, results)
+        ],
+    )
     block = think_block(vllm_server)
     resolved = 0
     for row, result, read in zip(rows, results, report):
         ours = bundles(result.body["response"]["output"])
-        recorded = [{k: e[k] for k in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")}
-                    for e in read["entries"]]
+        recorded = [
+            {k: e[k] for k in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")}
+            for e in read["entries"]
+        ]
         assert recorded == ours, read["rollout_id"]
         assert read["rebuilt"] == ours and read["mask_sample"] is False, (read["rollout_id"], read["error"])
         decisions = [e["parent_resolution"] for e in read["entries"]]
@@ -134,17 +157,19 @@ def test_training_capture_and_metadata_through_adapter(vllm_server: VLLMServer, 
         # The row's metadata reached the chat template: thinking off ends the first prompt with the empty block.
         first_prompt = ours[0]["prompt_token_ids"]
         thinking_off = _thinking_off(row)
-        assert (first_prompt[-len(block):] == block) is thinking_off, read["rollout_id"]
+        assert (first_prompt[-len(block) :] == block) is thinking_off, read["rollout_id"]
     cookies = sorted({name for entry in seen for name in entry["cookies"]})
     rebuilt = sum(r["rebuilt"] == bundles(x.body["response"]["output"]) for r, x in zip(report, results))
-    print(f"\n[nemo-gym training capture via adapter] rollouts {len(results)}, contiguous by NeMo RL's rule "
-          f"{len(results) - len(rollouts.broken)}, model calls {rollouts.model_calls} (all on "
-          f"/ng-rollout/<id>/training-token-capture/v1/responses, 200), records read back by NeMo Gym "
-          f"{sum(len(r['entries']) for r in report)} equal to the bundles, parents resolved {resolved}, rebuilt by "
-          f"NeMo Gym's collector equal {rebuilt}/{len(results)}, masked {sum(bool(r['mask_sample']) for r in report)}, "
-          f"rows with metadata thinking off "
-          f"{sum(map(_thinking_off, rows))}, cookies sent {cookies}, set-cookie "
-          f"answers {sum(bool(e['set_cookie']) for e in seen)}")
+    print(
+        f"\n[nemo-gym training capture via adapter] rollouts {len(results)}, contiguous by NeMo RL's rule "
+        f"{len(results) - len(rollouts.broken)}, model calls {rollouts.model_calls} (all on "
+        f"/ng-rollout/<id>/training-token-capture/v1/responses, 200), records read back by NeMo Gym "
+        f"{sum(len(r['entries']) for r in report)} equal to the bundles, parents resolved {resolved}, rebuilt by "
+        f"NeMo Gym's collector equal {rebuilt}/{len(results)}, masked {sum(bool(r['mask_sample']) for r in report)}, "
+        f"rows with metadata thinking off "
+        f"{sum(map(_thinking_off, rows))}, cookies sent {cookies}, set-cookie "
+        f"answers {sum(bool(e['set_cookie']) for e in seen)}"
+    )
     assert rollouts.long_rollouts >= 10 and resolved > 0
     assert not cookies and not any(entry["set_cookie"] for entry in seen)
 
@@ -153,17 +178,24 @@ def test_metadata_extra_body_seed_applies(vllm_server: VLLMServer, tmp_path: Pat
     """`metadata.extra_body` fields reach vLLM: one seed gives one sampled answer at temperature 1."""
     seen: list[dict[str, Any]] = []
     with serve_adapter(vllm_server, tmp_path / "capture", seen) as adapter_url:
+
         def ask(extra_body: dict[str, Any]) -> list[int]:
-            body = {"input": "Say something.", "temperature": 1.0, "max_output_tokens": 12,
-                    "metadata": {"extra_body": json.dumps(extra_body)}}
+            body = {
+                "input": "Say something.",
+                "temperature": 1.0,
+                "max_output_tokens": 12,
+                "metadata": {"extra_body": json.dumps(extra_body)},
+            }
             answer = httpx.post(f"{adapter_url}/v1/responses", json=body, timeout=120)
             assert answer.status_code == 200, answer.text
             return answer.json()["output"][-1]["generation_token_ids"]
 
         seeded = [ask({"seed": 1234}) for _ in range(2)]
         unseeded = [ask({}) for _ in range(3)]
-    print(f"\n[metadata extra_body seed] seeded answers equal {seeded[0] == seeded[1]}, unseeded answers distinct "
-          f"{len({tuple(ids) for ids in unseeded})}/3")
+    print(
+        f"\n[metadata extra_body seed] seeded answers equal {seeded[0] == seeded[1]}, unseeded answers distinct "
+        f"{len({tuple(ids) for ids in unseeded})}/3"
+    )
     assert seeded[0] == seeded[1]
     assert len({tuple(ids) for ids in unseeded}) > 1  # without the seed the same request samples differently
 
@@ -184,7 +216,8 @@ def test_chat_completions_on_the_capture_path_are_recorded(vllm_server: VLLMServ
     read = read_capture(tmp_path / "capture", [{"rollout_id": "chat-1", "result": {"response": {"output": []}}}])[0]
     keys = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
     assert [{k: e[k] for k in keys} for e in read["entries"]] == [
-        {k: a["choices"][0]["message"][k] for k in keys} for a in answers]
+        {k: a["choices"][0]["message"][k] for k in keys} for a in answers
+    ]
     assert [e["parent_resolution"] for e in read["entries"]] == ["root", "resolved"]
     assert read["entries"][1]["parent_call_id"] == read["entries"][0]["model_call_id"]
     assert [e["response_id"] for e in read["entries"]] == [a["id"] for a in answers]

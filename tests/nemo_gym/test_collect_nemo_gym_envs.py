@@ -45,8 +45,10 @@ TABLE: list[str] = []
 def print_table() -> Iterator[None]:
     """The per-environment figures as one table once every environment ran (shown with -s, as make runs it)."""
     yield
-    header = ("| environment | NeMo Gym server | rows | contiguous | model calls (ngt / NeMo Gym's agent) | "
-              "rewards equal | verifier fields equal | output items equal |")
+    header = (
+        "| environment | NeMo Gym server | rows | contiguous | model calls (ngt / NeMo Gym's agent) | "
+        "rewards equal | verifier fields equal | output items equal |"
+    )
     print("\n[ngt collect on NeMo Gym]\n" + "\n".join([header, "|---" * 8 + "|", *TABLE]))
 
 
@@ -87,7 +89,9 @@ ENVIRONMENTS = {
     "example_multi_step": (*BACKEND_ENVIRONMENTS["example_multi_step"][:2], _multi_step_rows, 48),
     "example_session_state_mgmt": (
         "resources_servers/example_session_state_mgmt/configs/example_session_state_mgmt.yaml",
-        "example_session_state_mgmt_simple_agent", _session_state_rows, 32,
+        "example_session_state_mgmt_simple_agent",
+        _session_state_rows,
+        32,
     ),
 }
 
@@ -113,8 +117,12 @@ def _rows(environment: str) -> list[dict[str, Any]]:
                     spec["enum"] = spec["enum"][turn:] + spec["enum"][:turn]
         # Every third row leaves the choice to the model: the random model then writes text (no tool call), which
         # NeMo Gym's agent ends the rollout on and the verifiers score apart.
-        params.update(tool_choice="auto" if index % 3 == 2 else "required", parallel_tool_calls=False,
-                      max_output_tokens=max_output_tokens, temperature=0.0)
+        params.update(
+            tool_choice="auto" if index % 3 == 2 else "required",
+            parallel_tool_calls=False,
+            max_output_tokens=max_output_tokens,
+            temperature=0.0,
+        )
         rows.append({**row, "row_index": index})
     return rows
 
@@ -125,18 +133,33 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _ngt_config(path: Path, server: VLLMServer, impl: str, env: dict[str, Any], adapter_port: int, head_port: int
-                ) -> Path:
+def _ngt_config(
+    path: Path, server: VLLMServer, impl: str, env: dict[str, Any], adapter_port: int, head_port: int
+) -> Path:
     """`ngt run`'s config: our adapter and agent, and the NeMo Gym resources server's instance (`env`: its fields)."""
     config = {
         "head_server": {"host": "127.0.0.1", "port": head_port},
-        MODEL_KEY: {"responses_api_models": {"vllm_model": {
-            "base_url": f"{server.base_url}/v1", "model": server.served_model_name,
-            "return_token_id_information": True, "port": adapter_port}}},
+        MODEL_KEY: {
+            "responses_api_models": {
+                "vllm_model": {
+                    "base_url": f"{server.base_url}/v1",
+                    "model": server.served_model_name,
+                    "return_token_id_information": True,
+                    "port": adapter_port,
+                }
+            }
+        },
         ENV_KEY: {"resources_servers": {impl: env}},
-        AGENT_KEY: {"responses_api_agents": {"simple_agent": {
-            "model_server": MODEL_KEY, "resources_server": ENV_KEY, "environment_protocol": "nemo_gym",
-            "max_steps": MAX_STEPS}}},
+        AGENT_KEY: {
+            "responses_api_agents": {
+                "simple_agent": {
+                    "model_server": MODEL_KEY,
+                    "resources_server": ENV_KEY,
+                    "environment_protocol": "nemo_gym",
+                    "max_steps": MAX_STEPS,
+                }
+            }
+        },
     }
     path.write_text(yaml.safe_dump(config))
     return path
@@ -144,8 +167,10 @@ def _ngt_config(path: Path, server: VLLMServer, impl: str, env: dict[str, Any], 
 
 def _nemo_gym_overrides(agent_key: str, adapter_port: int) -> dict[str, Any]:
     model = {"entrypoint": "app.py", "host": "127.0.0.1", "port": adapter_port}
-    return {MODEL_KEY: {"responses_api_models": {"vllm_model": model}},
-            agent_key: {"responses_api_agents": {"simple_agent": {"max_steps": MAX_STEPS}}}}
+    return {
+        MODEL_KEY: {"responses_api_models": {"vllm_model": model}},
+        agent_key: {"responses_api_agents": {"simple_agent": {"max_steps": MAX_STEPS}}},
+    }
 
 
 def _env_instance(environment: str, overrides: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
@@ -156,7 +181,10 @@ def _env_instance(environment: str, overrides: dict[str, Any]) -> tuple[list[str
     port = _free_port()
     overrides[STARTED_BY_NGT[environment]] = {"resources_servers": {environment: {"host": "127.0.0.1", "port": port}}}
     return [MODEL_KEY, STARTED_BY_NGT[environment]], {
-        "nemo_gym_python": str(gym.NEMO_GYM_PYTHON), "domain": "agent", "port": port}
+        "nemo_gym_python": str(gym.NEMO_GYM_PYTHON),
+        "domain": "agent",
+        "port": port,
+    }
 
 
 def _items(output: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
@@ -180,9 +208,25 @@ def _collect(tmp_path: Path, head_url: str, rows: list[dict[str, Any]]) -> list[
     rows_path, output = tmp_path / "rows.jsonl", tmp_path / "rollouts.jsonl"
     rows_path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     finished = subprocess.run(
-        [sys.executable, "-m", "nemo_gym_tok", "collect", "--input", str(rows_path), "--output", str(output),
-         "--agent", AGENT_KEY, "--head-url", head_url, "--concurrency", "1"],
-        capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "nemo_gym_tok",
+            "collect",
+            "--input",
+            str(rows_path),
+            "--output",
+            str(output),
+            "--agent",
+            AGENT_KEY,
+            "--head-url",
+            head_url,
+            "--concurrency",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert finished.returncode == 0, finished.stderr[-3000:]
     records = [json.loads(line) for line in output.read_text().splitlines() if line.strip()]
@@ -218,25 +262,36 @@ def test_collect_nemo_gym_environment(vllm_server: VLLMServer, environment: str,
     calls = [len(bundled_turns(record)) for record in records]
     their_calls = [sum(bool(i.get("generation_token_ids")) for i in r.body["response"]["output"]) for r in theirs]
     rewards_equal = sum(record["reward"] == r.body["reward"] for record, r in zip(records, theirs))
-    items_equal = sum(_items(record["response"]["output"]) == _items(r.body["response"]["output"])
-                      for record, r in zip(records, theirs))
+    items_equal = sum(
+        _items(record["response"]["output"]) == _items(r.body["response"]["output"])
+        for record, r in zip(records, theirs)
+    )
     # The verifier's own fields (reward, mask_sample, set_overlap, ...): what /verify added to the row and response.
     verdict_keys = set(theirs[0].body) - set(rows[0]) - {"response"}
-    verdicts_equal = sum({k: record.get(k) for k in verdict_keys} == {k: r.body.get(k) for k in verdict_keys}
-                         for record, r in zip(records, theirs))
-    tool_outputs = sum(item.get("type") == "function_call_output" for record in records
-                       for item in record["response"]["output"])
-    print(f"\n[ngt collect on NeMo Gym {environment}, {how}] rows {ROWS}, contiguous {ROWS - len(broken)}, model calls "
-          f"{sum(calls)} (NeMo Gym's agent {sum(their_calls)}), with >= 3 calls {sum(c >= 3 for c in calls)}, "
-          f"tool outputs {tool_outputs}, rewards equal {rewards_equal}/{ROWS} (rewards "
-          f"{sorted(set(r['reward'] for r in records))}, sum {sum(r['reward'] for r in records):.1f}), "
-          f"verifier fields {sorted(verdict_keys)} equal {verdicts_equal}/{ROWS}, output items equal {items_equal}/{ROWS}")
-    TABLE.append(f"| {environment} | {how} | {ROWS} | {ROWS - len(broken)} | {sum(calls)} / {sum(their_calls)} | "
-                 f"{rewards_equal} / {ROWS} | {verdicts_equal} / {ROWS} | {items_equal} / {ROWS} |")
+    verdicts_equal = sum(
+        {k: record.get(k) for k in verdict_keys} == {k: r.body.get(k) for k in verdict_keys}
+        for record, r in zip(records, theirs)
+    )
+    tool_outputs = sum(
+        item.get("type") == "function_call_output" for record in records for item in record["response"]["output"]
+    )
+    print(
+        f"\n[ngt collect on NeMo Gym {environment}, {how}] rows {ROWS}, contiguous {ROWS - len(broken)}, model calls "
+        f"{sum(calls)} (NeMo Gym's agent {sum(their_calls)}), with >= 3 calls {sum(c >= 3 for c in calls)}, "
+        f"tool outputs {tool_outputs}, rewards equal {rewards_equal}/{ROWS} (rewards "
+        f"{sorted(set(r['reward'] for r in records))}, sum {sum(r['reward'] for r in records):.1f}), "
+        f"verifier fields {sorted(verdict_keys)} equal {verdicts_equal}/{ROWS}, output items equal {items_equal}/{ROWS}"
+    )
+    TABLE.append(
+        f"| {environment} | {how} | {ROWS} | {ROWS - len(broken)} | {sum(calls)} / {sum(their_calls)} | "
+        f"{rewards_equal} / {ROWS} | {verdicts_equal} / {ROWS} | {items_equal} / {ROWS} |"
+    )
     assert not broken, broken
     assert all(record["schema_version"] == 2 and isinstance(record["reward"], float) for record in records)
     # The record keeps the row as it came (NeMo Gym's /verify echoes it re-serialized) and the verifier's fields.
-    assert all(record["responses_create_params"] == row["responses_create_params"] for record, row in zip(records, rows))
+    assert all(
+        record["responses_create_params"] == row["responses_create_params"] for record, row in zip(records, rows)
+    )
     assert sum(calls) > ROWS and tool_outputs > 0  # tool calls were answered and the episodes went on
     assert calls == their_calls
     assert rewards_equal == ROWS
@@ -246,8 +301,10 @@ def test_collect_nemo_gym_environment(vllm_server: VLLMServer, environment: str,
         assert {record["reward"] for record in records} == {0.0, 1.0}
     if environment == "example_session_state_mgmt":
         checked = [_counter_reads(record) for record in records]
-        print(f"[ngt collect on NeMo Gym {environment}] counter reads that match the session's seed + increments: "
-              f"{sum(len(c) for c in checked)}")
+        print(
+            f"[ngt collect on NeMo Gym {environment}] counter reads that match the session's seed + increments: "
+            f"{sum(len(c) for c in checked)}"
+        )
         assert sum(len(c) for c in checked) > 0
 
 

@@ -26,14 +26,25 @@ from tests.nemo_gym import gym
 REPO = Path(__file__).resolve().parents[2]
 SERVERS_SCRIPT = Path(__file__).with_name("config_servers.py")
 ENV = REPO / "configs" / "env.yaml"
-VALUES = {"policy_base_url": "http://127.0.0.1:8000/v1", "policy_api_key": "key", "policy_model_name": "m",
-          "judge_base_url": "http://127.0.0.1:8001/v1", "judge_api_key": "key", "judge_model_name": "judge"}
+VALUES = {
+    "policy_base_url": "http://127.0.0.1:8000/v1",
+    "policy_api_key": "key",
+    "policy_model_name": "m",
+    "judge_base_url": "http://127.0.0.1:8001/v1",
+    "judge_api_key": "key",
+    "judge_model_name": "judge",
+}
 
 
 def nemo_gym_answers(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One answer per request from NeMo Gym's own parser / OmegaConf, run in .venv-nemo-gym."""
-    out = subprocess.run([str(gym.NEMO_GYM_PYTHON), str(SERVERS_SCRIPT), json.dumps(requests)],
-                         capture_output=True, text=True, cwd=REPO, timeout=600)
+    out = subprocess.run(
+        [str(gym.NEMO_GYM_PYTHON), str(SERVERS_SCRIPT), json.dumps(requests)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     answers = [json.loads(line) for line in out.stdout.splitlines()]
     assert len(answers) == len(requests)
@@ -46,12 +57,19 @@ def our_servers(paths: list[Path], values_file: Path | None = None) -> dict[str,
         config: GymConfig = load_config([*([values_file] if values_file else []), *paths])
     except ConfigError as exc:
         return {"error": str(exc)}
-    return {"servers": [
-        {"name": i.name, "kind": i.kind, "implementation": i.implementation,
-         "entrypoint": i.nemo_gym.get("entrypoint", i.fields.get("entrypoint")), "domain": i.nemo_gym.get("domain"),
-         "refs": {field: list(ref) for field, ref in i.refs.items()}}
-        for i in config.instances.values()
-    ]}
+    return {
+        "servers": [
+            {
+                "name": i.name,
+                "kind": i.kind,
+                "implementation": i.implementation,
+                "entrypoint": i.nemo_gym.get("entrypoint", i.fields.get("entrypoint")),
+                "domain": i.nemo_gym.get("domain"),
+                "refs": {field: list(ref) for field, ref in i.refs.items()},
+            }
+            for i in config.instances.values()
+        ]
+    }
 
 
 def generated_relays(theirs: list[dict[str, Any]], ours: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -66,8 +84,11 @@ def by_name(servers: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def repo_config_sets() -> list[list[Path]]:
-    own = [*sorted(REPO.glob("configs/*.yaml")), *sorted(REPO.glob("resources_servers/*/configs/*.yaml")),
-           *sorted(REPO.glob("responses_api_models/*/configs/*.yaml"))]
+    own = [
+        *sorted(REPO.glob("configs/*.yaml")),
+        *sorted(REPO.glob("resources_servers/*/configs/*.yaml")),
+        *sorted(REPO.glob("responses_api_models/*/configs/*.yaml")),
+    ]
     return [[ENV, path] if path != ENV else [ENV] for path in own]
 
 
@@ -95,28 +116,49 @@ def test_every_config_of_this_repo_resolves_through_nemo_gyms_parser_to_the_same
 SHIPPED_EXAMPLES = {
     "resources_servers/example_single_tool_call/configs/example_single_tool_call.yaml": {
         "example_single_tool_call": ("resources_servers", "example_single_tool_call", {}),
-        "example_single_tool_call_simple_agent": ("responses_api_agents", "simple_agent", {
-            "resources_server": ["resources_servers", "example_single_tool_call"],
-            "model_server": ["responses_api_models", "policy_model"]}),
-        "example_single_tool_call_environment_server": ("environment_servers", "legacy_agent", {
-            "agent_server": ["responses_api_agents", "example_single_tool_call_simple_agent"]}),
+        "example_single_tool_call_simple_agent": (
+            "responses_api_agents",
+            "simple_agent",
+            {
+                "resources_server": ["resources_servers", "example_single_tool_call"],
+                "model_server": ["responses_api_models", "policy_model"],
+            },
+        ),
+        "example_single_tool_call_environment_server": (
+            "environment_servers",
+            "legacy_agent",
+            {"agent_server": ["responses_api_agents", "example_single_tool_call_simple_agent"]},
+        ),
     },
     # config_paths to NeMo Gym's environment_servers/ tree, then `_inherit_from` of the template it pulls in.
     "resources_servers/example_single_tool_call/configs/example_single_tool_call_single_agent_turn.yaml": {
-        "example_single_tool_call_single_agent_turn": ("environment_servers", "single_agent_turn_legacy", {
-            "resources_server": ["resources_servers", "example_single_tool_call"],
-            "agent_server": ["responses_api_agents", "example_single_tool_call_session_agent"]}),
+        "example_single_tool_call_single_agent_turn": (
+            "environment_servers",
+            "single_agent_turn_legacy",
+            {
+                "resources_server": ["resources_servers", "example_single_tool_call"],
+                "agent_server": ["responses_api_agents", "example_single_tool_call_session_agent"],
+            },
+        ),
     },
     "resources_servers/example_multi_step/configs/example_multi_step.yaml": {
         "example_multi_step_resources_server": ("resources_servers", "example_multi_step", {}),
-        "example_multi_step_simple_agent": ("responses_api_agents", "simple_agent", {
-            "resources_server": ["resources_servers", "example_multi_step_resources_server"],
-            "model_server": ["responses_api_models", "policy_model"]}),
+        "example_multi_step_simple_agent": (
+            "responses_api_agents",
+            "simple_agent",
+            {
+                "resources_server": ["resources_servers", "example_multi_step_resources_server"],
+                "model_server": ["responses_api_models", "policy_model"],
+            },
+        ),
     },
     # A judge model server beside the policy model, `${oc.select:...}` defaults on the judge's settings.
     "resources_servers/math_with_judge/configs/math_with_judge.yaml": {
-        "math_with_judge": ("resources_servers", "math_with_judge", {
-            "judge_model_server": ["responses_api_models", "policy_model"]}),
+        "math_with_judge": (
+            "resources_servers",
+            "math_with_judge",
+            {"judge_model_server": ["responses_api_models", "policy_model"]},
+        ),
     },
 }
 
@@ -163,7 +205,8 @@ def test_every_shipped_resources_server_config_reads_as_nemo_gym_reads_it(shippe
             refused_by_both += "error" in ours and "error" in theirs
             if ("error" in ours) != ("error" in theirs):
                 differences.append(
-                    f"{label}: ngt {ours.get('error', 'accepts')} / NeMo Gym {theirs.get('error', 'accepts')}")
+                    f"{label}: ngt {ours.get('error', 'accepts')} / NeMo Gym {theirs.get('error', 'accepts')}"
+                )
             continue
         relays = generated_relays(theirs["servers"], ours["servers"])
         kept = by_name([s for s in theirs["servers"] if s not in relays])
@@ -178,9 +221,11 @@ def test_every_shipped_resources_server_config_reads_as_nemo_gym_reads_it(shippe
             continue
         same += 1
         overlays += bool(overlay)
-    print(f"NeMo Gym's {len(files)} shipped resources server configs: {same} read to the same servers by both "
-          f"({overlays} of them with an entrypoint-less overlay block that only ngt counts), {refused_by_both} "
-          f"refused by both, {len(differences)} read differently")
+    print(
+        f"NeMo Gym's {len(files)} shipped resources server configs: {same} read to the same servers by both "
+        f"({overlays} of them with an entrypoint-less overlay block that only ngt counts), {refused_by_both} "
+        f"refused by both, {len(differences)} read differently"
+    )
     assert differences == []
     assert same >= 200 and len(files) >= 200
 
@@ -199,8 +244,13 @@ def interpolated_values(root: Path) -> list[str]:
         elif isinstance(node, str) and "${" in node and not node.startswith(("${inherit_from:", "${copy:")):
             found.add(node)
 
-    for folder in ("resources_servers", "responses_api_models", "responses_api_agents", "environment_servers",
-                   "benchmarks"):
+    for folder in (
+        "resources_servers",
+        "responses_api_models",
+        "responses_api_agents",
+        "environment_servers",
+        "benchmarks",
+    ):
         for path in (root / folder).rglob("*.yaml"):
             try:
                 walk(yaml.safe_load(path.read_text()))
@@ -241,7 +291,9 @@ def test_every_interpolation_nemo_gyms_configs_write_resolves_as_omegaconf_resol
             agree += 1
         else:
             differences.append(f"{tree[key]!r}: ngt {ours} / OmegaConf {theirs}")
-    print(f"{len(strings)} distinct ${{...}} values of NeMo Gym's YAML: {agree} resolve to the same value, "
-          f"{failures} fail in both (unset keys or variables), {len(differences)} differ")
+    print(
+        f"{len(strings)} distinct ${{...}} values of NeMo Gym's YAML: {agree} resolve to the same value, "
+        f"{failures} fail in both (unset keys or variables), {len(differences)} differ"
+    )
     assert differences == []
     assert agree >= 100

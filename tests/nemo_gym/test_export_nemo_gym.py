@@ -34,9 +34,21 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 def start_gym(vllm_url: str) -> tuple[subprocess.Popen[str], str]:
     """`ngt run` on configs/demo.yaml as a user starts it; returns the process and the head URL."""
     process = subprocess.Popen(
-        [*NGT, "run", "-c", str(REPO / "configs" / "demo.yaml"), "--set", f"policy_base_url={vllm_url}/v1",
-         "--set", "policy_model_name=tiny-qwen3", "--set", "head_server.port=0"],
-        stdout=subprocess.PIPE, text=True, cwd=REPO,
+        [
+            *NGT,
+            "run",
+            "-c",
+            str(REPO / "configs" / "demo.yaml"),
+            "--set",
+            f"policy_base_url={vllm_url}/v1",
+            "--set",
+            "policy_model_name=tiny-qwen3",
+            "--set",
+            "head_server.port=0",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
     )
     assert process.stdout is not None
     urls: dict[str, str] = {}
@@ -61,10 +73,29 @@ def collection(vllm_server: VLLMServer, tmp_path_factory: pytest.TempPathFactory
             rows.write_text("".join(json.dumps(r) + "\n" for r in [*examples, BAD_ROW]))
             records, exported = folder / f"{environment}.jsonl", folder / f"{environment}_nemo_gym.jsonl"
             done = subprocess.run(
-                [*NGT, "collect", "--input", str(rows), "--output", str(records), "--agent", f"{environment}_agent",
-                 "--head-url", head, "--repeats", str(REPEATS), "--concurrency", "4", "--timeout", "600",
-                 "--nemo-gym-output", str(exported)],
-                capture_output=True, text=True, timeout=1200,
+                [
+                    *NGT,
+                    "collect",
+                    "--input",
+                    str(rows),
+                    "--output",
+                    str(records),
+                    "--agent",
+                    f"{environment}_agent",
+                    "--head-url",
+                    head,
+                    "--repeats",
+                    str(REPEATS),
+                    "--concurrency",
+                    "4",
+                    "--timeout",
+                    "600",
+                    "--nemo-gym-output",
+                    str(exported),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=1200,
             )
             print(done.stdout.strip())
             assert done.returncode == 1, done.stderr[-3000:]  # the bad row's rollouts failed, and only those
@@ -77,8 +108,12 @@ def collection(vllm_server: VLLMServer, tmp_path_factory: pytest.TempPathFactory
 
 
 def validate_with_nemo_gym(rows: list[dict[str, Any]], failure_rows: list[dict[str, Any]]) -> dict[str, Any]:
-    out = subprocess.run([str(gym.NEMO_GYM_PYTHON), str(VALIDATOR)], capture_output=True, text=True,
-                         input=json.dumps({"rows": rows, "failure_rows": failure_rows}))
+    out = subprocess.run(
+        [str(gym.NEMO_GYM_PYTHON), str(VALIDATOR)],
+        capture_output=True,
+        text=True,
+        input=json.dumps({"rows": rows, "failure_rows": failure_rows}),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)
 
@@ -102,11 +137,14 @@ def test_nemo_rl_rule_refuses_the_records_and_accepts_every_exported_row(
             calls += result.model_calls
             long_rollouts += result.model_calls >= 3
         assert sorted((r["_ng_task_index"], r["_ng_rollout_index"]) for r in rows) == [
-            (task, repeat) for task in range(LIMIT) for repeat in range(REPEATS)]
+            (task, repeat) for task in range(LIMIT) for repeat in range(REPEATS)
+        ]
         rows_total += len(rows)
-    print(f"\nNeMo RL's rule: {rows_total}/{rows_total} exported rows contiguous ({calls} model calls, "
-          f"{long_rollouts} rollouts of 3+ calls); {refused}/{refused} schema-2 records refused with "
-          "KeyError 'prompt_token_ids'")
+    print(
+        f"\nNeMo RL's rule: {rows_total}/{rows_total} exported rows contiguous ({calls} model calls, "
+        f"{long_rollouts} rollouts of 3+ calls); {refused}/{refused} schema-2 records refused with "
+        "KeyError 'prompt_token_ids'"
+    )
     assert long_rollouts > 0
 
 
@@ -126,7 +164,8 @@ def test_nemo_gym_validates_every_exported_row_and_reads_the_sidecar(
         # The bad row: one sidecar row per repeat, as an agent error NeMo Gym retries on resume.
         assert report["sidecar_valid"] == report["sidecar_total"] == REPEATS and report["sidecar_terminal"] == 0
         assert {(s["_ng_task_index"], s["_ng_failure_class"], s["_ng_failure_http_status"]) for s in sidecar} == {
-            (LIMIT, "agent_run_error", 400)}
+            (LIMIT, "agent_run_error", 400)
+        }
         assert len(read_jsonl(failures_path_for(records_path))) == REPEATS
         validated += report["validated"]
         total += report["total"]
@@ -138,6 +177,8 @@ def test_nemo_gym_validates_every_exported_row_and_reads_the_sidecar(
     next(item for item in rows[0]["response"]["output"] if "generation_token_ids" in item).pop("generation_log_probs")
     broken = validate_with_nemo_gym(rows, [])
     assert broken["validated"] == len(rows) - 1 and "generation_log_probs" in broken["failures"][0]["error"]
-    print(f"\nNeMo Gym 0.7.0 validated {validated}/{total} exported rows ({100 * validated / total:.0f}%) as "
-          "BaseVerifyResponse (NeMoGymResponse inside) with _ng_task_index, _ng_rollout_index and agent_ref; "
-          f"its sidecars read {REPEATS * len(collection)} failures")
+    print(
+        f"\nNeMo Gym 0.7.0 validated {validated}/{total} exported rows ({100 * validated / total:.0f}%) as "
+        "BaseVerifyResponse (NeMoGymResponse inside) with _ng_task_index, _ng_rollout_index and agent_ref; "
+        f"its sidecars read {REPEATS * len(collection)} failures"
+    )

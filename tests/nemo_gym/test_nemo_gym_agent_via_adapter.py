@@ -36,8 +36,12 @@ MODEL_KEY = "policy_model"  # the name NeMo Gym's shipped environment configs gi
 @contextmanager
 def serve_adapter(server: VLLMServer, splice: str, seen: list[dict[str, Any]]) -> Iterator[str]:
     """This project's adapter in front of `server`, recording what reaches it; yields its URL."""
-    config = VLLMModelConfig(base_url=f"{server.base_url}/v1", model=server.served_model_name,
-                             return_token_id_information=True, splice=splice)
+    config = VLLMModelConfig(
+        base_url=f"{server.base_url}/v1",
+        model=server.served_model_name,
+        return_token_id_information=True,
+        splice=splice,
+    )
     app = VLLMModel(MODEL_KEY, config).build_app()
 
     @app.middleware("http")
@@ -49,9 +53,17 @@ def serve_adapter(server: VLLMServer, splice: str, seen: list[dict[str, Any]]) -
         splice = None
         if response.status_code == 200:
             splice = (json.loads(answer).get("output") or [{}])[-1].get("prefix_splice")
-        seen.append({"path": request.url.path, "status": response.status_code, "fields": sorted(body),
-                     "metadata": body.get("metadata"), "cookies": dict(request.cookies),
-                     "headers": sorted(request.headers.keys()), "splice": splice or {}})
+        seen.append(
+            {
+                "path": request.url.path,
+                "status": response.status_code,
+                "fields": sorted(body),
+                "metadata": body.get("metadata"),
+                "cookies": dict(request.cookies),
+                "headers": sorted(request.headers.keys()),
+                "splice": splice or {},
+            }
+        )
         return HTTPResponse(answer, response.status_code, dict(response.headers))
 
     with serve_in_thread(app) as url:
@@ -65,8 +77,12 @@ def _rows(environment: str) -> list[dict[str, Any]]:
     for index in range(ROWS_PER_CASE):
         row = copy.deepcopy(base[index % len(base)])
         row["responses_create_params"].update(
-            tool_choice="required", parallel_tool_calls=False, max_output_tokens=max_output_tokens, temperature=1.0,
-            metadata=seeded(index))  # the adapter applies metadata.extra_body as NeMo Gym's vllm_model does
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_output_tokens=max_output_tokens,
+            temperature=1.0,
+            metadata=seeded(index),
+        )  # the adapter applies metadata.extra_body as NeMo Gym's vllm_model does
         rows.append(row)
     return rows
 
@@ -75,8 +91,10 @@ def _overrides(adapter_url: str, agent_key: str) -> dict[str, Any]:
     """The adapter as NeMo Gym's `policy_model`: an instance with its host and port, resolved but not launched."""
     address = urlsplit(adapter_url)
     model = {"entrypoint": "app.py", "host": address.hostname, "port": address.port}
-    return {MODEL_KEY: {"responses_api_models": {"vllm_model": model}},
-            agent_key: {"responses_api_agents": {"simple_agent": {"max_steps": MAX_STEPS}}}}
+    return {
+        MODEL_KEY: {"responses_api_models": {"vllm_model": model}},
+        agent_key: {"responses_api_agents": {"simple_agent": {"max_steps": MAX_STEPS}}},
+    }
 
 
 def collect(adapter_url: str, environment: str) -> list[gym.RunResult]:
@@ -96,12 +114,14 @@ def check(label: str, results: list[gym.RunResult], seen: list[dict[str, Any]]) 
     refused = [entry for entry in seen if entry["status"] != 200]
     repaired = sum(bool(entry["splice"].get("template_differed")) for entry in seen)
     spliced_by = sorted({entry["splice"]["spliced_by"] for entry in seen if entry["splice"].get("applied")})
-    print(f"\n[nemo-gym agent via adapter {label}] rollouts {len(results)}, contiguous by NeMo RL's rule "
-          f"{len(results) - len(rollouts.broken)}, with >= 3 model calls {rollouts.long_rollouts}, model calls "
-          f"{rollouts.model_calls}, ended by max_tokens {rollouts.cut}, repaired turns {repaired} "
-          f"(spliced by {spliced_by}), rewards {rollouts.rewards:.0f}/{len(results)}, "
-          f"adapter requests {len(seen)} (refused {len(refused)}) on {paths}, fields {fields}, cookies {cookies}, "
-          f"with metadata {len(metadata)}, headers {sorted({h for entry in seen for h in entry['headers']})}")
+    print(
+        f"\n[nemo-gym agent via adapter {label}] rollouts {len(results)}, contiguous by NeMo RL's rule "
+        f"{len(results) - len(rollouts.broken)}, with >= 3 model calls {rollouts.long_rollouts}, model calls "
+        f"{rollouts.model_calls}, ended by max_tokens {rollouts.cut}, repaired turns {repaired} "
+        f"(spliced by {spliced_by}), rewards {rollouts.rewards:.0f}/{len(results)}, "
+        f"adapter requests {len(seen)} (refused {len(refused)}) on {paths}, fields {fields}, cookies {cookies}, "
+        f"with metadata {len(metadata)}, headers {sorted({h for entry in seen for h in entry['headers']})}"
+    )
     assert not refused, refused[:3]
     assert not rollouts.broken, rollouts.broken
     assert rollouts.long_rollouts >= 10
@@ -118,7 +138,8 @@ def test_agent_via_adapter_on_hooked_vllm(vllm_server: VLLMServer, environment: 
         results = collect(adapter_url, environment)
     after = _metrics(vllm_server.base_url)
     repaired = after["nemo_gym_tok_prefix_splice_drifted_turns_total"] - before.get(
-        "nemo_gym_tok_prefix_splice_drifted_turns_total", 0.0)
+        "nemo_gym_tok_prefix_splice_drifted_turns_total", 0.0
+    )
     # The adapter passed on the hook's telemetry: its count of repaired turns is the hook's own.
     assert check(f"{environment} hooked vLLM", results, seen) == (repaired, ["hook"])
 

@@ -65,12 +65,16 @@ def _shipped_rows(root: Path, server: str) -> list[dict[str, Any]]:
 ENVIRONMENTS = {
     "example_single_tool_call": (
         "resources_servers/example_single_tool_call/configs/example_single_tool_call.yaml",
-        "example_single_tool_call_simple_agent", _single_tool_call_rows, 40,
+        "example_single_tool_call_simple_agent",
+        _single_tool_call_rows,
+        40,
     ),
     # Multi-step tool calling (get_synonym_value per synonym, then extract_synonym_values); pure Python, no hub data.
     "example_multi_step": (
         "resources_servers/example_multi_step/configs/example_multi_step.yaml",
-        "example_multi_step_simple_agent", _multi_step_rows, 48,
+        "example_multi_step_simple_agent",
+        _multi_step_rows,
+        48,
     ),
 }
 
@@ -84,14 +88,18 @@ def seeded(index: int) -> dict[str, str]:
 
 def _metrics(base_url: str) -> dict[str, float]:
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-            if line.startswith("nemo_gym_tok_prefix_splice") and "_total " in line}
+    return {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line.startswith("nemo_gym_tok_prefix_splice") and "_total " in line
+    }
 
 
 def _overrides(vllm_server: Any, agent_key: str, mode: str, capture_dir: Path) -> dict[str, Any]:
     agent = {"max_steps": MAX_STEPS}
     overrides: dict[str, Any] = {
-        "policy_base_url": f"{vllm_server.base_url}/v1", "policy_api_key": "unused",
+        "policy_base_url": f"{vllm_server.base_url}/v1",
+        "policy_api_key": "unused",
         "policy_model_name": vllm_server.served_model_name,
     }
     if mode == "supply_prefix":
@@ -117,20 +125,29 @@ def test_rollouts_contiguous(vllm_server: Any, environment: str, mode: str, tmp_
     for index in range(ROWS_PER_CASE):
         row = copy.deepcopy(base[index % len(base)])
         row["responses_create_params"].update(
-            tool_choice="required", parallel_tool_calls=False, max_output_tokens=max_output_tokens, temperature=1.0,
-            metadata=seeded(index))
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_output_tokens=max_output_tokens,
+            temperature=1.0,
+            metadata=seeded(index),
+        )
         if mode == "supply_prefix":
             row.update(_ng_task_index=index % len(base), _ng_rollout_index=index // len(base))
         rows.append(row)
     configs = [MODEL_CONFIG, *([SUPPLY_CONFIG] if mode == "supply_prefix" else []), config]
     transport_log = tmp_path / "transport.jsonl"
     before = _metrics(vllm_server.base_url)
-    with gym.running_gym(configs, _overrides(vllm_server, agent_key, mode, tmp_path / "capture"),
-                         env={"NEMO_GYM_VLLM_TRANSPORT_LOG": str(transport_log)}) as running:
+    with gym.running_gym(
+        configs,
+        _overrides(vllm_server, agent_key, mode, tmp_path / "capture"),
+        env={"NEMO_GYM_VLLM_TRANSPORT_LOG": str(transport_log)},
+    ) as running:
         results = gym.run_rows(running.url(agent_key), rows)
     after = _metrics(vllm_server.base_url)
-    delta = {name.removeprefix("nemo_gym_tok_prefix_splice").strip("_"): after[name] - before.get(name, 0.0)
-             for name in after}
+    delta = {
+        name.removeprefix("nemo_gym_tok_prefix_splice").strip("_"): after[name] - before.get(name, 0.0)
+        for name in after
+    }
 
     rollouts = check_collection(results)
     events = _transport_events(transport_log)
@@ -138,12 +155,14 @@ def test_rollouts_contiguous(vllm_server: Any, environment: str, mode: str, tmp_
     answers = [e["raw_response"] for e in events if e["event"] == "transport_response"]
     with_prefix = sum("required_prefix_token_ids" in body for body in requests)
     differed = sum(bool((a.get("prefix_splice") or {}).get("template_differed")) for a in answers)
-    print(f"\n[nemo-gym {environment} {mode}] rollouts {len(results)}, contiguous by NeMo RL's rule "
-          f"{len(results) - len(rollouts.broken)}, with >= 3 model calls {rollouts.long_rollouts}, model calls "
-          f"{rollouts.model_calls}, ended by max_tokens {rollouts.cut}, requests with required_prefix_token_ids "
-          f"{with_prefix}, template_differed {differed}, hook splices {delta['s_total']:.0f}, repaired turns "
-          f"{delta['drifted_turns_total']:.0f}, refused {delta['rejected_total']:.0f}, "
-          f"rewards {rollouts.rewards:.0f}/{len(results)}")
+    print(
+        f"\n[nemo-gym {environment} {mode}] rollouts {len(results)}, contiguous by NeMo RL's rule "
+        f"{len(results) - len(rollouts.broken)}, with >= 3 model calls {rollouts.long_rollouts}, model calls "
+        f"{rollouts.model_calls}, ended by max_tokens {rollouts.cut}, requests with required_prefix_token_ids "
+        f"{with_prefix}, template_differed {differed}, hook splices {delta['s_total']:.0f}, repaired turns "
+        f"{delta['drifted_turns_total']:.0f}, refused {delta['rejected_total']:.0f}, "
+        f"rewards {rollouts.rewards:.0f}/{len(results)}"
+    )
     assert not rollouts.broken, rollouts.broken
     assert rollouts.long_rollouts >= 10
     assert rollouts.cut > 0  # some calls cut by max_tokens: the splice after an unclosed turn ran too
@@ -171,10 +190,13 @@ def test_refusal_reaches_nemo_gym_user(vllm_server: Any, tmp_path: Path) -> None
         edited["input"] = [*params["input"], *first.json()["output"]]
         edited["input"][0]["content"] = "You are a terse assistant."
         model_answer = httpx.post(f"{running.url('policy_model')}/v1/responses", json=edited, timeout=120)
-        agent_answer = httpx.post(f"{running.url(agent_key)}/run", json={**row, "responses_create_params": edited},
-                                  timeout=120)
-    print(f"\n[nemo-gym refusal] vllm_model /v1/responses -> {model_answer.status_code}: {model_answer.text[:300]}"
-          f"\n[nemo-gym refusal] simple_agent /run -> {agent_answer.status_code}: {agent_answer.text[:200]}")
+        agent_answer = httpx.post(
+            f"{running.url(agent_key)}/run", json={**row, "responses_create_params": edited}, timeout=120
+        )
+    print(
+        f"\n[nemo-gym refusal] vllm_model /v1/responses -> {model_answer.status_code}: {model_answer.text[:300]}"
+        f"\n[nemo-gym refusal] simple_agent /run -> {agent_answer.status_code}: {agent_answer.text[:200]}"
+    )
     # What NeMo Gym 0.7.0 does today: every upstream error becomes a 500 at each hop, with the body quoted inside.
     # The hook's reason survives as text; if NeMo Gym starts passing 4xx through, this assertion tells us.
     for answer in (model_answer, agent_answer):

@@ -36,8 +36,12 @@ DOC_PORT = "8000"
 HOOK_BIN = Path(sys.executable).parent
 # The servers `gym env start --resources-server example_single_tool_call --model-type vllm_model` launches, each
 # from the venv NeMo Gym looks for under uv_venv_dir (<kind>/<name>/.venv).
-SERVER_FOLDERS = ("resources_servers/example_single_tool_call", "responses_api_agents/simple_agent",
-                  "responses_api_models/vllm_model", "environment_servers/legacy_agent")
+SERVER_FOLDERS = (
+    "resources_servers/example_single_tool_call",
+    "responses_api_agents/simple_agent",
+    "responses_api_models/vllm_model",
+    "environment_servers/legacy_agent",
+)
 SHIPPED_ROWS = 5  # example_single_tool_call/data/example.jsonl
 REPEATS = 4  # the doc's --num-repeats
 
@@ -52,7 +56,7 @@ def walkthrough_blocks(doc: str) -> list[str]:
     """The `bash` blocks of the doc's walk-through section, in order."""
     start = doc.index(SECTION)
     end = doc.find("\n## ", start + len(SECTION))
-    section = doc[start:end if end != -1 else None]
+    section = doc[start : end if end != -1 else None]
     return re.findall(r"```bash\n(.*?)```", section, flags=re.S)
 
 
@@ -91,8 +95,9 @@ def _venv_links(root: Path) -> Path:
 @contextmanager
 def _background(command: str, env: dict[str, str], cwd: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
     with log.open("wb") as out:
-        process = subprocess.Popen(["bash", "-c", command], env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            ["bash", "-c", command], env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         yield process
     finally:
@@ -115,7 +120,9 @@ def _stop_group(process: subprocess.Popen[bytes]) -> None:
             time.sleep(0.5)
 
 
-def _wait_for(what: str, ready: Callable[[], object], process: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
+def _wait_for(
+    what: str, ready: Callable[[], object], process: subprocess.Popen[bytes], log: Path, timeout: float
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -135,8 +142,9 @@ def _healthy(url: str) -> bool:
 
 def _splices(base_url: str) -> float:
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    return sum(float(line.split()[1]) for line in text.splitlines()
-               if line.startswith("nemo_gym_tok_prefix_splices_total"))
+    return sum(
+        float(line.split()[1]) for line in text.splitlines() if line.startswith("nemo_gym_tok_prefix_splices_total")
+    )
 
 
 def test_walkthrough_as_written(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -148,8 +156,13 @@ def test_walkthrough_as_written(tiny_model_dir: Path, tmp_path: Path) -> None:
     vllm_args = [*CPU_SERVING_ARGS, *TEST_BED_ARGS]
     # $VLLM_ARGS is expanded unquoted, as a user's flags would be: the JSON value must hold no spaces.
     vllm_args = [json.dumps(json.loads(a), separators=(",", ":")) if a.startswith("{") else a for a in vllm_args]
-    base_env = {**os.environ, **CPU_SERVING_ENV, **TEST_BED_ENV, "MODEL": str(tiny_model_dir),
-                "VLLM_ARGS": " ".join(vllm_args)}
+    base_env = {
+        **os.environ,
+        **CPU_SERVING_ENV,
+        **TEST_BED_ENV,
+        "MODEL": str(tiny_model_dir),
+        "VLLM_ARGS": " ".join(vllm_args),
+    }
 
     def command(block: str) -> tuple[str, dict[str, str]]:
         text = re.sub(rf"\b{DOC_PORT}\b", port, block)
@@ -163,30 +176,39 @@ def test_walkthrough_as_written(tiny_model_dir: Path, tmp_path: Path) -> None:
     serve, serve_env = command(blocks[0])
     start, start_env = command(blocks[1])
     with _background(serve, serve_env, tmp_path, tmp_path / "vllm.log") as vllm:
-        _wait_for("`ngt vllm-serve` (block 1)", lambda: _healthy(f"{vllm_url}/health"), vllm, tmp_path / "vllm.log",
-                  900)
+        _wait_for(
+            "`ngt vllm-serve` (block 1)", lambda: _healthy(f"{vllm_url}/health"), vllm, tmp_path / "vllm.log", 900
+        )
         splices_before = _splices(vllm_url)
         env_log = tmp_path / "gym-env-start.log"
         with _background(start, start_env, tmp_path, env_log) as servers:
-            _wait_for("`gym env start` (block 2)",
-                      lambda: re.search(r"All (\d+) / \1 servers ready", env_log.read_text(errors="replace")),
-                      servers, env_log, 600)
+            _wait_for(
+                "`gym env start` (block 2)",
+                lambda: re.search(r"All (\d+) / \1 servers ready", env_log.read_text(errors="replace")),
+                servers,
+                env_log,
+                600,
+            )
             collect, collect_env = command(blocks[2])
-            collected = subprocess.run(["bash", "-c", collect], env=collect_env, cwd=tmp_path, capture_output=True,
-                                       text=True, timeout=1200)
+            collected = subprocess.run(
+                ["bash", "-c", collect], env=collect_env, cwd=tmp_path, capture_output=True, text=True, timeout=1200
+            )
             assert collected.returncode == 0, (collected.stdout + collected.stderr)[-4000:]
         splices = _splices(vllm_url) - splices_before
     check, check_env = command(blocks[3])
-    checked = subprocess.run(["bash", "-c", check], env=check_env, cwd=tmp_path, capture_output=True, text=True,
-                             timeout=300)
+    checked = subprocess.run(
+        ["bash", "-c", check], env=check_env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
 
     rows = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines() if line.strip()]
     rule = [check_rollout(row) for row in rows]
     calls = sum(r.model_calls for r in rule)
-    print(f"\n[nemo-gym walk-through] rollouts {len(rows)}, contiguous by NeMo RL's rule "
-          f"{sum(r.contiguous for r in rule)}, model calls {calls}, with several calls "
-          f"{sum(r.model_calls > 1 for r in rule)}, hook splices {splices:.0f}, rewards "
-          f"{sum(row['reward'] for row in rows):.0f}/{len(rows)}\n[nemo-gym walk-through] ngt check:\n{checked.stdout}")
+    print(
+        f"\n[nemo-gym walk-through] rollouts {len(rows)}, contiguous by NeMo RL's rule "
+        f"{sum(r.contiguous for r in rule)}, model calls {calls}, with several calls "
+        f"{sum(r.model_calls > 1 for r in rule)}, hook splices {splices:.0f}, rewards "
+        f"{sum(row['reward'] for row in rows):.0f}/{len(rows)}\n[nemo-gym walk-through] ngt check:\n{checked.stdout}"
+    )
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert f"token-contiguous rollouts: {len(rows)}/{len(rows)}" in checked.stdout
     assert len(rows) == SHIPPED_ROWS * REPEATS

@@ -8,9 +8,8 @@ Prints a JSON object: `validated` (count), `total`, and `failures` (index, kind,
 import json
 import sys
 
-from pydantic import ValidationError
-
 from nemo_gym.openai_utils import NeMoGymChatCompletion, NeMoGymResponse
+from pydantic import ValidationError
 
 MODELS = {"response": NeMoGymResponse, "chat": NeMoGymChatCompletion}
 

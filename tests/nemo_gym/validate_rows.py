@@ -13,12 +13,11 @@ Prints JSON: `validated`, `total`, `failures` (index, NeMo Gym's error), `aggreg
 import json
 import sys
 
-from pydantic import ValidationError
-
 from nemo_gym.base_resources_server import BaseVerifyResponse
 from nemo_gym.global_config import AGENT_REF_KEY_NAME, ROLLOUT_INDEX_KEY_NAME, TASK_INDEX_KEY_NAME
-from nemo_gym.rollout_collection import NG_FAILURE_CLASS_KEY, is_terminal_failure
 from nemo_gym.reward_profile import compute_aggregate_metrics
+from nemo_gym.rollout_collection import NG_FAILURE_CLASS_KEY, is_terminal_failure
+from pydantic import ValidationError
 
 
 def _keys_problem(row: dict) -> str | None:
@@ -50,13 +49,18 @@ def main() -> None:
     # Scored only when every row validated: NeMo Gym's scoring assumes the rows its collection writes.
     aggregate = compute_aggregate_metrics(rows).model_dump(mode="json") if rows and not failures else None
     sidecar_valid = sum(_keys_problem(r) is None and isinstance(r.get(NG_FAILURE_CLASS_KEY), str) for r in failure_rows)
-    json.dump({
-        "validated": len(rows) - len({f["index"] for f in failures if f["index"] is not None}),
-        "total": len(rows), "failures": failures,
-        "aggregate": (aggregate or {}).get("agent_metrics"),
-        "sidecar_valid": sidecar_valid, "sidecar_total": len(failure_rows),
-        "sidecar_terminal": sum(is_terminal_failure(r) for r in failure_rows),
-    }, sys.stdout)
+    json.dump(
+        {
+            "validated": len(rows) - len({f["index"] for f in failures if f["index"] is not None}),
+            "total": len(rows),
+            "failures": failures,
+            "aggregate": (aggregate or {}).get("agent_metrics"),
+            "sidecar_valid": sidecar_valid,
+            "sidecar_total": len(failure_rows),
+            "sidecar_terminal": sum(is_terminal_failure(r) for r in failure_rows),
+        },
+        sys.stdout,
+    )
 
 
 if __name__ == "__main__":

@@ -14,11 +14,11 @@ from fastapi.responses import JSONResponse
 from fastapi.responses import Response as HTTPResponse
 
 from nemo_gym_tok.agents.simple_agent import nemo_gym_protocol as nemo_gym
+from nemo_gym_tok.http_errors import error_message, error_param
+from nemo_gym_tok.rollout_record import RECORD_SCHEMA_VERSION, SCHEMA_VERSION_KEY, PromptPacker
 from nemo_gym_tok.servers.base import RESERVED_PATHS, Agent, BaseServerConfig
 from nemo_gym_tok.servers.bodies import json_object
 from nemo_gym_tok.servers.client import SESSION_HEADER
-from nemo_gym_tok.http_errors import error_message, error_param
-from nemo_gym_tok.rollout_record import RECORD_SCHEMA_VERSION, SCHEMA_VERSION_KEY, PromptPacker
 from nemo_gym_tok.servers.errors import ApiError
 from nemo_gym_tok.servers.openapi import AgentRunRequest, json_body
 from nemo_gym_tok.types.responses import Response, ResponsesRequest, ResponseUsage
@@ -88,7 +88,9 @@ class SimpleAgent(Agent):
         params = row.get(ROW_PARAMS_KEY)
         if not isinstance(params, dict) or "input" not in params:
             raise ApiError(
-                400, f"the row needs {ROW_PARAMS_KEY} with an `input` (the episode's first messages)", param=ROW_PARAMS_KEY,
+                400,
+                f"the row needs {ROW_PARAMS_KEY} with an `input` (the episode's first messages)",
+                param=ROW_PARAMS_KEY,
             )
         env = self.config.resources_server
         first_input = _as_items(params["input"])
@@ -119,7 +121,9 @@ class SimpleAgent(Agent):
             if step_result.get("done", True):
                 break  # a user_message that comes with done is the environment's last word, recorded as is
         summary = _episode_response(responses, episode.items)
-        verdict = await self._call(env, "/verify", {**row, "response": summary}, session, row_param=_row_field_of_verify)
+        verdict = await self._call(
+            env, "/verify", {**row, "response": summary}, session, row_param=_row_field_of_verify
+        )
         return _record(row, {**summary, "output": episode.recorded()}, verdict)
 
     async def _model_call(self, row: dict[str, Any], body: dict[str, Any], step: int, session: str) -> dict[str, Any]:
@@ -130,7 +134,11 @@ class SimpleAgent(Agent):
         return await self._call(self.config.model_server, "/v1/responses", body, session, row_param=row_param)
 
     async def _run_nemo_gym_episode(
-        self, row: dict[str, Any], session: str, first_input: list[dict[str, Any]], request_base: dict[str, Any],
+        self,
+        row: dict[str, Any],
+        session: str,
+        first_input: list[dict[str, Any]],
+        request_base: dict[str, Any],
     ) -> dict[str, Any]:
         """One rollout against a NeMo Gym resources server (`environment_protocol: nemo_gym`)."""
         env, jar = self.config.resources_server, nemo_gym.CookieJar()
@@ -188,7 +196,12 @@ class SimpleAgent(Agent):
         return self._closes_sessions[env]
 
     async def _env_call(
-        self, env: str, path: str, body: dict[str, Any], jar: nemo_gym.CookieJar, row_param: RowParam,
+        self,
+        env: str,
+        path: str,
+        body: dict[str, Any],
+        jar: nemo_gym.CookieJar,
+        row_param: RowParam,
     ) -> Any:
         answer = await self._post(env, path, body, None, jar.headers())
         jar.update(answer)
@@ -200,7 +213,9 @@ class SimpleAgent(Agent):
             return  # seeding failed before the server named a session, or the server keeps nothing to release
         answer = await self._post(env, nemo_gym.CLOSE_SESSION_PATH, {}, None, jar.headers())
         if answer.status_code >= 400 and answer.status_code not in nemo_gym.CLOSE_NOT_APPLICABLE:
-            raise ApiError(502, f"{env} could not close the session: HTTP {answer.status_code}: {error_message(answer)}")
+            raise ApiError(
+                502, f"{env} could not close the session: HTTP {answer.status_code}: {error_message(answer)}"
+            )
 
     async def _run_tool(self, env: str, call: dict[str, Any], session: str, offered: set[str]) -> dict[str, Any]:
         """The tool's answer as a function_call_output item; the model's own mistakes become text it can read."""
@@ -222,7 +237,12 @@ class SimpleAgent(Agent):
         return _tool_output(call, result if isinstance(result, str) else json.dumps(result))
 
     async def _call(
-        self, server: str, path: str, body: dict[str, Any], session: str, row_param: RowParam | None = None,
+        self,
+        server: str,
+        path: str,
+        body: dict[str, Any],
+        session: str,
+        row_param: RowParam | None = None,
     ) -> Any:
         """`server`'s JSON answer; with `row_param`, a 4xx refusal is the row's fault and becomes a 400 (413) naming
         the row field `row_param` maps the server's `error.param` to, else any error is a 502."""
@@ -248,7 +268,12 @@ class SimpleAgent(Agent):
         return name not in RESERVED_PATHS if declared is None else name in declared
 
     async def _post(
-        self, server: str, path: str, body: Any, session: str | None, headers: dict[str, str] | None = None,
+        self,
+        server: str,
+        path: str,
+        body: Any,
+        session: str | None,
+        headers: dict[str, str] | None = None,
     ) -> httpx.Response:
         """POST to `server`: the episode named by the `x-session-id` header (`session`) and/or by `headers`."""
         headers = {**(headers or {}), **({SESSION_HEADER: session} if session is not None else {})}
@@ -326,7 +351,9 @@ def _offered_tool_names(tools: Any) -> set[str]:
     names: set[str] = set()
     for index, tool in enumerate(tools):
         if not isinstance(tool, dict):
-            raise ApiError(400, f"{where}[{index}] must be a tool object, got {type(tool).__name__}", param=f"{where}[{index}]")
+            raise ApiError(
+                400, f"{where}[{index}] must be a tool object, got {type(tool).__name__}", param=f"{where}[{index}]"
+            )
         if "function" in tool and "name" not in tool:  # chat-style {"type": "function", "function": {"name": ...}}
             function = tool["function"]
             if not isinstance(function, dict):
@@ -385,8 +412,13 @@ class _Episode:
     def add_call(self, items: list[dict[str, Any]]) -> None:
         """Append one model call's output items."""
         latest = self._latest
-        if (items and latest is not None and latest[0] == len(self.items) - 1 and _is_type(items[0], "function_call")
-                and _is_type(self.items[-1], "message")):
+        if (
+            items
+            and latest is not None
+            and latest[0] == len(self.items) - 1
+            and _is_type(items[0], "function_call")
+            and _is_type(self.items[-1], "message")
+        ):
             self._separators[latest[0]] = latest[1]
         for item in items:
             self.add(item)

@@ -22,8 +22,20 @@ NEMO_GYM = "nemo_gym"
 COOKIE_HEADER = "cookie"
 CLOSE_SESSION_PATH = "/close_session"
 # Endpoints of a NeMo Gym resources server that a tool call must never reach: the episode's own life cycle.
-LIFECYCLE_ROUTES = frozenset({"seed_session", "verify", "close_session", "aggregate_metrics", "reverify_mode", "mcp",
-                              "health", "docs", "redoc", "openapi.json"})
+LIFECYCLE_ROUTES = frozenset(
+    {
+        "seed_session",
+        "verify",
+        "close_session",
+        "aggregate_metrics",
+        "reverify_mode",
+        "mcp",
+        "health",
+        "docs",
+        "redoc",
+        "openapi.json",
+    }
+)
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 # Status codes of /close_session that mean "nothing to release for a /run-seeded session" (route absent, or it
 # closes only sessions seeded with a resources_session_id).

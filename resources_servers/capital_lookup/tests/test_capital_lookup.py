@@ -119,7 +119,9 @@ def test_string_content_is_read_too() -> None:
 
 def test_require_tool_call_withholds_reward_from_recall() -> None:
     assert play(client(require_tool_call=True), "s", "Paris", lookups=0) == {
-        "reward": 0.0, "answered": True, "tool_calls": 0
+        "reward": 0.0,
+        "answered": True,
+        "tool_calls": 0,
     }
     assert play(client(require_tool_call=True), "s", "Paris", lookups=2)["reward"] == 1.0
     assert play(client(), "s", "Paris", lookups=0)["reward"] == 1.0

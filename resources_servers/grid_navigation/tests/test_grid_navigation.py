@@ -20,8 +20,14 @@ ROWS = [json.loads(line) for line in (FOLDER / "data" / "example.jsonl").read_te
 # The north-west corner of a 5x5 grid:   S . K    S start [0, 0], G goal [2, 2], # wall, K key, C coin;
 #                                        . # .    the goal counts only while holding the key.
 #                                        C . G
-GRID = {"size": 5, "start": [0, 0], "goal": [2, 2], "walls": [[1, 1]], "items": {"key": [0, 2], "coin": [2, 0]},
-        "requires_key": True}
+GRID = {
+    "size": 5,
+    "start": [0, 0],
+    "goal": [2, 2],
+    "walls": [[1, 1]],
+    "items": {"key": [0, 2], "coin": [2, 0]},
+    "requires_key": True,
+}
 
 
 def client(**fields: Any) -> TestClient:
@@ -62,7 +68,11 @@ def test_winning_episode_gets_full_reward() -> None:
     assert "items: coin at [2, 0]; holding: key" in call(http, "look", {})
     assert http.post("/step", json={"output": []}, headers={"x-session-id": "s"}).json() == {"done": True}
     assert verify(http) == {
-        "reward": 1.0, "final_position": [2, 2], "reached_goal": True, "moves": 2, "holding": ["key"]
+        "reward": 1.0,
+        "final_position": [2, 2],
+        "reached_goal": True,
+        "moves": 2,
+        "holding": ["key"],
     }
 
 
@@ -102,9 +112,7 @@ def test_walls_and_edges_stop_a_move() -> None:
     assert call(http, "move", {"direction": "south", "steps": 2}) == (
         "moved 0 of 2 south; now at [0, 1]; stopped by a wall at [1, 1]"
     )
-    assert call(http, "move", {"direction": "east", "steps": 3}) == (
-        "moved 3 of 3 east; now at [0, 4]"
-    )
+    assert call(http, "move", {"direction": "east", "steps": 3}) == ("moved 3 of 3 east; now at [0, 4]")
     assert call(http, "move", {"direction": "east", "steps": 1}).endswith("stopped by the edge of the grid")
     assert verify(http)["moves"] == 5  # blocked moves are moves the model made
 
@@ -122,15 +130,21 @@ def test_pick_up_tells_what_went_wrong() -> None:
 @pytest.mark.parametrize(
     ("tool", "arguments", "output"),
     [
-        ("move", {"direction": "up", "steps": 1},
-         'error: direction must be one of "north", "south", "east", "west", got "up"'),
+        (
+            "move",
+            {"direction": "up", "steps": 1},
+            'error: direction must be one of "north", "south", "east", "west", got "up"',
+        ),
         ("move", {"direction": "east", "steps": 5}, "error: steps must be one of 1, 2, 3, got 5"),
         ("move", {"direction": "east", "steps": "2"}, 'error: steps must be one of 1, 2, 3, got "2"'),
         ("move", {"direction": "east", "steps": 2.0}, "error: steps must be one of 1, 2, 3, got 2.0"),
         ("move", {"direction": "east", "steps": True}, "error: steps must be one of 1, 2, 3, got true"),
         ("move", {"direction": "east"}, "error: move needs steps, one of 1, 2, 3"),
-        ("move", {"direction": "east", "steps": 1, "run": True},
-         "error: move has no argument run; it takes direction, steps"),
+        (
+            "move",
+            {"direction": "east", "steps": 1, "run": True},
+            "error: move has no argument run; it takes direction, steps",
+        ),
         ("look", {"where": "north"}, "error: look has no argument where; it takes no arguments"),
         ("pick_up", {"item": "sword"}, 'error: item must be one of "key", "coin", got "sword"'),
         ("pick_up", {}, 'error: pick_up needs item, one of "key", "coin"'),
@@ -192,6 +206,7 @@ def test_a_verify_body_without_the_episode_is_400_and_keeps_the_session() -> Non
     assert answer.status_code == 400 and "response.output" in answer.json()["error"]["message"]
     assert verify(http)["final_position"] == [0, 2]
 
+
 def test_sessions_are_independent() -> None:
     http = seeded(session="a")
     http.post("/seed_session", json={"grid": GRID}, headers={"x-session-id": "b"})
@@ -206,7 +221,9 @@ def test_example_rows_follow_the_row_rules() -> None:
         params = row["responses_create_params"]
         assert [m["role"] for m in params["input"]] == ["system", "user"]
         assert (params["tool_choice"], params["parallel_tool_calls"], params["max_output_tokens"]) == (
-            "required", False, 64
+            "required",
+            False,
+            64,
         )
         assert params["tools"] == list(TOOLS.values())
         for tool in params["tools"]:

@@ -173,6 +173,7 @@ def test_a_verify_body_without_the_episode_is_400_and_keeps_the_session() -> Non
     assert answer.status_code == 400 and "response.output" in answer.json()["error"]["message"]
     assert game.verify()["reward"] == 1.0
 
+
 def test_sessions_are_independent() -> None:
     http = client()
     first, second = Episode(http, row_with(37), session="a"), Episode(http, row_with(80), session="b")

@@ -55,7 +55,9 @@ def recording_proxy_app(
         raw = await request.body()
         if as_stock_vllm and raw:
             raw = json.dumps(without_token_fields(json.loads(raw))).encode()
-        upstream = await client.request(request.method, f"/{path}", content=raw, headers={"content-type": "application/json"})
+        upstream = await client.request(
+            request.method, f"/{path}", content=raw, headers={"content-type": "application/json"}
+        )
         answer = upstream.json()
         if drop_message_bundles:
             for choice in answer.get("choices", []) if isinstance(answer, dict) else []:
@@ -114,5 +116,8 @@ def bundle_free_vllm(vllm_server: VLLMServer) -> Iterator[RecordingProxy]:
 def tokenize_fallback_adapter(bundle_free_vllm: RecordingProxy, vllm_server: VLLMServer) -> Iterator[str]:
     """return_token_ids off and no message bundle: prompt ids come from /tokenize (which the hook splices too)."""
     yield from adapter(
-        bundle_free_vllm.url, vllm_server.served_model_name, return_token_id_information=True, use_return_token_ids=False
+        bundle_free_vllm.url,
+        vllm_server.served_model_name,
+        return_token_id_information=True,
+        use_return_token_ids=False,
     )

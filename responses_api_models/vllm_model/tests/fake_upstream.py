@@ -12,7 +12,10 @@ from fastapi.responses import JSONResponse
 def chat_completion(model: str, message: dict[str, Any], finish_reason: str = "stop") -> dict[str, Any]:
     """A minimal vLLM chat completion answer with one choice."""
     return {
-        "id": "x", "object": "chat.completion", "created": 0, "model": model,
+        "id": "x",
+        "object": "chat.completion",
+        "created": 0,
+        "model": model,
         "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
         "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
     }

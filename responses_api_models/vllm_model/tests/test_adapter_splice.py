@@ -24,14 +24,18 @@ TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_prob
 @pytest.fixture(scope="module")
 def adapter_on_stock(plain_vllm_server: VLLMServer) -> Iterator[str]:
     yield from adapter(
-        plain_vllm_server.base_url, plain_vllm_server.served_model_name, return_token_id_information=True,
+        plain_vllm_server.base_url,
+        plain_vllm_server.served_model_name,
+        return_token_id_information=True,
         splice="adapter",
     )
 
 
 @pytest.fixture(scope="module")
 def auto_on_stock(plain_vllm_server: VLLMServer) -> Iterator[str]:
-    yield from adapter(plain_vllm_server.base_url, plain_vllm_server.served_model_name, return_token_id_information=True)
+    yield from adapter(
+        plain_vllm_server.base_url, plain_vllm_server.served_model_name, return_token_id_information=True
+    )
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +118,10 @@ def test_adapter_splice_on_stock_vllm_is_contiguous_with_tool_calls(adapter_on_s
     later = [t for c in conversations for t in c.telemetry[1:]]
     assert all(t is not None and t["applied"] and t["spliced_by"] == "adapter" for t in later)
     repaired = sum(t["template_differed"] for t in later)
-    print(f"\nadapter splice on stock vLLM: {len(conversations)}/{len(conversations)} conversations contiguous "
-          f"({sum(c.tool_calls for c in conversations)} tool calls); {repaired}/{len(later)} turns repaired")
+    print(
+        f"\nadapter splice on stock vLLM: {len(conversations)}/{len(conversations)} conversations contiguous "
+        f"({sum(c.tool_calls for c in conversations)} tool calls); {repaired}/{len(later)} turns repaired"
+    )
     assert repaired > 0  # the random model's text re-tokenizes differently: the splice did real work
 
 
@@ -146,7 +152,9 @@ def test_prefix_that_does_not_fit_is_refused(adapter_on_stock: str) -> None:
     assert "messages[0]" in str(refused.value)
     with pytest.raises(BadRequestError) as empty:
         client.chat.completions.create(
-            model="policy", messages=[*conversation.messages, {"role": "user", "content": "?"}], max_tokens=4,
+            model="policy",
+            messages=[*conversation.messages, {"role": "user", "content": "?"}],
+            max_tokens=4,
             extra_body={"required_prefix_token_ids": []},
         )
     assert "empty" in str(empty.value)
@@ -155,13 +163,22 @@ def test_prefix_that_does_not_fit_is_refused(adapter_on_stock: str) -> None:
 def test_a_local_template_unlike_the_servers_is_refused(plain_vllm_server: VLLMServer) -> None:
     other_template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     for url in adapter(
-        plain_vllm_server.base_url, plain_vllm_server.served_model_name, return_token_id_information=True,
-        splice="adapter", chat_template=other_template,
+        plain_vllm_server.base_url,
+        plain_vllm_server.served_model_name,
+        return_token_id_information=True,
+        splice="adapter",
+        chat_template=other_template,
     ):
         (conversation,) = play(url, range(61, 62), turns=1)
-        answer = httpx.post(f"{url}/v1/chat/completions", timeout=300, json={
-            "model": "policy", "messages": [*conversation.messages, {"role": "user", "content": "?"}], "max_tokens": 4,
-        })
+        answer = httpx.post(
+            f"{url}/v1/chat/completions",
+            timeout=300,
+            json={
+                "model": "policy",
+                "messages": [*conversation.messages, {"role": "user", "content": "?"}],
+                "max_tokens": 4,
+            },
+        )
         assert answer.status_code == 502, answer.text
         error = answer.json()["error"]
         assert error["type"] == "adapter_template_mismatch"

@@ -23,7 +23,9 @@ def settings(turn: int) -> tuple[int, dict[str, Any]]:
     "way, expected_source",
     [("bundles", "message"), ("extra_body_prefix", "message"), ("tokenize_fallback", "tokenize")],
 )
-def test_chat_turns_are_contiguous(way: str, expected_source: str, training_adapter: str, tokenize_fallback_adapter: str) -> None:
+def test_chat_turns_are_contiguous(
+    way: str, expected_source: str, training_adapter: str, tokenize_fallback_adapter: str
+) -> None:
     url = tokenize_fallback_adapter if way == "tokenize_fallback" else training_adapter
     client = sdk(url, f"e2e-{way}")
     messages: list[dict[str, Any]] = []
@@ -56,7 +58,9 @@ def test_responses_turns_are_contiguous(training_adapter: str) -> None:
     for turn in range(4):
         items.append({"role": "user", "content": f"Turn {turn}: and then?"})
         max_tokens, extra = settings(turn)
-        response = client.responses.create(model="policy", input=items, max_output_tokens=max_tokens, extra_body={**extra, "seed": turn})
+        response = client.responses.create(
+            model="policy", input=items, max_output_tokens=max_tokens, extra_body={**extra, "seed": turn}
+        )
         output = [item.model_dump(exclude_none=True) for item in response.output]
         bundle = output[-1]
         assert bundle["token_source"] == "message"

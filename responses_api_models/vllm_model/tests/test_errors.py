@@ -41,15 +41,38 @@ def capture_adapter(upstream) -> Iterator[str]:
 MALFORMED = [
     ({"messages": [USER, assistant(prompt_token_ids=[1])]}, "messages[1]: Value error, token bundle is all or none"),
     ({"messages": [USER, assistant(prompt_token_ids=[1], generation_token_ids=[2])]}, "without generation_log_probs"),
-    ({"messages": [USER, assistant(**{**BUNDLE, "generation_log_probs": [-1.0, -2.0]})]},
-     "generation_token_ids (1) and generation_log_probs (2) must have the same length"),
-    ({"messages": [USER, assistant(**{**BUNDLE, "prompt_token_ids": ["1", 2]})]}, "messages[1].prompt_token_ids[0]: Input should be a valid integer"),
-    ({"messages": [USER, assistant(**{**BUNDLE, "prompt_token_ids": [1.0, 2]})]}, "messages[1].prompt_token_ids[0]: Input should be a valid integer"),
-    ({"messages": [USER, assistant(**{**BUNDLE, "generation_token_ids": [-3]})]}, "messages[1].generation_token_ids[0]: Input should be greater than or equal to 0"),
-    ({"messages": [USER, assistant(**{**BUNDLE, "prompt_token_ids": [True, 2]})]}, "messages[1].prompt_token_ids[0]: Input should be a valid integer"),
-    ({"messages": [USER], "required_prefix_token_ids": "1,2"}, "required_prefix_token_ids: Input should be a valid list"),
-    ({"messages": [USER], "required_prefix_token_ids": [1, -2]}, "required_prefix_token_ids[1]: Input should be greater than or equal to 0"),
-    ({"messages": [USER], "required_prefix_token_ids": [1, 2.5]}, "required_prefix_token_ids[1]: Input should be a valid integer"),
+    (
+        {"messages": [USER, assistant(**{**BUNDLE, "generation_log_probs": [-1.0, -2.0]})]},
+        "generation_token_ids (1) and generation_log_probs (2) must have the same length",
+    ),
+    (
+        {"messages": [USER, assistant(**{**BUNDLE, "prompt_token_ids": ["1", 2]})]},
+        "messages[1].prompt_token_ids[0]: Input should be a valid integer",
+    ),
+    (
+        {"messages": [USER, assistant(**{**BUNDLE, "prompt_token_ids": [1.0, 2]})]},
+        "messages[1].prompt_token_ids[0]: Input should be a valid integer",
+    ),
+    (
+        {"messages": [USER, assistant(**{**BUNDLE, "generation_token_ids": [-3]})]},
+        "messages[1].generation_token_ids[0]: Input should be greater than or equal to 0",
+    ),
+    (
+        {"messages": [USER, assistant(**{**BUNDLE, "prompt_token_ids": [True, 2]})]},
+        "messages[1].prompt_token_ids[0]: Input should be a valid integer",
+    ),
+    (
+        {"messages": [USER], "required_prefix_token_ids": "1,2"},
+        "required_prefix_token_ids: Input should be a valid list",
+    ),
+    (
+        {"messages": [USER], "required_prefix_token_ids": [1, -2]},
+        "required_prefix_token_ids[1]: Input should be greater than or equal to 0",
+    ),
+    (
+        {"messages": [USER], "required_prefix_token_ids": [1, 2.5]},
+        "required_prefix_token_ids[1]: Input should be a valid integer",
+    ),
     ({"messages": [USER], "n": 2}, "n > 1 is not supported with token ids"),
     ({"messages": {"role": "user", "content": "hi"}}, "messages: Input should be a valid list"),
     ({"messages": "hi"}, "messages: Input should be a valid list"),
@@ -68,7 +91,9 @@ def test_malformed_chat_requests_are_400_naming_the_field(capture_adapter: str, 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b'"text"'])
 def test_body_that_is_not_a_json_object(capture_adapter: str, raw: bytes) -> None:
-    answer = httpx.post(f"{capture_adapter}/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    answer = httpx.post(
+        f"{capture_adapter}/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
+    )
     assert answer.status_code == 400
     assert "request body" in answer.json()["error"]["message"]
 
@@ -107,7 +132,10 @@ def test_vllm_500_is_a_502_at_once_carrying_its_reason_and_the_url_stays_healthy
         for adapter in serve_adapter(url, max_attempts=3):
             answer = httpx.post(f"{adapter}/v1/chat/completions", json={"messages": [USER]})
             assert answer.status_code == 502
-            assert answer.json()["error"]["message"] == f"vLLM at {url}/v1/chat/completions answered HTTP 500: broken is broken"
+            assert (
+                answer.json()["error"]["message"]
+                == f"vLLM at {url}/v1/chat/completions answered HTTP 500: broken is broken"
+            )
             assert answer.json()["error"]["type"] == "upstream_error"
             streamed = httpx.post(f"{adapter}/v1/chat/completions", json={"messages": [USER], "stream": True})
             assert streamed.status_code == 502 and "broken is broken" in streamed.json()["error"]["message"]
@@ -150,8 +178,9 @@ def test_a_500_from_a_server_whose_health_fails_is_the_urls_failure() -> None:
     dying, live = FakeUpstream("dying", status=500, healthy=False), FakeUpstream("live")
     with serve_in_thread(dying.app()) as dying_url, serve_in_thread(live.app()) as live_url:
         for adapter in serve_adapter([dying_url, live_url]):
-            answer = httpx.post(f"{adapter}/v1/chat/completions", json={"messages": [USER]},
-                                headers={"x-session-id": "c"})
+            answer = httpx.post(
+                f"{adapter}/v1/chat/completions", json={"messages": [USER]}, headers={"x-session-id": "c"}
+            )
             assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == "from live"
             replicas = httpx.get(f"{adapter}/routing").json()["urls"]
     assert len(dying.requests) == 1 and not replicas[0]["healthy"] and replicas[1]["healthy"]

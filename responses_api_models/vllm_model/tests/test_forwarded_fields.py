@@ -29,16 +29,21 @@ def test_listed_and_adapter_fields_are_forwarded(narrowed) -> None:
     assert httpx.post(f"{adapter}/v1/chat/completions", json=body).status_code == 200
     assert fake.requests[-1]["temperature"] == 0.5 and fake.requests[-1]["max_tokens"] == 3
     # Responses: input and instructions become messages; max_output_tokens reaches vLLM as the listed max_tokens.
-    answer = httpx.post(f"{adapter}/v1/responses", json={"input": "hi", "instructions": "Be brief.",
-                                                         "max_output_tokens": 4, "temperature": 0.1})
+    answer = httpx.post(
+        f"{adapter}/v1/responses",
+        json={"input": "hi", "instructions": "Be brief.", "max_output_tokens": 4, "temperature": 0.1},
+    )
     assert answer.status_code == 200, answer.text
     assert fake.requests[-1]["max_tokens"] == 4
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/chat/completions", {"messages": [USER], "temperature": 0.5, "guided_json": {"type": "object"}}),
-    ("/v1/responses", {"input": "hi", "guided_json": {"type": "object"}}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/chat/completions", {"messages": [USER], "temperature": 0.5, "guided_json": {"type": "object"}}),
+        ("/v1/responses", {"input": "hi", "guided_json": {"type": "object"}}),
+    ],
+)
 def test_an_unlisted_field_is_a_400_naming_it(narrowed, path: str, body: dict) -> None:
     adapter, fake = narrowed
     answer = httpx.post(f"{adapter}{path}", json=body)

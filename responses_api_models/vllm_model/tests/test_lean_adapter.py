@@ -75,7 +75,10 @@ class HoldingUpstream:
 
 
 async def most_held(
-    upstream: HoldingUpstream, calls: int, send: Callable[[], Awaitable[httpx.Response]], cap: int | None,
+    upstream: HoldingUpstream,
+    calls: int,
+    send: Callable[[], Awaitable[httpx.Response]],
+    cap: int | None,
 ) -> int:
     """Make `calls` chat calls at once through `send`; the most `upstream` held at once (then all are answered).
     With a `cap`, waits for that many and then a second for more; without, waits for all of them."""
@@ -90,20 +93,32 @@ async def most_held(
 def adapter_calls_held(adapter: str, upstream: HoldingUpstream, calls: int, cap: int | None = None) -> int:
     async def run() -> int:
         async with httpx.AsyncClient(timeout=120, limits=pool_limits(calls + 10)) as http:
-            return await most_held(upstream, calls, lambda: http.post(
-                f"{adapter}/v1/chat/completions", json={"model": "m", "messages": [USER]}), cap)
+            return await most_held(
+                upstream,
+                calls,
+                lambda: http.post(f"{adapter}/v1/chat/completions", json={"model": "m", "messages": [USER]}),
+                cap,
+            )
 
     return asyncio.run(run())
 
 
 def server_client_calls_held(
-    url: str, upstream: HoldingUpstream, calls: int, cap: int | None = None, **options: Any,
+    url: str,
+    upstream: HoldingUpstream,
+    calls: int,
+    cap: int | None = None,
+    **options: Any,
 ) -> int:
     async def run() -> int:
         client = ServerClient({"model": url}, **options)
         try:
-            return await most_held(upstream, calls, lambda: client.post(
-                "model", "/v1/chat/completions", json={"model": "m", "messages": [USER]}), cap)
+            return await most_held(
+                upstream,
+                calls,
+                lambda: client.post("model", "/v1/chat/completions", json={"model": "m", "messages": [USER]}),
+                cap,
+            )
         finally:
             await client.aclose()
 
@@ -133,8 +148,9 @@ def test_every_server_has_pool_and_timeout_keys_with_the_gyms_defaults() -> None
     assert limits.max_connections == 512 and limits.max_keepalive_connections == 512
     assert limits.keepalive_expiry == DEFAULT_KEEPALIVE_EXPIRY_SECONDS < 5  # under uvicorn's and vLLM's keep-alive
     assert timeout.connect == DEFAULT_CONNECT_TIMEOUT_SECONDS and timeout.read == 600.0 and timeout.pool == 600.0
-    custom = BaseServerConfig(max_connections=40, max_keepalive_connections=8, connect_timeout_seconds=2,
-                              request_timeout_seconds=30)
+    custom = BaseServerConfig(
+        max_connections=40, max_keepalive_connections=8, connect_timeout_seconds=2, request_timeout_seconds=30
+    )
     assert (custom.http_limits().max_connections, custom.http_limits().max_keepalive_connections) == (40, 8)
     assert (custom.http_timeout().connect, custom.http_timeout().read) == (2, 30)
     with pytest.raises(ValueError):
@@ -173,9 +189,15 @@ def test_ngt_run_children_build_their_client_from_their_config(monkeypatch: pyte
             built.update(kwargs)
             super().__init__(*args, **kwargs)
 
-    spec = {"name": "env", "kind": "resources_servers", "implementation": "number_guess",
-            "fields": {"port": 0, "max_connections": 64, "request_timeout_seconds": 90, "connect_timeout_seconds": 3},
-            "servers": {}, "head_url": None, "listen_fd": None}
+    spec = {
+        "name": "env",
+        "kind": "resources_servers",
+        "implementation": "number_guess",
+        "fields": {"port": 0, "max_connections": 64, "request_timeout_seconds": 90, "connect_timeout_seconds": 3},
+        "servers": {},
+        "head_url": None,
+        "listen_fd": None,
+    }
     monkeypatch.setenv(serve.SPEC_ENV, json.dumps(spec))
     monkeypatch.setattr(serve, "ServerClient", RecordingClient)
     monkeypatch.setattr(serve.uvicorn.Server, "run", lambda self, sockets=None: None)
@@ -192,29 +214,37 @@ def test_an_integer_past_64_bits_reaches_vllm_exact() -> None:
     with serve_in_thread(fake.app()) as url:
         for adapter in adapter_url(url):
             schema = {"type": "object", "properties": {"x": {"enum": [10**30]}}}
-            body = {"messages": [USER], "response_format": {"type": "json_schema", "json_schema": {"schema": schema}},
-                    "seed": 2**64 + 1}
-            answer = httpx.post(f"{adapter}/v1/chat/completions", content=json.dumps(body),
-                                headers={"content-type": "application/json"})
+            body = {
+                "messages": [USER],
+                "response_format": {"type": "json_schema", "json_schema": {"schema": schema}},
+                "seed": 2**64 + 1,
+            }
+            answer = httpx.post(
+                f"{adapter}/v1/chat/completions", content=json.dumps(body), headers={"content-type": "application/json"}
+            )
             assert answer.status_code == 200, answer.text
     sent = fake.requests[-1]  # the stand-in reads with the stdlib: a float would show as 1e+30
     assert sent["seed"] == 2**64 + 1 and isinstance(sent["seed"], int)
     assert sent["response_format"]["json_schema"]["schema"]["properties"]["x"]["enum"] == [10**30]
 
 
-@pytest.mark.parametrize("raw, message", [
-    (b'{"messages": [1,]}', "request body is not valid JSON: Expecting value"),  # orjson's words would differ
-    (b'{"a": 1} x', "request body is not valid JSON: Extra data"),
-    (b'{"a": NaN}', "NaN is not a JSON number"),
-    (b'{"a": "\\udfff"}', "a: a string has a lone UTF-16 surrogate"),
-    (b'{"a": 1e999}', "out of range for a 64-bit float"),
-])
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (b'{"messages": [1,]}', "request body is not valid JSON: Expecting value"),  # orjson's words would differ
+        (b'{"a": 1} x', "request body is not valid JSON: Extra data"),
+        (b'{"a": NaN}', "NaN is not a JSON number"),
+        (b'{"a": "\\udfff"}', "a: a string has a lone UTF-16 surrogate"),
+        (b'{"a": 1e999}', "out of range for a 64-bit float"),
+    ],
+)
 def test_the_adapter_names_what_is_wrong_with_a_body_as_before(raw: bytes, message: str) -> None:
     fake = FakeUpstream("fake")
     with serve_in_thread(fake.app()) as url:
         for adapter in adapter_url(url):
-            answer = httpx.post(f"{adapter}/v1/chat/completions", content=raw,
-                                headers={"content-type": "application/json"})
+            answer = httpx.post(
+                f"{adapter}/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
+            )
     assert answer.status_code == 400, answer.text
     assert message in answer.json()["error"]["message"]
     assert fake.requests == []
@@ -264,7 +294,9 @@ def test_a_vllm_answer_that_is_not_json_is_a_502_naming_vllm() -> None:
             answer = httpx.post(f"{adapter}/v1/chat/completions", json={"messages": [USER]})
     assert answer.status_code == 502, answer.text
     message = answer.json()["error"]["message"]
-    assert message.startswith("vLLM at http://127.0.0.1:") and "answered HTTP 200 with a body that is not JSON" in message
+    assert (
+        message.startswith("vLLM at http://127.0.0.1:") and "answered HTTP 200 with a body that is not JSON" in message
+    )
     assert "'<html>proxy error</html>'" in message
 
 
@@ -281,8 +313,13 @@ def hooked_stand_in(received: list[dict[str, Any]]) -> FastAPI:
         received.append(body)
         last = next(m for m in reversed(body["messages"]) if m.get("prompt_token_ids") is not None)
         prompt = [*last["prompt_token_ids"], *last["generation_token_ids"], 8]
-        message = {"role": "assistant", "content": "ok", "prompt_token_ids": prompt, "generation_token_ids": [9],
-                   "generation_log_probs": [-0.1]}
+        message = {
+            "role": "assistant",
+            "content": "ok",
+            "prompt_token_ids": prompt,
+            "generation_token_ids": [9],
+            "generation_log_probs": [-0.1],
+        }
         answer = chat_completion("m", message)
         answer["prompt_token_ids"] = prompt
         answer["choices"][0].update(token_ids=[9], logprobs={"content": [{"token": "token_id:9", "logprob": -0.1}]})
@@ -294,8 +331,15 @@ def hooked_stand_in(received: list[dict[str, Any]]) -> FastAPI:
 def test_vllm_gets_the_callers_body_as_validated() -> None:
     history = [
         USER,
-        {"role": "assistant", "content": "a", "reasoning": "thought", "custom": {"kept": [1, 2]},
-         "prompt_token_ids": [5, 6], "generation_token_ids": [7], "generation_log_probs": [-1]},
+        {
+            "role": "assistant",
+            "content": "a",
+            "reasoning": "thought",
+            "custom": {"kept": [1, 2]},
+            "prompt_token_ids": [5, 6],
+            "generation_token_ids": [7],
+            "generation_log_probs": [-1],
+        },
         {"role": "user", "content": "b"},
     ]
     body = {"model": "x", "messages": history, "stream": "false", "n": "1", "vllm_xargs": {"k": "v"}, "top_k": 3}
@@ -310,9 +354,15 @@ def test_vllm_gets_the_callers_body_as_validated() -> None:
     assert sent["vllm_xargs"] == {"k": "v"} and sent["top_k"] == 3 and sent["return_token_ids"] is True
     assistant = sent["messages"][1]
     # reasoning is renamed as the validated model reads it; every other field, bundle included, goes as sent
-    assert assistant == {"role": "assistant", "content": "a", "reasoning_content": "thought",
-                         "custom": {"kept": [1, 2]}, "prompt_token_ids": [5, 6], "generation_token_ids": [7],
-                         "generation_log_probs": [-1]}
+    assert assistant == {
+        "role": "assistant",
+        "content": "a",
+        "reasoning_content": "thought",
+        "custom": {"kept": [1, 2]},
+        "prompt_token_ids": [5, 6],
+        "generation_token_ids": [7],
+        "generation_log_probs": [-1],
+    }
     assert sent["messages"][0] == USER and sent["messages"][2] == history[2]
 
 
@@ -320,13 +370,31 @@ def test_sources_that_disagree_are_still_refused_naming_the_position() -> None:
     ids = list(range(100, 7100))
     result = {
         "prompt_token_ids": [*ids[:4000], 1, *ids[4001:]],
-        "choices": [{"index": 0, "token_ids": [9], "message": {
-            "role": "assistant", "content": "", "prompt_token_ids": ids, "generation_token_ids": [9],
-            "generation_log_probs": [-0.1]}}],
+        "choices": [
+            {
+                "index": 0,
+                "token_ids": [9],
+                "message": {
+                    "role": "assistant",
+                    "content": "",
+                    "prompt_token_ids": ids,
+                    "generation_token_ids": [9],
+                    "generation_log_probs": [-0.1],
+                },
+            }
+        ],
     }
     with pytest.raises(ApiError) as refused:
-        asyncio.run(attach_bundles(result, generation_body={}, required_prefix=None, return_bundle=True,
-                                   tokenize=_no_tokenize, upstream_url="http://v"))
+        asyncio.run(
+            attach_bundles(
+                result,
+                generation_body={},
+                required_prefix=None,
+                return_bundle=True,
+                tokenize=_no_tokenize,
+                upstream_url="http://v",
+            )
+        )
     assert refused.value.status == 502
     assert "prompt_token_ids from message and from return_token_ids disagree at position 4000" in refused.value.message
 
@@ -335,12 +403,30 @@ def test_agreeing_sources_give_one_bundle_with_its_source() -> None:
     ids = list(range(100, 7100))
     result = {
         "prompt_token_ids": list(ids),
-        "choices": [{"index": 0, "token_ids": [9], "message": {
-            "role": "assistant", "content": "", "prompt_token_ids": ids, "generation_token_ids": [9],
-            "generation_log_probs": [-0.1]}}],
+        "choices": [
+            {
+                "index": 0,
+                "token_ids": [9],
+                "message": {
+                    "role": "assistant",
+                    "content": "",
+                    "prompt_token_ids": ids,
+                    "generation_token_ids": [9],
+                    "generation_log_probs": [-0.1],
+                },
+            }
+        ],
     }
-    asyncio.run(attach_bundles(result, generation_body={}, required_prefix=ids[:5000], return_bundle=True,
-                               tokenize=_no_tokenize, upstream_url="http://v"))
+    asyncio.run(
+        attach_bundles(
+            result,
+            generation_body={},
+            required_prefix=ids[:5000],
+            return_bundle=True,
+            tokenize=_no_tokenize,
+            upstream_url="http://v",
+        )
+    )
     message = result["choices"][0]["message"]
     assert message["prompt_token_ids"] == ids and message["token_source"] == "message"
 

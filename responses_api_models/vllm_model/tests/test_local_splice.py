@@ -23,21 +23,32 @@ BUNDLE = {"prompt_token_ids": [1, 2], "generation_token_ids": [3], "generation_l
 
 def test_strip_token_fields_leaves_everything_else() -> None:
     body = {
-        "model": "m", "required_prefix_token_ids": [1], "start_token_segment": False, "seed": 3,
+        "model": "m",
+        "required_prefix_token_ids": [1],
+        "start_token_segment": False,
+        "seed": 3,
         "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", **BUNDLE}],
     }
     assert strip_token_fields(body) == {
-        "model": "m", "seed": 3, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+        "model": "m",
+        "seed": 3,
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
     }
     assert body["messages"][1]["prompt_token_ids"] == [1, 2]  # the caller's body is not modified
 
 
-@pytest.mark.parametrize("tool", [
-    MOVE_TOOL,
-    {"type": "function", "function": {"name": "f"}},
-    {"type": "function", "function": {"name": "f", "description": "d", "strict": True, "parameters": {"type": "object"}}},
-    {"type": "function", "function": {"name": "f", "strict": None, "defer_loading": None}},
-])
+@pytest.mark.parametrize(
+    "tool",
+    [
+        MOVE_TOOL,
+        {"type": "function", "function": {"name": "f"}},
+        {
+            "type": "function",
+            "function": {"name": "f", "description": "d", "strict": True, "parameters": {"type": "object"}},
+        },
+        {"type": "function", "function": {"name": "f", "strict": None, "defer_loading": None}},
+    ],
+)
 def test_tools_are_shaped_as_vllm_hands_them_to_the_template(tool: dict[str, Any]) -> None:
     # The installed vLLM's own request model is the reference: a vLLM upgrade that dumps tools otherwise fails here.
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
@@ -62,7 +73,9 @@ def prepare(splicer: AdapterSplicer, body: dict[str, Any], root: str) -> Any:
 
 
 HISTORY = [
-    {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", **BUNDLE}, {"role": "user", "content": "?"},
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "yo", **BUNDLE},
+    {"role": "user", "content": "?"},
 ]
 
 
@@ -80,7 +93,9 @@ def test_malformed_bundles_are_400s_before_any_vllm_call(tiny_model_dir: Path) -
 
 
 def test_a_new_segment_is_sent_without_splicing(tiny_model_dir: Path) -> None:
-    call = prepare(AdapterSplicer(tokenizer=str(tiny_model_dir)), {"messages": HISTORY, "start_token_segment": True}, "")
+    call = prepare(
+        AdapterSplicer(tokenizer=str(tiny_model_dir)), {"messages": HISTORY, "start_token_segment": True}, ""
+    )
     assert call.telemetry["new_segment"] is True
     assert "kv_transfer_params" not in call.body and "start_token_segment" not in call.body
 

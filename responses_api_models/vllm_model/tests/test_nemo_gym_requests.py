@@ -23,34 +23,46 @@ from responses_api_models.vllm_model.tests.fake_upstream import FakeUpstream
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 
-@pytest.mark.parametrize(("path", "expected"), [
-    ("/ng-rollout/3-0/v1/responses", (Rollout("3-0", False), "/v1/responses")),
-    ("/ng-rollout/3-0/training-token-capture/v1/chat/completions",
-     (Rollout("3-0", True), "/v1/chat/completions")),
-    ("/ng-rollout/task.7_b/training-token-capture/v1/responses", (Rollout("task.7_b", True), "/v1/responses")),
-    ("/v1/responses", None),
-    ("/ng-rolloutx/3/v1/responses", None),
-])
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        ("/ng-rollout/3-0/v1/responses", (Rollout("3-0", False), "/v1/responses")),
+        ("/ng-rollout/3-0/training-token-capture/v1/chat/completions", (Rollout("3-0", True), "/v1/chat/completions")),
+        ("/ng-rollout/task.7_b/training-token-capture/v1/responses", (Rollout("task.7_b", True), "/v1/responses")),
+        ("/v1/responses", None),
+        ("/ng-rolloutx/3/v1/responses", None),
+    ],
+)
 def test_rollout_paths_parse(path: str, expected: Any) -> None:
     assert parse_rollout_path(path) == expected
 
 
-@pytest.mark.parametrize(("path", "says"), [
-    ("/ng-rollout/3-0", "is /ng-rollout/<rollout id>"),
-    ("/ng-rollout/3-0/training-token-capture", "is /ng-rollout/<rollout id>"),
-    ("/ng-rollout//v1/responses", "rollout id ''"),
-    ("/ng-rollout/.hidden/v1/responses", "starting with a letter or digit"),
-    ("/ng-rollout/a%20b/v1/responses", "letters, digits"),
-])
+@pytest.mark.parametrize(
+    ("path", "says"),
+    [
+        ("/ng-rollout/3-0", "is /ng-rollout/<rollout id>"),
+        ("/ng-rollout/3-0/training-token-capture", "is /ng-rollout/<rollout id>"),
+        ("/ng-rollout//v1/responses", "rollout id ''"),
+        ("/ng-rollout/.hidden/v1/responses", "starting with a letter or digit"),
+        ("/ng-rollout/a%20b/v1/responses", "letters, digits"),
+    ],
+)
 def test_malformed_rollout_paths_say_what_to_fix(path: str, says: str) -> None:
     message = parse_rollout_path(path)
     assert isinstance(message, str) and says in message
 
 
 def test_metadata_template_kwargs_merge_over_the_request_and_extra_body_fills_gaps() -> None:
-    body = {**CHAT, "temperature": 0.5, "chat_template_kwargs": {"a": 1, "b": 1},
-            "metadata": {"chat_template_kwargs": '{"b": 2, "enable_thinking": false}',
-                         "extra_body": '{"temperature": 1.0, "seed": 7, "top_k": 5}', "task": "x"}}
+    body = {
+        **CHAT,
+        "temperature": 0.5,
+        "chat_template_kwargs": {"a": 1, "b": 1},
+        "metadata": {
+            "chat_template_kwargs": '{"b": 2, "enable_thinking": false}',
+            "extra_body": '{"temperature": 1.0, "seed": 7, "top_k": 5}',
+            "task": "x",
+        },
+    }
     out, added = apply_metadata(body)
     assert out["chat_template_kwargs"] == {"a": 1, "b": 2, "enable_thinking": False}
     assert out["temperature"] == 0.5 and out["seed"] == 7 and out["top_k"] == 5  # the request's own field wins
@@ -61,13 +73,16 @@ def test_metadata_template_kwargs_merge_over_the_request_and_extra_body_fills_ga
     assert apply_metadata({**CHAT, "metadata": {"task": "x"}}) == ({**CHAT, "metadata": {"task": "x"}}, [])
 
 
-@pytest.mark.parametrize(("metadata", "param", "says"), [
-    ({"chat_template_kwargs": "{enable_thinking: false}"}, "metadata.chat_template_kwargs", "not valid JSON"),
-    ({"chat_template_kwargs": "[1, 2]"}, "metadata.chat_template_kwargs", "must be a JSON object"),
-    ({"extra_body": "7"}, "metadata.extra_body", "must be a JSON object"),
-    ({"extra_body": '{"stream": true}'}, "metadata.extra_body", "'stream' cannot be set per row"),
-    ({"audio_path": "a.wav"}, "metadata.audio_path", "audio side channel"),
-])
+@pytest.mark.parametrize(
+    ("metadata", "param", "says"),
+    [
+        ({"chat_template_kwargs": "{enable_thinking: false}"}, "metadata.chat_template_kwargs", "not valid JSON"),
+        ({"chat_template_kwargs": "[1, 2]"}, "metadata.chat_template_kwargs", "must be a JSON object"),
+        ({"extra_body": "7"}, "metadata.extra_body", "must be a JSON object"),
+        ({"extra_body": '{"stream": true}'}, "metadata.extra_body", "'stream' cannot be set per row"),
+        ({"audio_path": "a.wav"}, "metadata.audio_path", "audio side channel"),
+    ],
+)
 def test_malformed_metadata_is_a_400_naming_it(metadata: dict[str, Any], param: str, says: str) -> None:
     with pytest.raises(ApiError) as caught:
         apply_metadata({**CHAT, "metadata": metadata})
@@ -115,9 +130,14 @@ def test_capture_dir_needs_bundles() -> None:
 
 
 def _answer(prompt: list[int], generation: list[int], answer_id: str) -> dict[str, Any]:
-    item = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "t"}],
-            "prompt_token_ids": prompt, "generation_token_ids": generation,
-            "generation_log_probs": [-0.5] * len(generation)}
+    item = {
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": "t"}],
+        "prompt_token_ids": prompt,
+        "generation_token_ids": generation,
+        "generation_log_probs": [-0.5] * len(generation),
+    }
     return {"id": answer_id, "model": "m", "output": [{"type": "reasoning", "summary": []}, item]}
 
 
@@ -130,14 +150,17 @@ def test_store_links_each_call_to_the_recorded_call_its_prefix_is(tmp_path: Path
     record = lambda *args, **kwargs: asyncio.run(store.record(*args, **kwargs))  # noqa: E731
     history = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
     first = record("7-0", _answer([1, 2], [3, 4], "resp_a"), chat_body=CHAT, required_prefix=None)
-    second = record("7-0", _answer([1, 2, 3, 4, 5], [6], "resp_b"), chat_body=history,
-                                required_prefix=[1, 2, 3, 4])
+    second = record("7-0", _answer([1, 2, 3, 4, 5], [6], "resp_b"), chat_body=history, required_prefix=[1, 2, 3, 4])
     orphan = record("7-0", _answer([9], [8], "resp_c"), chat_body=history, required_prefix=[9, 9])
     blind = record("7-0", _answer([1], [2], "resp_d"), chat_body=history, required_prefix=None)
     records = _records(tmp_path, "7-0")
     assert [r["model_call_id"] for r in records] == [first, second, orphan, blind]
     assert [(r["parent_resolution"], r["parent_call_id"]) for r in records] == [
-        ("root", None), ("resolved", first), ("unresolved", None), ("unresolved", None)]
+        ("root", None),
+        ("resolved", first),
+        ("unresolved", None),
+        ("unresolved", None),
+    ]
     assert records[1]["cum_len"] == 6 and records[1]["digest"] == sequence_digest([1, 2, 3, 4, 5, 6])
     assert records[1]["token_item_index"] == 1 and records[1]["response_id"] == "resp_b"
     assert "prompt_token_ids" not in records[1]["output_items"][1]

@@ -82,8 +82,14 @@ def hub_cache(tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPa
 def test_a_request_needing_an_uncached_tokenizer_gets_its_502_within_seconds(dead_hub: str) -> None:
     fake = FakeUpstream("fake")
     with serve_in_thread(fake.app()) as upstream:
-        config = VLLMModelConfig(base_url=upstream, model="m", splice="adapter", tokenizer=NOT_CACHED,
-                                 return_token_id_information=True, retry_backoff_seconds=0.01)
+        config = VLLMModelConfig(
+            base_url=upstream,
+            model="m",
+            splice="adapter",
+            tokenizer=NOT_CACHED,
+            return_token_id_information=True,
+            retry_backoff_seconds=0.01,
+        )
         with serve_in_thread(VLLMModel("policy_model", config).build_app()) as adapter:
             started = time.monotonic()
             answer = httpx.post(f"{adapter}/v1/chat/completions", json={"model": "m", "messages": HISTORY}, timeout=120)
@@ -104,10 +110,14 @@ def test_a_cached_tokenizer_still_loads_with_the_hub_unreachable(dead_hub: str, 
         raise AssertionError("a new segment needs no vLLM call")
 
     started = time.monotonic()
-    call = asyncio.run(splicer.prepare(
-        {"messages": HISTORY, "start_token_segment": True}, post=no_call, get=no_call,
-        tokenize_body={"messages": HISTORY},
-    ))
+    call = asyncio.run(
+        splicer.prepare(
+            {"messages": HISTORY, "start_token_segment": True},
+            post=no_call,
+            get=no_call,
+            tokenize_body={"messages": HISTORY},
+        )
+    )
     assert time.monotonic() - started < LOAD_LIMIT_SECONDS
     assert call.telemetry == {"applied": False, "template_differed": False, "replaced_tokens": 0, "new_segment": True}
 
@@ -153,8 +163,9 @@ def test_the_probe_counts_a_hub_that_answers_as_reachable_unless_it_is_failing(
     assert (reason is None) is reachable, reason
 
 
-def test_offline_mode_and_directories_skip_the_probe(dead_hub: str, tiny_model_dir: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_offline_mode_and_directories_skip_the_probe(
+    dead_hub: str, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert asyncio.run(hub_unreachable(str(tiny_model_dir))) is None
     assert asyncio.run(hub_unreachable(str(tiny_model_dir / "missing"))) is None  # a path, not a hub name
     assert asyncio.run(hub_unreachable(NOT_CACHED)) is not None

@@ -56,9 +56,12 @@ def test_bundles_on_messages_reach_vllm_unchanged(
 
 
 def test_returned_bundle_is_what_vllm_reported(training_adapter: str, recording_proxy: RecordingProxy) -> None:
-    message = sdk(training_adapter).chat.completions.create(
-        model="m", messages=[USER], max_tokens=8, seed=3
-    ).choices[0].message
+    message = (
+        sdk(training_adapter)
+        .chat.completions.create(model="m", messages=[USER], max_tokens=8, seed=3)
+        .choices[0]
+        .message
+    )
     reported = recording_proxy.answers("/v1/chat/completions")[-1]
     choice = reported["choices"][0]
     assert message.prompt_token_ids == reported["prompt_token_ids"]
@@ -72,7 +75,9 @@ def test_responses_api_carries_extra_body_and_returns_bundle_on_last_item(
 ) -> None:
     prefix = prompt_prefix(vllm_server, [USER], 4)
     response = sdk(training_adapter).responses.create(
-        model="m", input=[USER], max_output_tokens=6,
+        model="m",
+        input=[USER],
+        max_output_tokens=6,
         extra_body={"required_prefix_token_ids": prefix, "harness_tag": "r1", "seed": 4},
     )
     sent = recording_proxy.bodies("/v1/chat/completions")[-1]
@@ -88,9 +93,18 @@ def test_responses_api_carries_extra_body_and_returns_bundle_on_last_item(
 def test_tokenize_fallback_renders_the_same_prompt(
     training_adapter: str, tokenize_fallback_adapter: str, bundle_free_vllm: RecordingProxy
 ) -> None:
-    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "lookup", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}},
+        }
+    ]
     kwargs = dict(
-        model="m", messages=[{"role": "system", "content": "s"}, USER], max_tokens=3, seed=5, tools=tools,
+        model="m",
+        messages=[{"role": "system", "content": "s"}, USER],
+        max_tokens=3,
+        seed=5,
+        tools=tools,
         extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )
     returned = sdk(training_adapter).chat.completions.create(**kwargs).choices[0].message
@@ -119,9 +133,16 @@ def test_tokenize_fallback_renders_reasoning_effort_as_generation_does(
 
 
 def test_tokenize_fallback_refuses_what_it_cannot_render(tokenize_fallback_adapter: str) -> None:
-    answer = httpx.post(f"{tokenize_fallback_adapter}/v1/chat/completions", timeout=60, json={
-        "model": "m", "messages": [USER], "max_tokens": 2, "truncate_prompt_tokens": 5,
-    })
+    answer = httpx.post(
+        f"{tokenize_fallback_adapter}/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": "m",
+            "messages": [USER],
+            "max_tokens": 2,
+            "truncate_prompt_tokens": 5,
+        },
+    )
     assert answer.status_code == 400, answer.text
     assert "truncate_prompt_tokens cannot be combined with token capture through the /tokenize fallback" in answer.text
 
@@ -133,9 +154,14 @@ def test_stock_vllm_is_detected_as_not_splicing(stock_training_adapter: str) -> 
     for seed in range(6):
         first = client.chat.completions.create(model="m", messages=[USER], max_tokens=12, seed=seed).choices[0].message
         assistant = first.model_dump(exclude_none=True)
-        answer = http.post("/v1/chat/completions", json={
-            "messages": [USER, assistant, {"role": "user", "content": "And?"}], "max_tokens": 2, "seed": seed,
-        })
+        answer = http.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [USER, assistant, {"role": "user", "content": "And?"}],
+                "max_tokens": 2,
+                "seed": seed,
+            },
+        )
         if answer.status_code == 502:
             assert "is not splicing the required prefix" in answer.json()["error"]["message"]
             refused += 1
@@ -158,7 +184,9 @@ def test_context_overflow_is_a_length_finish_not_an_error(training_adapter: str)
 
 
 def test_other_vllm_client_errors_pass_through(training_adapter: str) -> None:
-    answer = httpx.post(f"{training_adapter}/v1/chat/completions", json={"messages": [USER], "max_tokens": 2, "temperature": -3})
+    answer = httpx.post(
+        f"{training_adapter}/v1/chat/completions", json={"messages": [USER], "max_tokens": 2, "temperature": -3}
+    )
     assert answer.status_code == 400
     assert "temperature" in answer.json()["error"]["message"]
 
@@ -167,7 +195,11 @@ def test_other_vllm_client_errors_pass_through(training_adapter: str) -> None:
 def test_adapter_sets_no_session_cookie(training_adapter: str, path: str) -> None:
     # A cookie would pin every conversation of one SDK client to one vLLM URL; routing keys come from the
     # x-session-id header or the conversation's opening messages instead.
-    body = {"messages": [USER], "max_tokens": 1} if path.endswith("completions") else {"input": "hi", "max_output_tokens": 1}
+    body = (
+        {"messages": [USER], "max_tokens": 1}
+        if path.endswith("completions")
+        else {"input": "hi", "max_output_tokens": 1}
+    )
     answer = httpx.post(f"{training_adapter}{path}", json=body, timeout=60)
     assert answer.status_code == 200
     assert "set-cookie" not in answer.headers
@@ -178,12 +210,20 @@ def test_inference_adapter_returns_only_what_the_caller_asked_for(vllm_server: V
 
     prefix = prompt_prefix(vllm_server, [USER], 5)
     for url in adapter(vllm_server.base_url, vllm_server.served_model_name):  # return_token_id_information: false
-        plain = sdk(url).chat.completions.create(
-            model="m", messages=[USER], max_tokens=3, extra_body={"required_prefix_token_ids": prefix}
-        ).model_dump()
-        asked = sdk(url).chat.completions.create(
-            model="m", messages=[USER], max_tokens=3, logprobs=True, extra_body={"return_token_ids": True}
-        ).model_dump()
+        plain = (
+            sdk(url)
+            .chat.completions.create(
+                model="m", messages=[USER], max_tokens=3, extra_body={"required_prefix_token_ids": prefix}
+            )
+            .model_dump()
+        )
+        asked = (
+            sdk(url)
+            .chat.completions.create(
+                model="m", messages=[USER], max_tokens=3, logprobs=True, extra_body={"return_token_ids": True}
+            )
+            .model_dump()
+        )
     assert "prompt_token_ids" not in plain and plain["choices"][0]["logprobs"] is None
     assert "prompt_token_ids" not in plain["choices"][0]["message"]  # the prefix was checked, nothing leaked
     assert asked["prompt_token_ids"][:5] == prefix and asked["choices"][0]["logprobs"]["content"]

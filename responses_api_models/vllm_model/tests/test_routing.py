@@ -30,16 +30,38 @@ def user(text: str) -> dict[str, str]:
 
 def test_a_conversations_turns_share_its_key() -> None:
     first = {"model": "m", "messages": [SYSTEM, user("guess")]}
-    bundled = {"role": "assistant", "content": "50", "prompt_token_ids": [1], "generation_token_ids": [2],
-               "generation_log_probs": [-0.5]}
-    later = {"model": "m", "messages": [SYSTEM, user("guess"), bundled, user("Higher."), {"role": "assistant",
-             "content": "75"}, user("Lower.")], "max_tokens": 9, "required_prefix_token_ids": [1, 2]}
+    bundled = {
+        "role": "assistant",
+        "content": "50",
+        "prompt_token_ids": [1],
+        "generation_token_ids": [2],
+        "generation_log_probs": [-0.5],
+    }
+    later = {
+        "model": "m",
+        "messages": [
+            SYSTEM,
+            user("guess"),
+            bundled,
+            user("Higher."),
+            {"role": "assistant", "content": "75"},
+            user("Lower."),
+        ],
+        "max_tokens": 9,
+        "required_prefix_token_ids": [1, 2],
+    }
     assert key(first) == key(later)
     assert key(first).startswith("opening:")
     # Responses: `input` as text, then as items with `type` added by the client, and with output items after.
     text = {"model": "m", "input": "guess", "instructions": "Play."}
-    items = {"model": "m", "input": [{"type": "message", "role": "user", "content": "guess"},
-                                     {"type": "message", "role": "assistant", "content": "50"}], "instructions": "Play."}
+    items = {
+        "model": "m",
+        "input": [
+            {"type": "message", "role": "user", "content": "guess"},
+            {"type": "message", "role": "assistant", "content": "50"},
+        ],
+        "instructions": "Play.",
+    }
     assert key(text) == key(items)
 
 
@@ -161,8 +183,12 @@ def test_a_known_conversation_fails_over_and_is_remembered() -> None:
 
     asyncio.run(scenario())
     assert router.replicas["u2"].conversations_moved_in == 1 and router.replicas["u1"].failed_calls == 1
-    assert [(a.url, a.outcome) for a in router.attempts] == [("u1", "ok"), ("u1", "url_failed"), ("u2", "ok"),
-                                                             ("u2", "ok")]
+    assert [(a.url, a.outcome) for a in router.attempts] == [
+        ("u1", "ok"),
+        ("u1", "url_failed"),
+        ("u2", "ok"),
+        ("u2", "ok"),
+    ]
 
 
 def test_the_requests_own_errors_do_not_fail_over() -> None:

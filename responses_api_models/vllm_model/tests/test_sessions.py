@@ -1,4 +1,4 @@
-"""Conversations across several vLLM URLs through the adapter: stickiness, spread, failover, all down (fake upstreams)."""
+"""Conversations across several vLLM URLs through the adapter: stickiness, spread, failover, all down (fakes)."""
 
 from __future__ import annotations
 

@@ -24,20 +24,32 @@ from tests.conversations import MOVE_TOOL
 from tests.sdk_streams import contiguous, converse
 
 USER = {"role": "user", "content": "Name three rivers."}
-FINAL_DELTA = {"prompt_token_ids", "generation_token_ids", "generation_log_probs", "token_source", "prefix_splice",
-               "constrained_by", "generation_forced_mask"}
+FINAL_DELTA = {
+    "prompt_token_ids",
+    "generation_token_ids",
+    "generation_log_probs",
+    "token_source",
+    "prefix_splice",
+    "constrained_by",
+    "generation_forced_mask",
+}
 
 
 @pytest.fixture(scope="module")
 def hook_adapter(vllm_server: VLLMServer) -> Iterator[str]:
-    yield from adapter(vllm_server.base_url, vllm_server.served_model_name, return_token_id_information=True,
-                       splice="hook")
+    yield from adapter(
+        vllm_server.base_url, vllm_server.served_model_name, return_token_id_information=True, splice="hook"
+    )
 
 
 @pytest.fixture(scope="module")
 def splicing_adapter(plain_vllm_server: VLLMServer) -> Iterator[str]:
-    yield from adapter(plain_vllm_server.base_url, plain_vllm_server.served_model_name,
-                       return_token_id_information=True, splice="adapter")
+    yield from adapter(
+        plain_vllm_server.base_url,
+        plain_vllm_server.served_model_name,
+        return_token_id_information=True,
+        splice="adapter",
+    )
 
 
 def sdk(url: str) -> OpenAI:
@@ -65,25 +77,36 @@ def test_streamed_conversation_equals_unstreamed(mode: str, request: pytest.Fixt
     later = [turn.telemetry for turn in streamed[1:]]
     assert all(t["applied"] and t["spliced_by"] == mode for t in later)
     assert [turn.first_chunk_telemetry for turn in streamed] == [turn.telemetry for turn in streamed]
-    print(f"\nadapter ({mode} splice): streamed = unstreamed over {len(streamed)} turns, contiguous; "
-          f"{sum(t['template_differed'] for t in later)}/{len(later)} later turns repaired")
+    print(
+        f"\nadapter ({mode} splice): streamed = unstreamed over {len(streamed)} turns, contiguous; "
+        f"{sum(t['template_differed'] for t in later)}/{len(later)} later turns repaired"
+    )
 
 
 def test_final_chunk_without_token_information_is_telemetry_only_and_asked_for(vllm_server: VLLMServer) -> None:
-    prefix = httpx.post(f"{vllm_server.base_url}/tokenize", json={
-        "model": vllm_server.served_model_name, "messages": [USER], "add_generation_prompt": True,
-    }).json()["tokens"][:5]
+    prefix = httpx.post(
+        f"{vllm_server.base_url}/tokenize",
+        json={
+            "model": vllm_server.served_model_name,
+            "messages": [USER],
+            "add_generation_prompt": True,
+        },
+    ).json()["tokens"][:5]
     for url in adapter(vllm_server.base_url, vllm_server.served_model_name, splice="hook"):
-        kwargs: dict[str, Any] = dict(model="m", messages=[USER], max_tokens=3, stream=True,
-                                      extra_body={"required_prefix_token_ids": prefix})
+        kwargs: dict[str, Any] = dict(
+            model="m", messages=[USER], max_tokens=3, stream=True, extra_body={"required_prefix_token_ids": prefix}
+        )
         quiet = [c.model_dump(exclude_none=True) for c in sdk(url).chat.completions.create(**kwargs)]
-        asked = [c.model_dump(exclude_none=True) for c in sdk(url).chat.completions.create(
-            stream_options={"include_usage": True}, **kwargs)]
+        asked = [
+            c.model_dump(exclude_none=True)
+            for c in sdk(url).chat.completions.create(stream_options={"include_usage": True}, **kwargs)
+        ]
     expected = {"applied": False, "template_differed": False, "replaced_tokens": 0, "spliced_by": "hook"}
     assert quiet[0]["prefix_splice"] == asked[0]["prefix_splice"] == expected  # on the first chunk either way
     assert "usage" not in quiet[-1] and "prefix_splice" not in quiet[-1]
     assert asked[-1] == {key: asked[0][key] for key in ("id", "created", "model", "object")} | {
-        "choices": [], "prefix_splice": expected,
+        "choices": [],
+        "prefix_splice": expected,
     }
 
 
@@ -109,13 +132,18 @@ def test_a_prefix_that_does_not_belong_is_a_400_before_any_byte(mode: str, reque
 
 def test_a_server_that_does_not_splice_is_a_502_before_any_byte(plain_vllm_server: VLLMServer) -> None:
     drifted = 0
-    for url in adapter(plain_vllm_server.base_url, plain_vllm_server.served_model_name,
-                       return_token_id_information=True, splice="hook"):
+    for url in adapter(
+        plain_vllm_server.base_url, plain_vllm_server.served_model_name, return_token_id_information=True, splice="hook"
+    ):
         for seed in range(4):
             first = sdk(url).chat.completions.create(model="m", messages=[USER], max_tokens=12, seed=seed)
             history = [USER, first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "?"}]
-            with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=300,
-                              json={"messages": history, "max_tokens": 2, "stream": True}) as answer:
+            with httpx.stream(
+                "POST",
+                f"{url}/v1/chat/completions",
+                timeout=300,
+                json={"messages": history, "max_tokens": 2, "stream": True},
+            ) as answer:
                 raw = answer.read()
             if answer.status_code == 502:
                 assert answer.headers["content-type"].startswith("application/json")
@@ -136,10 +164,16 @@ def test_responses_stream_parses_with_the_sdk_and_ends_with_the_bundle(hook_adap
     events = response_events(client, **kwargs)
     plain = client.responses.create(**kwargs).model_dump(exclude_none=True)
     assert [e["type"] for e in events[:4]] == [
-        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
     ]
     assert [e["type"] for e in events[-4:]] == [
-        "response.output_text.done", "response.content_part.done", "response.output_item.done", "response.incomplete",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
     ]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     last = events[-1]
@@ -157,8 +191,15 @@ def test_responses_stream_parses_with_the_sdk_and_ends_with_the_bundle(hook_adap
 def test_responses_stream_with_a_tool_call_and_the_sdk_stream_helper(hook_adapter: str) -> None:
     client = sdk(hook_adapter)
     tool = {"type": "function", **MOVE_TOOL["function"]}
-    kwargs: dict[str, Any] = dict(model="m", input=[USER], tools=[tool], tool_choice="required", max_output_tokens=60,
-                                  parallel_tool_calls=False, extra_body={"seed": 8})
+    kwargs: dict[str, Any] = dict(
+        model="m",
+        input=[USER],
+        tools=[tool],
+        tool_choice="required",
+        max_output_tokens=60,
+        parallel_tool_calls=False,
+        extra_body={"seed": 8},
+    )
     events = response_events(client, **kwargs)
     plain = client.responses.create(**kwargs).model_dump(exclude_none=True)
     call, reference = events[-1]["response"]["output"][-1], plain["output"][-1]
@@ -177,8 +218,10 @@ def test_responses_stream_with_a_tool_call_and_the_sdk_stream_helper(hook_adapte
 
 def test_context_overflow_streams_as_a_length_finish(hook_adapter: str) -> None:
     huge = {"role": "user", "content": "river " * 6000}
-    chunks = [c.model_dump(exclude_none=True) for c in sdk(hook_adapter).chat.completions.create(
-        model="m", messages=[huge], max_tokens=4, stream=True)]
+    chunks = [
+        c.model_dump(exclude_none=True)
+        for c in sdk(hook_adapter).chat.completions.create(model="m", messages=[huge], max_tokens=4, stream=True)
+    ]
     last = chunks[-1]["choices"][0]
     assert last["finish_reason"] == "length" and "maximum context length" in last["delta"]["context_overflow"]
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == ""
@@ -193,10 +236,28 @@ def test_streamed_tool_call_pieces_assemble_into_the_unstreamed_message() -> Non
     call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "move", "arguments": '{"dir'}}
     for chunk in [
         {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}], "prompt_token_ids": [1, 2]},
-        {**head, "choices": [{"index": 0, "delta": {"tool_calls": [call]}, "token_ids": [5],
-                              "logprobs": {"content": [{"token": "token_id:5", "logprob": -1.0}]}}]},
-        {**head, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '": 1}'}}]},
-                              "token_ids": [6], "finish_reason": "tool_calls"}]},
+        {
+            **head,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"tool_calls": [call]},
+                    "token_ids": [5],
+                    "logprobs": {"content": [{"token": "token_id:5", "logprob": -1.0}]},
+                }
+            ],
+        },
+        {
+            **head,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '": 1}'}}]},
+                    "token_ids": [6],
+                    "finish_reason": "tool_calls",
+                }
+            ],
+        },
         {**head, "choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}},
     ]:
         assembly.add(chunk)
@@ -231,8 +292,10 @@ def test_upstream_errors_before_and_after_the_first_byte() -> None:
     role = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
     text = {**head, "choices": [{"index": 0, "delta": {"content": "Nile"}}]}
     boom = {"error": {"message": "engine died", "type": "InternalServerError", "code": 500}}
-    with serve_in_thread(streaming_upstream([role, text, boom])) as late, \
-            serve_in_thread(streaming_upstream([boom])) as early:
+    with (
+        serve_in_thread(streaming_upstream([role, text, boom])) as late,
+        serve_in_thread(streaming_upstream([boom])) as early,
+    ):
         for url in adapter(late, "m"):
             stream = sdk(url).chat.completions.create(model="m", messages=[USER], stream=True)
             with pytest.raises(APIError, match="engine died"):
@@ -249,6 +312,8 @@ def test_refusals_of_the_adapter_and_of_vllm_come_as_json() -> None:
             assert refused(url, {"messages": [USER], "n": 2})[0] == 400
             assert refused(url, {"messages": [USER], "required_prefix_token_ids": [-1]})[0] == 400
         for url in adapter(teapot_url, "m"):
-            assert refused(url, {"messages": [USER]}) == (422, {"message": "teapot is broken", "type":
-                                                               "upstream_invalid_request", "param": None, "code": 422})
+            assert refused(url, {"messages": [USER]}) == (
+                422,
+                {"message": "teapot is broken", "type": "upstream_invalid_request", "param": None, "code": 422},
+            )
     assert fake.requests == []  # nothing reached vLLM

@@ -15,7 +15,10 @@ BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_toke
 
 def test_only_prompt_affecting_fields_are_sent() -> None:
     assert tokenize_request({**BODY, "tools": TOOLS, "start_token_segment": True}) == {
-        "model": "m", "messages": BODY["messages"], "tools": TOOLS, "start_token_segment": True,
+        "model": "m",
+        "messages": BODY["messages"],
+        "tools": TOOLS,
+        "start_token_segment": True,
     }
 
 
