@@ -89,7 +89,7 @@ $(CLIENTS_STAMP): $(NGT_STAMP)
 
 # The renderers comparison on every catalog template renderers has (the suite runs a representative subset).
 renderers-oracle: setup renderers-venv
-	$(PY) -m nemo_gym_tok.chat_templates.renderers_oracle
+	$(PY) -m nemo_gym_tok.testing.chat_templates.renderers_oracle
 
 # Headless Chromium renders `ngt inspect`'s page in tests/test_inspect_html.py, which fails without it: Debian's
 # package (13 s, 103 MB), installed on first use; the package lists are refreshed only if the install fails on stale

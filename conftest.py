@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_gym_tok.tiny_model import build_tiny_model
+from nemo_gym_tok.testing.tiny_model import build_tiny_model
 from nemo_gym_tok.vllm.hook import ENABLE_ENV
 from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
 from tests.servers import hooked_server

@@ -97,7 +97,7 @@ def gym(instances: dict[str, Any]) -> Iterator[Any]:
 @contextlib.contextmanager
 def passthrough(upstream: str) -> Iterator[str]:
     """bench/_passthrough.py in its own process in front of `upstream`: a hop that does nothing but forward."""
-    from nemo_gym_tok.net import free_port
+    from nemo_gym_tok.common.net import free_port
 
     port = free_port("127.0.0.1")
     script = Path(__file__).with_name("_passthrough.py")

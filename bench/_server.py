@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as `python bench/pN_....py`: the repo's packages (resources_servers, ...) too
     sys.path.insert(0, str(REPO))
 
-from nemo_gym_tok.tiny_model.build import build_tiny_model  # noqa: E402
+from nemo_gym_tok.testing.tiny_model.build import build_tiny_model  # noqa: E402
 from nemo_gym_tok.vllm.hook import ENABLE_ENV  # noqa: E402
 from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, VLLMServer  # noqa: E402
 

@@ -22,21 +22,21 @@ _EXPORTS = {
     "ServerClient": "nemo_gym_tok.servers.client",
     # rollouts and training data
     "collect": "nemo_gym_tok.collect",
-    "rollout_to_training_sequence": "nemo_gym_tok.training",
-    "rollout_to_training_sequences": "nemo_gym_tok.training",
-    "TrainingSequence": "nemo_gym_tok.training",
-    "bundled_turns": "nemo_gym_tok.contiguity",
-    "check_contiguous": "nemo_gym_tok.contiguity",
-    "NotContiguousError": "nemo_gym_tok.contiguity",
+    "rollout_to_training_sequence": "nemo_gym_tok.records.training",
+    "rollout_to_training_sequences": "nemo_gym_tok.records.training",
+    "TrainingSequence": "nemo_gym_tok.records.training",
+    "bundled_turns": "nemo_gym_tok.records.contiguity",
+    "check_contiguous": "nemo_gym_tok.records.contiguity",
+    "NotContiguousError": "nemo_gym_tok.records.contiguity",
     # the token contract and its algorithms
     "ChatCompletionRequest": "nemo_gym_tok.types",
     "ResponsesRequest": "nemo_gym_tok.types",
     "splice_prefix": "nemo_gym_tok.splice",
     "detect_profile": "nemo_gym_tok.splice",
     "HFChatRenderer": "nemo_gym_tok.splice",
-    "resolve_bundle": "nemo_gym_tok.token_sources",
+    "resolve_bundle": "nemo_gym_tok.contract.token_sources",
     # the embedded model and vLLM
-    "build_tiny_model": "nemo_gym_tok.tiny_model",
+    "build_tiny_model": "nemo_gym_tok.testing.tiny_model",
     "VLLMServer": "nemo_gym_tok.vllm.server",
 }
 

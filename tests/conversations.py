@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import httpx
 
-from nemo_gym_tok.tiny_model import IM_END_ID
+from nemo_gym_tok.testing.tiny_model import IM_END_ID
 
 Mode = Literal["bundles", "prefix", "stock"]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from nemo_gym_tok.agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
 from nemo_gym_tok.collect import collect, read_failures
-from nemo_gym_tok.net import free_port
+from nemo_gym_tok.common.net import free_port
 from nemo_gym_tok.servers.client import ServerClient
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from resources_servers.number_guess.app import SERVER as NumberGuess

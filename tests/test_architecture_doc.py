@@ -184,3 +184,19 @@ def test_vllm_is_imported_only_by_the_vllm_package_and_inside_functions() -> Non
     assert not at_import_time, "vllm imported at module level (importing the module would need vLLM):\n" + "\n".join(
         at_import_time
     )
+
+
+def test_only_commands_reach_the_test_harnesses_and_only_when_run() -> None:
+    """Serving, collecting and the splice never import nemo_gym_tok/testing/; a CLI command may, inside its function."""
+    reaching = [
+        (file, module, top)
+        for file in _library_files()
+        if not file.startswith("nemo_gym_tok/testing/")
+        for module, top in imports(file)
+        if module.startswith("nemo_gym_tok.testing")
+    ]
+    assert any(file.startswith("nemo_gym_tok/cli/") for file, _, _ in reaching)  # the scan sees them at all
+    outside = [f"{file}: {module}" for file, module, _ in reaching if not file.startswith("nemo_gym_tok/cli/")]
+    assert not outside, "test harnesses imported outside nemo_gym_tok/cli/:\n" + "\n".join(outside)
+    at_import_time = [f"{file}: {module}" for file, module, top in reaching if top]
+    assert not at_import_time, "test harnesses imported at module level:\n" + "\n".join(at_import_time)

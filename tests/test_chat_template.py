@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from nemo_gym_tok.tiny_model import IM_END_ID, build_tokenizer
+from nemo_gym_tok.testing.tiny_model import IM_END_ID, build_tokenizer
 
 WEATHER_TOOL = {
     "type": "function",

@@ -33,7 +33,7 @@ from nemo_gym_tok.collect import (
     row_hash,
 )
 from nemo_gym_tok.collect.files import lock_output
-from nemo_gym_tok.net import free_port
+from nemo_gym_tok.common.net import free_port
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from tests.fixtures.collect_agent import AgentBehaviour, create_head_app
 

@@ -10,11 +10,11 @@ from typing import Any
 import httpx
 import pytest
 
-from nemo_gym_tok.constrained import constrained_by, forced_mask, valid_fields
-from nemo_gym_tok.conversion import chat_message_to_items
-from nemo_gym_tok.rollout_record import full_output, packed_record
+from nemo_gym_tok.contract.constrained import constrained_by, forced_mask, valid_fields
+from nemo_gym_tok.contract.conversion import chat_message_to_items
+from nemo_gym_tok.records.rollout_record import full_output, packed_record
+from nemo_gym_tok.records.training import rollout_to_training_sequence
 from nemo_gym_tok.servers.inprocess import serve_in_thread
-from nemo_gym_tok.training import rollout_to_training_sequence
 from nemo_gym_tok.types import ChatMessage
 from nemo_gym_tok.vllm.server import VLLMServer
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from nemo_gym_tok.conversion import chat_message_to_items, items_to_chat_messages, responses_to_chat_request
+from nemo_gym_tok.contract.conversion import chat_message_to_items, items_to_chat_messages, responses_to_chat_request
 from nemo_gym_tok.types import ResponseItem, ResponsesRequest
 
 

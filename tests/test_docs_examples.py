@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from nemo_gym_tok.contiguity import BundledTurn, check_contiguous
+from nemo_gym_tok.records.contiguity import BundledTurn, check_contiguous
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from nemo_gym_tok.vllm.server import VLLMServer
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig

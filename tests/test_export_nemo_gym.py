@@ -21,8 +21,8 @@ from nemo_gym_tok.collect import (
     nemo_gym_failures_path_for,
     row_hash,
 )
-from nemo_gym_tok.contiguity import check_file
-from nemo_gym_tok.rollout_record import full_output, packed_record
+from nemo_gym_tok.records.contiguity import check_file
+from nemo_gym_tok.records.rollout_record import full_output, packed_record
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from tests.fixtures.collect_agent import AgentBehaviour, create_head_app
 from tests.nemo_gym.nemo_rl_rule import check_rollout

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from nemo_gym_tok.tiny_model.tokenizer import IM_END_ID
+from nemo_gym_tok.testing.tiny_model.tokenizer import IM_END_ID
 from nemo_gym_tok.vllm.server import VLLMServer
 from tests.conversations import MOVE_TOOL
 

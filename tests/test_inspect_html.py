@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from nemo_gym_tok.cli.main import main
-from nemo_gym_tok.contiguity import bundled_turns
-from nemo_gym_tok.inspect_html import REPAIRED, read_records, repaired_spans
-from nemo_gym_tok.training import rollout_to_training_sequences
+from nemo_gym_tok.records.contiguity import bundled_turns
+from nemo_gym_tok.records.inspect_html import REPAIRED, read_records, repaired_spans
+from nemo_gym_tok.records.training import rollout_to_training_sequences
 
 FIXTURE = Path(__file__).parent / "fixtures" / "demo_grid_navigation.jsonl"
 """Three rollouts of `ngt demo` (grid_navigation, the tiny model): 4 model calls each, 3 of them repaired."""
@@ -123,7 +123,7 @@ def test_without_a_tokenizer_a_repaired_turn_is_marked_whole() -> None:
 def test_the_page_data_marks_repaired_ids_only_where_the_loss_mask_is_one(tiny_model_dir: Path) -> None:
     from transformers import AutoTokenizer
 
-    from nemo_gym_tok.inspect_html import page_data
+    from nemo_gym_tok.records.inspect_html import page_data
 
     records = read_records(FIXTURE)
     data = page_data(records, AutoTokenizer.from_pretrained(str(tiny_model_dir)), "t")

@@ -12,8 +12,8 @@ import pytest
 import yaml
 from fastapi import FastAPI
 
+from nemo_gym_tok.common.net import free_port
 from nemo_gym_tok.config import load_config
-from nemo_gym_tok.net import free_port
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from nemo_gym_tok.servers.launcher import Gym, LaunchError
 

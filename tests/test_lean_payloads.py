@@ -21,19 +21,19 @@ from hypothesis import strategies as st
 from nemo_gym_tok.agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
 from nemo_gym_tok.cli.main import main
 from nemo_gym_tok.collect import ResumeError, collect, read_failures, repair_output
-from nemo_gym_tok.contiguity import bundled_turns, check_contiguous, check_file
-from nemo_gym_tok.rollout_record import (
+from nemo_gym_tok.records.contiguity import bundled_turns, check_contiguous, check_file
+from nemo_gym_tok.records.rollout_record import (
     PROMPT_PREFIX_LENGTH_KEY,
     PROMPT_SUFFIX_KEY,
     UnknownSchemaVersionError,
     full_output,
     packed_record,
 )
+from nemo_gym_tok.records.training import rollout_to_training_sequence, rollout_to_training_sequences
 from nemo_gym_tok.servers.base import ResourcesServer, ToolHandler
 from nemo_gym_tok.servers.client import SESSION_HEADER, ServerClient
 from nemo_gym_tok.servers.http_pool import pool_limits
 from nemo_gym_tok.servers.inprocess import serve_in_thread
-from nemo_gym_tok.training import rollout_to_training_sequence, rollout_to_training_sequences
 from nemo_gym_tok.types import ChatCompletionRequest
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS, TELEMETRY_FIELDS
 from resources_servers.number_guess.app import SERVER as NumberGuess

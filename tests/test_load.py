@@ -15,7 +15,7 @@ import pytest
 from nemo_gym_tok.cli.demo import DEMO_CONFIG
 from nemo_gym_tok.collect import CollectSummary, collect
 from nemo_gym_tok.config import load_config
-from nemo_gym_tok.contiguity import check_file
+from nemo_gym_tok.records.contiguity import check_file
 from nemo_gym_tok.servers.launcher import Gym
 from nemo_gym_tok.vllm.server import VLLMServer
 

@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from nemo_gym_tok.cli.main import main
-from nemo_gym_tok.conversion import chat_message_to_items
-from nemo_gym_tok.logprob_check import check_records, naive_sequence
-from nemo_gym_tok.provenance import effective_sampling, generation_defaults, model_fingerprint
+from nemo_gym_tok.contract.conversion import chat_message_to_items
+from nemo_gym_tok.contract.provenance import effective_sampling, generation_defaults, model_fingerprint
+from nemo_gym_tok.records.logprob_check import check_records, naive_sequence
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from nemo_gym_tok.vllm.server import VLLMServer
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig

@@ -19,7 +19,7 @@ import pytest
 from nemo_gym_tok.agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
 from nemo_gym_tok.collect import failures_path_for
 from nemo_gym_tok.config import ServerInstance
-from nemo_gym_tok.contiguity import check_file
+from nemo_gym_tok.records.contiguity import check_file
 from nemo_gym_tok.servers.client import ServerClient
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from nemo_gym_tok.servers.registry import validate_instance

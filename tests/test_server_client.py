@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from nemo_gym_tok.net import free_port
+from nemo_gym_tok.common.net import free_port
 from nemo_gym_tok.servers.client import SESSION_HEADER, ServerClient
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 

@@ -7,7 +7,6 @@ import random
 
 import pytest
 
-from nemo_gym_tok.chat_templates.episodes import TOOL, EpisodeSettings, check_splice, play_episode
 from nemo_gym_tok.splice import (
     Header,
     HFChatRenderer,
@@ -20,7 +19,8 @@ from nemo_gym_tok.splice import (
     find_prefix_source,
     splice_prefix,
 )
-from nemo_gym_tok.tiny_model.tokenizer import ENDOFTEXT_ID, IM_END_ID, build_tokenizer
+from nemo_gym_tok.testing.chat_templates.episodes import TOOL, EpisodeSettings, check_splice, play_episode
+from nemo_gym_tok.testing.tiny_model.tokenizer import ENDOFTEXT_ID, IM_END_ID, build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,6 @@ import random
 
 import pytest
 
-from nemo_gym_tok.chat_templates.catalog import load_catalog
-from nemo_gym_tok.chat_templates.episodes import TOOL, EpisodeSettings, WrongSplice, play_episode
-from nemo_gym_tok.chat_templates.families import family_of
-from nemo_gym_tok.chat_templates.sweep import SweepRenderer, failure_kind
-from nemo_gym_tok.chat_templates.tokenizer import end_token_ids, family_tokenizer
 from nemo_gym_tok.splice import (
     HFChatRenderer,
     SpliceError,
@@ -23,7 +18,12 @@ from nemo_gym_tok.splice import (
 from nemo_gym_tok.splice._fixed_text import FixedTextMatcher
 from nemo_gym_tok.splice._render import batch_decoder
 from nemo_gym_tok.splice._structure import Body, Layout
-from nemo_gym_tok.tiny_model.tokenizer import ENDOFTEXT_ID, IM_END_ID, build_tokenizer
+from nemo_gym_tok.testing.chat_templates.catalog import load_catalog
+from nemo_gym_tok.testing.chat_templates.episodes import TOOL, EpisodeSettings, WrongSplice, play_episode
+from nemo_gym_tok.testing.chat_templates.families import family_of
+from nemo_gym_tok.testing.chat_templates.sweep import SweepRenderer, failure_kind
+from nemo_gym_tok.testing.chat_templates.tokenizer import end_token_ids, family_tokenizer
+from nemo_gym_tok.testing.tiny_model.tokenizer import ENDOFTEXT_ID, IM_END_ID, build_tokenizer
 from tests.splice_plants import PlantedSplice
 
 
@@ -158,7 +158,7 @@ def play_parity_episodes(name: str) -> tuple[int, int]:
     tools, no system role) is skipped; a wrong splice and any other exception (a crash in the splice or the oracle)
     are raised to the caller. The planted-fault tests below call this same function.
     """
-    from nemo_gym_tok.chat_templates.catalog import entry as catalog_entry
+    from nemo_gym_tok.testing.chat_templates.catalog import entry as catalog_entry
 
     template = catalog_entry(name)
     family = family_of(template)
@@ -400,8 +400,8 @@ TEXTS = [
 def test_the_backend_encoder_is_the_tokenizers_encode(name: str) -> None:
     """text_encoder (the Rust backend's own encode) gives what tokenizer.encode(add_special_tokens=False) gives, on
     the tiny tokenizer and real families' special tokens, for text with and without added tokens."""
-    from nemo_gym_tok.chat_templates.catalog import entry as catalog_entry
     from nemo_gym_tok.splice import text_encoder
+    from nemo_gym_tok.testing.chat_templates.catalog import entry as catalog_entry
 
     if name == "tiny":
         tokenizer = build_tokenizer()

@@ -12,8 +12,6 @@ from typing import Any
 
 import pytest
 
-from nemo_gym_tok.chat_templates import end_token_ids, entry, family_of, family_tokenizer
-from nemo_gym_tok.chat_templates.episodes import EpisodeSettings, WrongSplice, check_splice, play_episode
 from nemo_gym_tok.splice import (
     HFChatRenderer,
     UnsupportedTemplateError,
@@ -21,6 +19,8 @@ from nemo_gym_tok.splice import (
     find_prefix_source,
     splice_prefix,
 )
+from nemo_gym_tok.testing.chat_templates import end_token_ids, entry, family_of, family_tokenizer
+from nemo_gym_tok.testing.chat_templates.episodes import EpisodeSettings, WrongSplice, check_splice, play_episode
 
 # (template, what it writes between a message's text and the turn's closing)
 JUNCTIONS = (

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from nemo_gym_tok.cli import tiny_model as tiny_model_cli
-from nemo_gym_tok.tiny_model import (
+from nemo_gym_tok.testing.tiny_model import (
     ENDOFTEXT_ID,
     IM_END_ID,
     VOCAB_SIZE,
@@ -19,7 +19,7 @@ from nemo_gym_tok.tiny_model import (
     is_complete,
     spec_hash,
 )
-from nemo_gym_tok.tiny_model.build import MARKER_FILE
+from nemo_gym_tok.testing.tiny_model.build import MARKER_FILE
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from nemo_gym_tok.chat_templates import entry
-from nemo_gym_tok.tiny_model import MODEL_CONFIG, VOCAB_SIZE
-from nemo_gym_tok.tiny_model.build import MARKER_FILE
-from nemo_gym_tok.tiny_model.family import build_family_model, family_build, family_model_dir, padded_vocab_size
+from nemo_gym_tok.testing.chat_templates import entry
+from nemo_gym_tok.testing.tiny_model import MODEL_CONFIG, VOCAB_SIZE
+from nemo_gym_tok.testing.tiny_model.build import MARKER_FILE
+from nemo_gym_tok.testing.tiny_model.family import build_family_model, family_build, family_model_dir, padded_vocab_size
 
 TEMPLATE = "NousResearch-Meta-Llama-3.1-8B-Instruct"
 

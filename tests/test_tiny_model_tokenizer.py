@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiktoken.load import load_tiktoken_bpe
 
-from nemo_gym_tok.tiny_model import (
+from nemo_gym_tok.testing.tiny_model import (
     ENDOFTEXT_ID,
     IM_END_ID,
     IM_START_ID,

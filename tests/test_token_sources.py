@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nemo_gym_tok.token_sources import (
+from nemo_gym_tok.contract.token_sources import (
     PartialBundle,
     PrefixMismatchError,
     TokenSource,

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nemo_gym_tok.contiguity import NotContiguousError, bundled_turns, check_contiguous, check_file
-from nemo_gym_tok.training import (
+from nemo_gym_tok.records.contiguity import NotContiguousError, bundled_turns, check_contiguous, check_file
+from nemo_gym_tok.records.training import (
     NoTokenBundlesError,
     SeveralSegmentsError,
     rollout_to_training_sequence,

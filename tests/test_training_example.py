@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from nemo_gym_tok.constrained import CONSTRAINED_BY_KEY, FORCED_MASK_KEY
-from nemo_gym_tok.contiguity import bundled_turns
-from nemo_gym_tok.training import rollout_to_training_sequences
+from nemo_gym_tok.contract.constrained import CONSTRAINED_BY_KEY, FORCED_MASK_KEY
+from nemo_gym_tok.records.contiguity import bundled_turns
+from nemo_gym_tok.records.training import rollout_to_training_sequences
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests" / "fixtures" / "demo_grid_navigation.jsonl"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from nemo_gym_tok.contiguity import check_file
+from nemo_gym_tok.records.contiguity import check_file
 
 LOGPROB_TOLERANCE = 0.01
 """Nats: the free-turn mean absolute difference above which `--logprobs` fails (bf16 vLLM vs float32 recompute)."""
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_logprobs(args: argparse.Namespace) -> int:
-    from nemo_gym_tok.logprob_check import check_records, naive_sequence, read_records, transformers_scorer
+    from nemo_gym_tok.records.logprob_check import check_records, naive_sequence, read_records, transformers_scorer
 
     try:
         records = read_records(args.files)
@@ -110,7 +110,7 @@ def _run_logprobs(args: argparse.Namespace) -> int:
 def _fingerprint_refusal(model_dir: str, records: list[dict]) -> str | None:
     """Why `model_dir` must not score these records (its tokenizer or chat template is not the one that served them),
     or None. Records without a fingerprint (older ones) cannot be checked and are let through with a note."""
-    from nemo_gym_tok.provenance import model_fingerprint, record_fingerprints
+    from nemo_gym_tok.contract.provenance import model_fingerprint, record_fingerprints
 
     recorded = set().union(*(record_fingerprints(record) for record in records)) if records else set()
     if not recorded:

@@ -11,10 +11,9 @@ from pathlib import Path
 
 from nemo_gym_tok.collect import collect, failures_path_for
 from nemo_gym_tok.config import load_config
-from nemo_gym_tok.contiguity import ContiguityReport, check_file
+from nemo_gym_tok.records.contiguity import ContiguityReport, check_file
 from nemo_gym_tok.servers.auth import AUTH_TOKEN_ENV, env_auth_token
 from nemo_gym_tok.servers.launcher import Gym
-from nemo_gym_tok.tiny_model import build_tiny_model
 from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -62,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     output_dir: Path = args.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
+    from nemo_gym_tok.testing.tiny_model import build_tiny_model
+
     model_dir = build_tiny_model()
     print(f"tiny model: {model_dir}", flush=True)
     vllm = None

@@ -25,7 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="MODEL_DIR",
         help=(
             "the tokenizer (and chat template) the rollouts were served with, to decode ids and rebuild the "
-            "template's ids of repaired turns. Default: the embedded tiny model (nemo_gym_tok.tiny_model, built "
+            "template's ids of repaired turns. Default: the embedded tiny model (nemo_gym_tok.testing.tiny_model, "
+            "built "
             "and cached on first use), which is what `ngt demo` serves; rollouts of any other model need its "
             "directory here, else their pieces decode as nonsense"
         ),
@@ -36,11 +37,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from nemo_gym_tok.inspect_html import write_page
+    from nemo_gym_tok.records.inspect_html import write_page
 
     model_dir = args.tokenizer
     if model_dir is None:
-        from nemo_gym_tok.tiny_model import build_tiny_model
+        from nemo_gym_tok.testing.tiny_model import build_tiny_model
 
         model_dir = build_tiny_model()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

@@ -33,9 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from nemo_gym_tok.chat_templates.catalog import load_catalog
-    from nemo_gym_tok.chat_templates.families import family_of
-    from nemo_gym_tok.chat_templates.sweep import sweep
+    from nemo_gym_tok.testing.chat_templates.catalog import load_catalog
+    from nemo_gym_tok.testing.chat_templates.families import family_of
+    from nemo_gym_tok.testing.chat_templates.sweep import sweep
 
     try:
         entries = sorted(load_catalog(), key=lambda entry: -entry.downloads)

@@ -35,7 +35,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Build or reuse the model; print its directory on stdout. Returns the exit status."""
     # Imported here so `ngt --help` and other subcommands do not pay for this package's imports.
-    from nemo_gym_tok.tiny_model import build_tiny_model
+    from nemo_gym_tok.testing.tiny_model import build_tiny_model
 
     try:
         path = build_tiny_model(args.dir, force=args.force)

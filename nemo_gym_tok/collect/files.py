@@ -12,7 +12,7 @@ from typing import Any
 
 from nemo_gym_tok.collect.errors import CollectError, ResumeError
 from nemo_gym_tok.collect.identity import RolloutId, RolloutKey
-from nemo_gym_tok.rollout_record import UnknownSchemaVersionError, record_schema_version
+from nemo_gym_tok.records.rollout_record import UnknownSchemaVersionError, record_schema_version
 
 FAILURES_SUFFIX = ".failures.jsonl"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 
 from nemo_gym_tok.collect.errors import HeadError
-from nemo_gym_tok.http_errors import error_message
+from nemo_gym_tok.common.remote_errors import error_message
 from nemo_gym_tok.servers.client import AUTH_TOKEN_ENV, auth_headers
 
 DEFAULT_HEAD_URL = "http://127.0.0.1:11500"  # launcher.DEFAULT_HEAD_PORT; not imported to keep `ngt collect` light

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nemo_gym_tok.collect.identity import RolloutId, RolloutKey
-from nemo_gym_tok.rollout_record import (
+from nemo_gym_tok.records.rollout_record import (
     SCHEMA_VERSION_KEY,
     MalformedRecordError,
     UnknownSchemaVersionError,

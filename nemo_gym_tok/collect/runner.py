@@ -27,8 +27,8 @@ from nemo_gym_tok.collect.files import (
 )
 from nemo_gym_tok.collect.identity import InputRow, InputRows, RolloutKey, read_input
 from nemo_gym_tok.collect.resume import belongs, done_keys
-from nemo_gym_tok.http_errors import error_message
-from nemo_gym_tok.rollout_record import UnknownSchemaVersionError, record_schema_version
+from nemo_gym_tok.common.remote_errors import error_message
+from nemo_gym_tok.records.rollout_record import UnknownSchemaVersionError, record_schema_version
 from nemo_gym_tok.servers.client import SESSION_HEADER, auth_headers
 from nemo_gym_tok.servers.http_pool import DEFAULT_MAX_CONNECTIONS, pool_limits
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import uvicorn
 
-from nemo_gym_tok.net import free_port
+from nemo_gym_tok.common.net import free_port
 from nemo_gym_tok.servers.http_pool import SERVER_KEEPALIVE_SECONDS
 
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import orjson
 
+from nemo_gym_tok.contract.token_sources import PrefixMismatchError, check_prefix
 from nemo_gym_tok.splice._errors import InvalidTokenIdsError, StalePrefixError
-from nemo_gym_tok.token_sources import PrefixMismatchError, check_prefix
 
 Decode = Callable[[Sequence[int]], str]
 

@@ -8,6 +8,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from nemo_gym_tok.contract.token_sources import first_difference
 from nemo_gym_tok.splice._errors import StalePrefixError, UnsupportedTemplateError
 from nemo_gym_tok.splice._fixed_text import added_token_pattern
 from nemo_gym_tok.splice._ids import PrefixSource, _get
@@ -26,7 +27,6 @@ from nemo_gym_tok.splice._result import RepairedTurn
 from nemo_gym_tok.splice._structure import Body, Layout
 from nemo_gym_tok.splice._template_text import _render
 from nemo_gym_tok.splice._turn_edges import check_turn_opening
-from nemo_gym_tok.token_sources import first_difference
 
 
 def _with_message_texts(text: str, messages: Sequence[Any], added_tokens: Mapping[str, int]) -> str | None:

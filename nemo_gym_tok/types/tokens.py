@@ -21,7 +21,7 @@ TELEMETRY_FIELDS = (
     "model_fingerprint",
 )
 """Fields that travel with a bundle: kept on the output item that carries it, left out of what environments get."""
-# 1 where the grammar left the sampler one token (nemo_gym_tok.constrained.forced_mask), else 0.
+# 1 where the grammar left the sampler one token (nemo_gym_tok.contract.constrained.forced_mask), else 0.
 ForcedFlag = Annotated[int, Strict(), Field(ge=0, le=1)]
 
 
@@ -53,9 +53,9 @@ class TokenBundleMixin(BaseModel):
     """Per generated id: 1 where the call was constrained and the reported log prob is exactly 0.0 (forced)."""
     sampling: dict[str, Any] | None = None
     """The call's effective sampling parameters (request, else the model's generation_config.json, else vLLM's
-    defaults) and `logprobs_mode`: nemo_gym_tok.provenance.effective_sampling."""
+    defaults) and `logprobs_mode`: nemo_gym_tok.contract.provenance.effective_sampling."""
     model_fingerprint: dict[str, str] | None = None
-    """sha256 of the served tokenizer.json and chat template (`sha256` over both): nemo_gym_tok.provenance."""
+    """sha256 of the served tokenizer.json and chat template (`sha256` over both): nemo_gym_tok.contract.provenance."""
 
     @model_validator(mode="after")
     def _bundle_is_all_or_none(self) -> TokenBundleMixin:

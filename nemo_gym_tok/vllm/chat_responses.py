@@ -7,7 +7,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from nemo_gym_tok.constrained import CONSTRAINED_BY_KEY, FORCED_MASK_KEY, constrained_by, forced_mask
+from nemo_gym_tok.contract.constrained import CONSTRAINED_BY_KEY, FORCED_MASK_KEY, constrained_by, forced_mask
 from nemo_gym_tok.vllm.telemetry import _resolved, _telemetry, _TelemetryLater
 
 
@@ -45,7 +45,7 @@ def _full_generator_with_bundle(original: Any) -> Any:
 
 def _attach_bundles(response: Any, final: Any, request: Any) -> None:
     """Each choice's bundle on its message, with what constrained the call: `request` is the one vLLM sampled
-    with, after its tool parser moved any tool grammar into `structured_outputs` (nemo_gym_tok.constrained)."""
+    with, after its tool parser moved any tool grammar into `structured_outputs` (nemo_gym_tok.contract.constrained)."""
     prompt_ids = list(final.prompt_token_ids or [])
     by_index = {output.index: output for output in final.outputs}
     labels = constrained_by(request)
@@ -121,7 +121,7 @@ class _StreamRecord:
     def __init__(self, *, keep_ids: bool, constrained_by: list[str]) -> None:
         self.keep_ids = keep_ids
         self.constrained_by = constrained_by
-        """What constrained the request's sampling (nemo_gym_tok.constrained), put on each bundle."""
+        """What constrained the request's sampling (nemo_gym_tok.contract.constrained), put on each bundle."""
         self.complete = False
         """The engine's outputs ran to their end (not cut by an error or a disconnect)."""
         self.prompt_token_ids: list[int] = []

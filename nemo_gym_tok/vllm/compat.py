@@ -24,7 +24,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nemo_gym_tok.cache_dir import cache_root
+from nemo_gym_tok.common.cache_dir import cache_root
 from nemo_gym_tok.vllm.internals import (
     HARMONY_PARAMETERS,
     PATCHED_METHODS,

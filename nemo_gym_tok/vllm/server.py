@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from nemo_gym_tok.net import free_port, port_in_use
+from nemo_gym_tok.common.net import free_port, port_in_use
 
 # Flags measured to work on 2-core CPU machines (docs/getting-started.md); GPU users pass their own.
 CPU_SERVING_ARGS = ("--dtype", "bfloat16", "--enforce-eager")

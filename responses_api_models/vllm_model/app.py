@@ -15,9 +15,9 @@ from fastapi.responses import Response as HTTPResponse
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from nemo_gym_tok.conversion import chat_message_to_items, responses_to_chat_request
-from nemo_gym_tok.http_errors import error_message, error_param
-from nemo_gym_tok.provenance import generation_defaults, model_fingerprint
+from nemo_gym_tok.common.remote_errors import error_message, error_param
+from nemo_gym_tok.contract.conversion import chat_message_to_items, responses_to_chat_request
+from nemo_gym_tok.contract.provenance import generation_defaults, model_fingerprint
 from nemo_gym_tok.servers.base import BaseServerConfig, ModelServer
 from nemo_gym_tok.servers.bodies import json_object
 from nemo_gym_tok.servers.errors import ApiError, validation_message

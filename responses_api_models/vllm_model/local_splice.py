@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_tok.http_errors import error_message
+from nemo_gym_tok.common.remote_errors import error_message
+from nemo_gym_tok.contract.token_sources import first_difference
 from nemo_gym_tok.servers.errors import ApiError
 from nemo_gym_tok.splice import (
     BUNDLE_KEYS,
@@ -32,7 +33,6 @@ from nemo_gym_tok.splice import (
     find_prefix_source,
     splice_prefix,
 )
-from nemo_gym_tok.token_sources import first_difference
 from responses_api_models.vllm_model.developer_role import as_server_renders
 from responses_api_models.vllm_model.hub_access import hub_unreachable, offline_advice
 from responses_api_models.vllm_model.upstream import answer_json

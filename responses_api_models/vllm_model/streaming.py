@@ -19,8 +19,8 @@ import httpx
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
-from nemo_gym_tok.constrained import CONSTRAINED_BY_KEY, FORCED_MASK_KEY
-from nemo_gym_tok.http_errors import error_message
+from nemo_gym_tok.common.remote_errors import error_message
+from nemo_gym_tok.contract.constrained import CONSTRAINED_BY_KEY, FORCED_MASK_KEY
 from nemo_gym_tok.servers.errors import ApiError
 from nemo_gym_tok.servers.fast_json import dumps, loads
 from nemo_gym_tok.types import BUNDLE_FIELDS, Response, bundle_of

@@ -6,10 +6,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
-from nemo_gym_tok.constrained import CONSTRAINED_BY_KEY, FORCED_MASK_KEY, constrained_by, forced_mask, valid_fields
-from nemo_gym_tok.provenance import FINGERPRINT_KEY, SAMPLING_KEY, effective_sampling
-from nemo_gym_tok.servers.errors import ApiError
-from nemo_gym_tok.token_sources import (
+from nemo_gym_tok.contract.constrained import (
+    CONSTRAINED_BY_KEY,
+    FORCED_MASK_KEY,
+    constrained_by,
+    forced_mask,
+    valid_fields,
+)
+from nemo_gym_tok.contract.provenance import FINGERPRINT_KEY, SAMPLING_KEY, effective_sampling
+from nemo_gym_tok.contract.token_sources import (
     PartialBundle,
     PrefixMismatchError,
     TokenSource,
@@ -18,6 +23,7 @@ from nemo_gym_tok.token_sources import (
     logprobs_bundle,
     resolve_bundle,
 )
+from nemo_gym_tok.servers.errors import ApiError
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 
 # Fields of a chat request that change the rendered prompt: the /tokenize fallback gets exactly these.

@@ -16,7 +16,7 @@ import aiohttp
 import httpx
 from tenacity import AsyncRetrying, RetryError, retry_if_exception, stop_after_attempt, wait_exponential
 
-from nemo_gym_tok.http_errors import error_message
+from nemo_gym_tok.common.remote_errors import error_message
 from nemo_gym_tok.servers.errors import ApiError
 from nemo_gym_tok.servers.fast_json import JSON_HEADERS, dumps, loads
 from nemo_gym_tok.servers.http_pool import aiohttp_session, call_timeout, pool_limits, post_read_whole

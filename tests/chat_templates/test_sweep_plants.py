@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_gym_tok.chat_templates import entry
-from nemo_gym_tok.chat_templates.families import family_of
-from nemo_gym_tok.chat_templates.sweep import SweepRenderer, failure_kind, sweep
-from nemo_gym_tok.chat_templates.tokenizer import family_tokenizer
 from nemo_gym_tok.cli.main import main
+from nemo_gym_tok.testing.chat_templates import entry
+from nemo_gym_tok.testing.chat_templates.families import family_of
+from nemo_gym_tok.testing.chat_templates.sweep import SweepRenderer, failure_kind, sweep
+from nemo_gym_tok.testing.chat_templates.tokenizer import family_tokenizer
 from tests.splice_plants import PlantedSplice
 
 # Spliced by ids (Qwen 2.5), closed by plain text (Falcon), and Gemma 2, whose template raises on a tool episode

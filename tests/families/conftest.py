@@ -132,7 +132,7 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     """One family at a time: build (or reuse) its model, start the hooked server, stop it after its tests."""
     from transformers import AutoTokenizer
 
-    from nemo_gym_tok.tiny_model.family import build_family_model, family_build
+    from nemo_gym_tok.testing.tiny_model.family import build_family_model, family_build
 
     case: FamilyCase = request.param
     model_dir = build_family_model(case.template, ordinary_markers=case.ordinary_markers)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_gym_tok.tiny_model.gpt_oss import build_tiny_gpt_oss
+from nemo_gym_tok.testing.tiny_model.gpt_oss import build_tiny_gpt_oss
 from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, VLLMServer
 from tests.servers import hooked_server
 

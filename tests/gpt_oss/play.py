@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import httpx
 
-from nemo_gym_tok.tiny_model.gpt_oss import CALL_ID, GENERATION_EOS_IDS, RETURN_ID
+from nemo_gym_tok.testing.tiny_model.gpt_oss import CALL_ID, GENERATION_EOS_IDS, RETURN_ID
 from tests import conversations
 from tests.conversations import Conversation
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from nemo_gym_tok.servers.http_pool import pool_limits
-from nemo_gym_tok.tiny_model.gpt_oss import CALL_ID, END_ID
+from nemo_gym_tok.testing.tiny_model.gpt_oss import CALL_ID, END_ID
 from nemo_gym_tok.vllm.server import VLLMServer
 from tests.gpt_oss.play import MODEL, Conversation, converse
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from nemo_gym_tok.tiny_model.gpt_oss import END_ID, GENERATION_EOS_IDS, RETURN_ID, VOCAB_SIZE
+from nemo_gym_tok.testing.tiny_model.gpt_oss import END_ID, GENERATION_EOS_IDS, RETURN_ID, VOCAB_SIZE
 from nemo_gym_tok.vllm import hook
 from tests.gpt_oss.conftest import START_DATE
 from tests.gpt_oss.play import continues

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from nemo_gym_tok.tiny_model._cache import file_sha256
-from nemo_gym_tok.tiny_model.gpt_oss import (
+from nemo_gym_tok.testing.tiny_model._cache import file_sha256
+from nemo_gym_tok.testing.tiny_model.gpt_oss import (
     CALL_ID,
     END_ID,
     GENERATION_EOS_IDS,

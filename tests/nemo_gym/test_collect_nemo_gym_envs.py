@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from nemo_gym_tok.config import load_config
-from nemo_gym_tok.contiguity import bundled_turns, check_contiguous
+from nemo_gym_tok.records.contiguity import bundled_turns, check_contiguous
 from nemo_gym_tok.servers.launcher import Gym
 from nemo_gym_tok.vllm.server import VLLMServer
 from tests.nemo_gym import gym

@@ -14,8 +14,8 @@ from fastapi.responses import JSONResponse
 from fastapi.responses import Response as HTTPResponse
 
 from nemo_gym_tok.agents.simple_agent import nemo_gym_protocol as nemo_gym
-from nemo_gym_tok.http_errors import error_message, error_param
-from nemo_gym_tok.rollout_record import RECORD_SCHEMA_VERSION, SCHEMA_VERSION_KEY, PromptPacker
+from nemo_gym_tok.common.remote_errors import error_message, error_param
+from nemo_gym_tok.records.rollout_record import RECORD_SCHEMA_VERSION, SCHEMA_VERSION_KEY, PromptPacker
 from nemo_gym_tok.servers.base import RESERVED_PATHS, Agent, BaseServerConfig
 from nemo_gym_tok.servers.bodies import json_object
 from nemo_gym_tok.servers.client import SESSION_HEADER

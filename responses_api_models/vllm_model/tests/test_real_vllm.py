@@ -6,7 +6,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from nemo_gym_tok.tiny_model.tokenizer import THINK_START_ID
+from nemo_gym_tok.testing.tiny_model.tokenizer import THINK_START_ID
 from nemo_gym_tok.vllm.server import VLLMServer
 from responses_api_models.vllm_model.tests.conftest import RecordingProxy
 

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from nemo_gym_tok.net import free_port
+from nemo_gym_tok.common.net import free_port
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 from responses_api_models.vllm_model.tests.fake_upstream import FakeUpstream

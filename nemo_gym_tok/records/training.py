@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from nemo_gym_tok.constrained import CONSTRAINED_BY_KEY, FORCED_MASK_KEY
-from nemo_gym_tok.contiguity import BundledTurn, Decode, bundled_turns, check_contiguous, segments
+from nemo_gym_tok.contract.constrained import CONSTRAINED_BY_KEY, FORCED_MASK_KEY
+from nemo_gym_tok.records.contiguity import BundledTurn, Decode, bundled_turns, check_contiguous, segments
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def rollout_to_training_sequence(record: dict[str, Any], decode: Decode | None =
 def rollout_to_training_sequences(record: dict[str, Any], decode: Decode | None = None) -> list[TrainingSequence]:
     """One sequence per token segment of the episode (one for an episode that never restarted its ids).
 
-    Reads records of schema_version 1 and 2 alike (2 stores prompts packed; see nemo_gym_tok.rollout_record) and
+    Reads records of schema_version 1 and 2 alike (2 stores prompts packed; see nemo_gym_tok.records.rollout_record) and
     raises UnknownSchemaVersionError, naming the version, for any other.
     """
     turns = bundled_turns(record)

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_tok.rollout_record import full_output
-from nemo_gym_tok.training import TrainingSequence, rollout_to_training_sequences
+from nemo_gym_tok.records.rollout_record import full_output
+from nemo_gym_tok.records.training import TrainingSequence, rollout_to_training_sequences
 
 Scorer = Callable[[Sequence[int]], list[float]]
 """Log prob of each id given the ids before it (position 0 gets 0.0): one forward pass over the sequence."""
@@ -196,7 +196,7 @@ def naive_sequence(record: dict[str, Any], tokenizer: Any) -> NaiveSequence:
     marker; trailing whitespace the template adds after the marker is not generated and is left out), mapped to
     tokens through the tokenizer's offsets.
     """
-    from nemo_gym_tok.conversion import responses_to_chat_request
+    from nemo_gym_tok.contract.conversion import responses_to_chat_request
     from nemo_gym_tok.types.responses import ResponsesRequest
 
     params = dict(record.get("responses_create_params") or {})

@@ -32,10 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_tok.chat_templates.catalog import TemplateEntry, load_catalog
-from nemo_gym_tok.chat_templates.episodes import TOOL, Episode, EpisodeSettings, WrongSplice, play_episode
-from nemo_gym_tok.chat_templates.families import family_of
-from nemo_gym_tok.chat_templates.tokenizer import end_token_ids, family_tokenizer
 from nemo_gym_tok.splice import (
     HFChatRenderer,
     NoAssistantTurnsError,
@@ -48,6 +44,10 @@ from nemo_gym_tok.splice import (
     raised_in_this_package,
     splice_prefix,
 )
+from nemo_gym_tok.testing.chat_templates.catalog import TemplateEntry, load_catalog
+from nemo_gym_tok.testing.chat_templates.episodes import TOOL, Episode, EpisodeSettings, WrongSplice, play_episode
+from nemo_gym_tok.testing.chat_templates.families import family_of
+from nemo_gym_tok.testing.chat_templates.tokenizer import end_token_ids, family_tokenizer
 
 OUTCOMES = ("exact", "refused", "crash", "wrong", "no chat turns")
 NO_TOOL_RESULTS = "the template renders no tool result (no tool support), so a tool-calling episode cannot be rendered"

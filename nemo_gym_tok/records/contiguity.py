@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_tok.rollout_record import MalformedRecordError, UnknownSchemaVersionError, full_output
-from nemo_gym_tok.token_sources import PrefixMismatchError, check_prefix
+from nemo_gym_tok.contract.token_sources import PrefixMismatchError, check_prefix
+from nemo_gym_tok.records.rollout_record import MalformedRecordError, UnknownSchemaVersionError, full_output
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -59,7 +59,7 @@ def bundled_turns(record: dict[str, Any]) -> list[BundledTurn]:
     """The bundled items of `record["response"]["output"]`, in order, with full prompt ids (schema version 1 or 2).
 
     Raises UnknownSchemaVersionError for a record of a version this nemo_gym_tok does not read, and
-    MalformedRecordError for a version 2 record whose prompts cannot be rebuilt (nemo_gym_tok.rollout_record).
+    MalformedRecordError for a version 2 record whose prompts cannot be rebuilt (nemo_gym_tok.records.rollout_record).
     """
     output = full_output(record)
     turns = []

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_tok.cache_dir import cache_root as cache_root  # the builders' root, re-exported
+from nemo_gym_tok.common.cache_dir import cache_root as cache_root  # the builders' root, re-exported
 
 logger = logging.getLogger(__name__)
 

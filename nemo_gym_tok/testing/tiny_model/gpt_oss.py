@@ -25,8 +25,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nemo_gym_tok.tiny_model._cache import build_cached, cache_root, hash_spec, is_complete, write_marker
-from nemo_gym_tok.tiny_model.tokenizer import save_tokenizer
+from nemo_gym_tok.testing.tiny_model._cache import build_cached, cache_root, hash_spec, is_complete, write_marker
+from nemo_gym_tok.testing.tiny_model.tokenizer import save_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -294,7 +294,7 @@ def build_tiny_gpt_oss(dest: Path | None = None, *, force: bool = False) -> Path
     return build_cached(target, force=force, complete=complete, write=_write_build, what="tiny GPT-OSS model")
 
 
-if __name__ == "__main__":  # python -m nemo_gym_tok.tiny_model.gpt_oss [DIR]
+if __name__ == "__main__":  # python -m nemo_gym_tok.testing.tiny_model.gpt_oss [DIR]
     import sys
     import time
 

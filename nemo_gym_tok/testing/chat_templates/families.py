@@ -6,10 +6,10 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from nemo_gym_tok.tiny_model.tokenizer import QWEN_ADDED_TOKENS
+from nemo_gym_tok.testing.tiny_model.tokenizer import QWEN_ADDED_TOKENS
 
 if TYPE_CHECKING:
-    from nemo_gym_tok.chat_templates.catalog import TemplateEntry
+    from nemo_gym_tok.testing.chat_templates.catalog import TemplateEntry
 
 _THINK = ("<think>", "</think>")
 _QWEN_TOOLS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
@@ -188,7 +188,7 @@ def family(name: str) -> Family:
 
 def _generic_for(text: str) -> Family:
     """The generic row specialised to one template: bos/eos/stop tokens from the markers it references."""
-    from nemo_gym_tok.chat_templates.tokenizer import extract_markers  # lazy: tokenizer imports this module
+    from nemo_gym_tok.testing.chat_templates.tokenizer import extract_markers  # lazy: tokenizer imports this module
 
     markers = [marker for marker, _ in extract_markers(text, GENERIC)]
     enders = [m for hint in _END_HINTS for m in markers if hint.search(m)]

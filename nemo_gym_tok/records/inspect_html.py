@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from nemo_gym_tok.contiguity import BundledTurn, bundled_turns, segments
-from nemo_gym_tok.conversion import responses_to_chat_request
-from nemo_gym_tok.rollout_record import full_output
-from nemo_gym_tok.training import rollout_to_training_sequences
+from nemo_gym_tok.contract.conversion import responses_to_chat_request
+from nemo_gym_tok.records.contiguity import BundledTurn, bundled_turns, segments
+from nemo_gym_tok.records.rollout_record import full_output
+from nemo_gym_tok.records.training import rollout_to_training_sequences
 from nemo_gym_tok.types.responses import ResponseItem, ResponsesRequest
 
 # Token kinds as the page's data and CSS name them (one letter per id keeps the embedded data small).

@@ -1,6 +1,6 @@
 """The embedded default model: a tiny random-weight Qwen3 with Qwen's real tokenizer and our chat template."""
 
-from nemo_gym_tok.tiny_model.build import (
+from nemo_gym_tok.testing.tiny_model.build import (
     MODEL_CONFIG,
     SEED,
     VOCAB_SIZE,
@@ -10,7 +10,7 @@ from nemo_gym_tok.tiny_model.build import (
     is_complete,
     spec_hash,
 )
-from nemo_gym_tok.tiny_model.tokenizer import (
+from nemo_gym_tok.testing.tiny_model.tokenizer import (
     ENDOFTEXT_ID,
     EOS_TOKEN,
     IM_END_ID,

@@ -8,7 +8,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nemo_gym_tok.tiny_model._cache import (
+from nemo_gym_tok.testing.tiny_model._cache import (
     MARKER_FILE,
     build_cached,
     cache_root,
@@ -16,10 +16,10 @@ from nemo_gym_tok.tiny_model._cache import (
     hash_spec,
     write_marker,
 )
-from nemo_gym_tok.tiny_model._cache import (
+from nemo_gym_tok.testing.tiny_model._cache import (
     is_complete as _is_complete,
 )
-from nemo_gym_tok.tiny_model.tokenizer import (
+from nemo_gym_tok.testing.tiny_model.tokenizer import (
     ENDOFTEXT_ID,
     IM_END_ID,
     MODEL_MAX_LENGTH,

@@ -8,10 +8,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from nemo_gym_tok.chat_templates.catalog import TemplateEntry, load_catalog
-from nemo_gym_tok.chat_templates.families import Family, family_of
-from nemo_gym_tok.chat_templates.probe import PROBES, probe, render_ok
-from nemo_gym_tok.chat_templates.tokenizer import family_tokenizer
+from nemo_gym_tok.testing.chat_templates.catalog import TemplateEntry, load_catalog
+from nemo_gym_tok.testing.chat_templates.families import Family, family_of
+from nemo_gym_tok.testing.chat_templates.probe import PROBES, probe, render_ok
+from nemo_gym_tok.testing.chat_templates.tokenizer import family_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast

@@ -8,8 +8,8 @@ as one renderers has only if renderers renders probe conversations to the templa
 does not, the two would differ by rendering, not by splicing. Each difference is put in a class by `classify`, whose
 rules say why renderers' ids differ from the template's (docs/hook.md); one no rule explains is `unexplained`.
 
-`python -m nemo_gym_tok.chat_templates.renderers_oracle` (`make renderers-oracle`) runs every catalog template of
-the families renderers has and exits 1 on any unexplained difference.
+`python -m nemo_gym_tok.testing.chat_templates.renderers_oracle` (`make renderers-oracle`) runs every catalog template
+of the families renderers has and exits 1 on any unexplained difference.
 """
 
 from __future__ import annotations
@@ -27,11 +27,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_tok.chat_templates.catalog import TemplateEntry, entry, load_catalog
-from nemo_gym_tok.chat_templates.episodes import TOOL, EpisodeSettings, WrongSplice, play_episode
-from nemo_gym_tok.chat_templates.families import family_of
-from nemo_gym_tok.chat_templates.sweep import renders
-from nemo_gym_tok.chat_templates.tokenizer import end_token_ids, family_tokenizer
 from nemo_gym_tok.splice import (
     BUNDLE_KEYS,
     HFChatRenderer,
@@ -40,9 +35,14 @@ from nemo_gym_tok.splice import (
     find_prefix_source,
     splice_prefix,
 )
+from nemo_gym_tok.testing.chat_templates.catalog import TemplateEntry, entry, load_catalog
+from nemo_gym_tok.testing.chat_templates.episodes import TOOL, EpisodeSettings, WrongSplice, play_episode
+from nemo_gym_tok.testing.chat_templates.families import family_of
+from nemo_gym_tok.testing.chat_templates.sweep import renders
+from nemo_gym_tok.testing.chat_templates.tokenizer import end_token_ids, family_tokenizer
 
 WORKER = Path(__file__).with_name("renderers_worker.py")
-VENV = Path(__file__).resolve().parents[2] / ".venv-renderers"
+VENV = Path(__file__).resolve().parents[3] / ".venv-renderers"
 """`make renderers-venv` builds it; NGT_RENDERERS_PYTHON names another interpreter that has `renderers`."""
 
 # Our family (chat_templates/families.py) -> the renderers that may mirror its templates, tried in order; the first

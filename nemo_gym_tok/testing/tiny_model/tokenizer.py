@@ -76,7 +76,7 @@ def qwen_ranks_file() -> Path:
 
 @lru_cache(maxsize=1)
 def chat_template() -> str:
-    """Text of our Qwen3-style chat template (nemo_gym_tok/tiny_model/chat_template.jinja)."""
+    """Text of our Qwen3-style chat template (nemo_gym_tok/testing/tiny_model/chat_template.jinja)."""
     return (importlib.resources.files(__package__) / "chat_template.jinja").read_text(encoding="utf-8")
 
 

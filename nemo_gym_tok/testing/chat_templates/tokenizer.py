@@ -6,8 +6,8 @@ import re
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from nemo_gym_tok.chat_templates.families import Family
-from nemo_gym_tok.tiny_model.tokenizer import QWEN_BPE_RANKS, QWEN_PAT_STR, qwen_ranks_file
+from nemo_gym_tok.testing.chat_templates.families import Family
+from nemo_gym_tok.testing.tiny_model.tokenizer import QWEN_BPE_RANKS, QWEN_PAT_STR, qwen_ranks_file
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

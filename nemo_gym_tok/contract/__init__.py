@@ -1,0 +1,1 @@
+"""The token contract's rules: which source of ids wins, Responses/chat conversion keeping bundles, provenance."""

@@ -1,0 +1,1 @@
+"""Rollout records: the schema, token contiguity, training sequences, and the tools that read them back."""
