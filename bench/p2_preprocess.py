@@ -3,9 +3,10 @@
     .venv/bin/python bench/p2_preprocess.py                 # starts the hooked bench vLLM (32k context, ~60 s)
     .venv/bin/python bench/p2_preprocess.py --vllm-url URL  # or uses one serving the bench model as tiny-qwen3
 
-One synthetic episode of up to 128 model calls (232 random model ids per assistant turn, mostly plain words, about
-253 prompt ids a turn, so call 128 holds about 32.3k ids). At every call the same request is sent three ways,
-interleaved, as a 1-token chat completion:
+Several synthetic histories (--histories, kind-seed; default five: plain words, text decoded from random ids, tool
+calls, reasoning, and a mix: bench/_episode.py KINDS), each an episode of up to 128 model calls (about 232 model ids
+per assistant turn, about 253 prompt ids a turn, so call 128 holds about 32.3k ids). At the calls measured the same
+request is sent three ways, interleaved, as a 1-token chat completion:
   hook      the history with the previous call's bundle on the last assistant message (the hook splices);
   stock     the same messages without a bundle (vLLM templates and tokenizes the text);
   token_in  the same messages without a bundle plus the spliced ids as `kv_transfer_params.prompt_token_ids` (vLLM's
@@ -22,7 +23,8 @@ latency, and the median of the hook's server-side timer (`nemo_gym_tok_preproces
 `spliced`, `template`, `token_in`; /metrics is read between consecutive requests, so each request's time is its
 own) where the server has it, else "n/a". At the calls nearest the --sizes, more repeats
 and `/tokenize` with a bundle vs stock `/tokenize` as well. Then the slope (ms per 1k history ids) of each variant over
-the episode (Theil-Sen: the median of the slopes between every two calls, which load spikes do not tilt).
+the episode (Theil-Sen: the median of the slopes between every two calls, which load spikes do not tilt). Per size
+and for the slope: the median over the histories and the worst of them (the targets judge the worst).
 """
 
 from __future__ import annotations
@@ -38,18 +40,15 @@ from typing import Any
 import _episode
 import httpx
 import orjson
-from _episode import Call, build_episode, nearest_calls
-from _figures import Figure, Table, command, fmt, run_standalone
-from _metrics import PREPROCESS_METRIC, has_preprocess_timer, preprocess_delta, scrape
+from _episode import DEFAULT_HISTORIES, Call, build_episode, nearest_calls, parse_history
+from _figures import Figure, command, run_standalone
+from _metrics import has_preprocess_timer, preprocess_delta, scrape
+from _p2_tables import History, add_tables
 from _server import MODEL, BenchError, bench_model, note
-from _timing import median, post_ms, ratio, slope
+from _timing import median, post_ms, slope
 from transformers import AutoTokenizer
 
 VARIANTS = ("stock", "hook", "token_in")
-TIMER_PATH = {"stock": "template", "hook": "spliced", "token_in": "token_in"}
-"""The server-side timer's `path` label each variant should be counted under."""
-EPISODE_ROWS = (2, 4, 8, 16, 32, 64, 96, 128)
-"""Calls shown in the episode table (every measured call is in the plot)."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -64,10 +63,16 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--calls", type=int, default=128, help="model calls in the episode (default 128)")
     p.add_argument(
-        "--repeats", type=int, default=40, help="timed repeats per variant at the size-table calls (default 40)"
+        "--histories",
+        nargs="+",
+        default=list(DEFAULT_HISTORIES),
+        help=f"histories measured, KIND-SEED (default {' '.join(DEFAULT_HISTORIES)})",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=20, help="timed repeats per variant at the size-table calls, per history (20)"
     )
     p.add_argument("--episode-repeats", type=int, default=3, help="timed repeats per variant at the other calls")
-    p.add_argument("--episode-step", type=int, default=1, help="measure every Nth call of the episode (default 1)")
+    p.add_argument("--episode-step", type=int, default=4, help="measure every Nth call of each episode (default 4)")
     return p
 
 
@@ -129,6 +134,7 @@ def _varied_tokenize_body(call: Call, tokenizer: Any, variant: str) -> Callable[
                 "model": MODEL,
                 "messages": varied.bundled if variant == "hook" else varied.plain,
                 "add_generation_prompt": True,
+                **_episode.tokenize_fields(varied.fields),
             }
         )
 
@@ -139,196 +145,83 @@ def _check_varied_ids(url: str, call: Call, tokenizer: Any) -> None:
     """The token-in variant's ids for a varied request are the hook's own for it (checked on a round never timed)."""
     probe = call.varied(tokenizer, -1000)
     with httpx.Client(base_url=url, timeout=600) as http:
-        if _episode.tokenize(http, probe.bundled) != probe.prompt_ids:
+        if _episode.tokenize(http, probe.bundled, probe.fields) != probe.prompt_ids:
             raise BenchError("the varied request's token-in ids are not the hook's spliced ids for it")
 
 
-def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> Figure:
-    started = time.monotonic()
-    note(f"P2: building a {args.calls}-call episode on {url} ...")
-    episode = build_episode(url, args.calls)
-    tokenizer = AutoTokenizer.from_pretrained(bench_model())
+def measure_history(
+    url: str, name: str, args: argparse.Namespace, tokenizer: Any, http: httpx.Client
+) -> tuple[History, dict[str, Counter]]:
+    """One history's episode measured: every --episode-step-th call (end to end and server-side), and at the calls
+    nearest the --sizes more repeats and /tokenize as well; its slopes over the episode."""
+    kind, seed = parse_history(name)
+    note(f"P2: building history {name} ({args.calls} calls) on {url} ...")
+    episode = build_episode(url, args.calls, kind=kind, seed=seed)
     _check_varied_ids(url, episode[len(episode) // 2], tokenizer)
     checkpoints = {call.number: size for call, size in zip(nearest_calls(episode, args.sizes), args.sizes)}
-    timer = has_preprocess_timer(scrape(url))
     calls: list[dict[str, Any]] = []
     sizes: list[dict[str, Any]] = []
     labels: dict[str, Counter] = {v: Counter() for v in VARIANTS}
-    with httpx.Client(base_url=url, timeout=600) as http:
-        for call in episode[1:]:  # call 1 has no earlier turn: nothing to splice
-            checkpoint = call.number in checkpoints
-            if not checkpoint and (call.number - 2) % args.episode_step and call.number != episode[-1].number:
-                continue
-            chat = {v: _varied_body(call, tokenizer, v) for v in VARIANTS}
-            measured = measure(
-                http, url, "/v1/chat/completions", chat, args.repeats if checkpoint else args.episode_repeats
+    for call in episode[1:]:  # call 1 has no earlier turn: nothing to splice
+        checkpoint = call.number in checkpoints
+        if not checkpoint and (call.number - 2) % args.episode_step and call.number != episode[-1].number:
+            continue
+        chat = {v: _varied_body(call, tokenizer, v) for v in VARIANTS}
+        measured = measure(
+            http, url, "/v1/chat/completions", chat, args.repeats if checkpoint else args.episode_repeats
+        )
+        row = {
+            "call": call.number,
+            "ids": call.history_ids,
+            "e2e": {v: measured.e2e_median(v) for v in VARIANTS},
+            "server": {v: measured.server_median(v) for v in VARIANTS},
+            "paired": {
+                "hook/stock": measured.paired("hook", "stock"),
+                "hook/token_in": measured.paired("hook", "token_in"),
+            },
+        }
+        calls.append(row)
+        for v in VARIANTS:
+            labels[v].update(measured.paths[v])
+        if checkpoint:
+            tokenize = {v: _varied_tokenize_body(call, tokenizer, v) for v in ("stock", "hook")}
+            t_measured = measure(http, url, "/tokenize", tokenize, args.repeats)
+            sizes.append(
+                {
+                    **row,
+                    "size": checkpoints[call.number],
+                    "tokenize_e2e": {v: t_measured.e2e_median(v) for v in tokenize},
+                    "tokenize_server": {v: t_measured.server_median(v) for v in tokenize},
+                }
             )
-            row = {
-                "call": call.number,
-                "ids": call.history_ids,
-                "e2e": {v: measured.e2e_median(v) for v in VARIANTS},
-                "server": {v: measured.server_median(v) for v in VARIANTS},
-                "paired": {
-                    "hook/stock": measured.paired("hook", "stock"),
-                    "hook/token_in": measured.paired("hook", "token_in"),
-                },
-            }
-            calls.append(row)
-            for v in VARIANTS:
-                labels[v].update(measured.paths[v])
-            if checkpoint:
-                tokenize = {v: _varied_tokenize_body(call, tokenizer, v) for v in ("stock", "hook")}
-                t_measured = measure(http, url, "/tokenize", tokenize, args.repeats)
-                sizes.append(
-                    {
-                        **row,
-                        "size": checkpoints[call.number],
-                        "tokenize_e2e": {v: t_measured.e2e_median(v) for v in tokenize},
-                        "tokenize_server": {v: t_measured.server_median(v) for v in tokenize},
-                    }
-                )
-            if call.number % 16 == 0:
-                note(
-                    f"P2: call {call.number}, {call.history_ids} ids: e2e ms "
-                    + ", ".join(f"{v} {row['e2e'][v]:.1f}" for v in VARIANTS)
-                )
-    figure = Figure("P2", "Preprocessing: hook vs stock templating vs token-in", command("p2_preprocess.py", argv))
-    unavailable = (
-        "" if timer else f" (server-side timer unavailable: this server's /metrics has no {PREPROCESS_METRIC})"
-    )
-
-    table = Table(
-        f"By history size: 1-token chat completion and /tokenize, ms{unavailable}",
-        [
-            "size",
-            "history ids",
-            "request",
-            "measure",
-            "stock",
-            "hook",
-            "token-in",
-            "hook/stock",
-            "token-in/stock",
-            "hook/token-in",
-            "hook/stock paired",
-            "hook/token-in paired",
-        ],
-    )
-    for row in sizes:
-        label = f"{row['size'] / 1024:g}k"
-        for measure_name, key in (("e2e median", "e2e"), ("server-side median", "server")):
-            values = row[key]
-            paired = [row["paired"]["hook/stock"], row["paired"]["hook/token_in"]] if key == "e2e" else ["-", "-"]
-            table.add(
-                label,
-                row["ids"],
-                "chat, 1 token",
-                measure_name,
-                values["stock"],
-                values["hook"],
-                values["token_in"],
-                ratio(values["hook"], values["stock"]),
-                ratio(values["token_in"], values["stock"]),
-                ratio(values["hook"], values["token_in"]),
-                *paired,
-                digits=2,
+        if call.number % 32 == 0:
+            note(
+                f"P2: {name} call {call.number}, {call.history_ids} ids: e2e ms "
+                + ", ".join(f"{v} {row['e2e'][v]:.1f}" for v in VARIANTS)
             )
-        for measure_name, key in (("e2e median", "tokenize_e2e"), ("server-side median", "tokenize_server")):
-            values = row[key]
-            table.add(
-                label,
-                row["ids"],
-                "/tokenize",
-                measure_name,
-                values["stock"],
-                values["hook"],
-                "-",
-                ratio(values["hook"], values["stock"]),
-                "-",
-                "-",
-                "-",
-                "-",
-                digits=2,
-            )
-    figure.tables.append(table)
-
-    growth = Table(
-        f"One episode growing to {episode[-1].number} calls (bundle of the last call each turn), ms",
-        [
-            "call",
-            "history ids",
-            "e2e stock",
-            "e2e hook",
-            "e2e token-in",
-            "server stock",
-            "server hook",
-            "server token-in",
-            "hook/stock e2e",
-            "hook/stock server",
-        ],
-    )
-    for row in calls:
-        if row["call"] in EPISODE_ROWS or row["call"] == calls[-1]["call"]:
-            e2e, server = row["e2e"], row["server"]
-            growth.add(
-                row["call"],
-                row["ids"],
-                e2e["stock"],
-                e2e["hook"],
-                e2e["token_in"],
-                server["stock"],
-                server["hook"],
-                server["token_in"],
-                ratio(e2e["hook"], e2e["stock"]),
-                ratio(server["hook"], server["stock"]),
-                digits=2,
-            )
-    figure.tables.append(growth)
-
-    slopes = Table(
-        "Slope over the episode (Theil-Sen linear fit): ms per 1k history ids",
-        ["variant", "server-side ms/1k ids", "vs stock", "e2e ms/1k ids", "vs stock"],
-    )
     xs = [row["ids"] / 1000 for row in calls]
     fitted = {
         v: (slope(xs, [row["server"][v] for row in calls]), slope(xs, [row["e2e"][v] for row in calls]))
         for v in VARIANTS
     }
-    for v in VARIANTS:
-        slopes.add(
-            v,
-            fitted[v][0],
-            ratio(fitted[v][0], fitted["stock"][0]),
-            fitted[v][1],
-            ratio(fitted[v][1], fitted["stock"][1]),
-            digits=3,
-        )
-    figure.tables.append(slopes)
-    hook_ratio = ratio(fitted["hook"][0], fitted["stock"][0])
-    figure.notes.append(
-        f"Server-side slope hook/stock: {fmt(hook_ratio, 3)} (target <= 0.3)"
-        if timer
-        else "Server-side slope hook/stock: unavailable (no preprocessing timer on this server's /metrics); "
-        f"end-to-end slope hook/stock: {fmt(ratio(fitted['hook'][1], fitted['stock'][1]), 3)}"
-    )
-    mislabelled = {v: dict(labels[v]) for v in VARIANTS if set(labels[v]) - {TIMER_PATH[v]}}
-    if mislabelled:
-        figure.notes.append(
-            "The server's timer labelled requests otherwise than expected (variant: {path: requests}): "
-            f"{mislabelled}; the figures above are per request and do not depend on the label."
-        )
-    figure.notes.append(
-        f"{args.repeats} timed repeats per variant at the size-table calls, {args.episode_repeats} at the other calls, "
-        "after one untimed warm-up each; variants interleaved, order rotated each round. e2e: client wall time of the "
-        "request, answer read; paired: the median over rounds of the two variants' ratio within a round (sent back to "
-        "back), which the machine's drift between rounds does not move as it moves a ratio of medians. Server-side: "
-        "the hook's timer (nemo_gym_tok_preprocess_seconds), one request at a time: "
-        "/metrics is read between consecutive requests and each request's sum delta is its own; medians. "
-        "Prefix caching is on: repeated prompts hit the cache for all three variants alike. The hook finds the prompt "
-        "it spliced for the previous call (a real next turn does) and the placement rendering of the call's shape "
-        "(shared by requests of that shape; a conversation with tool calls renders its own, one more rendering)."
-    )
-    figure.data = {"calls": calls, "sizes": sizes, "timer": timer, "slopes": fitted}
+    return History(name, calls, sorted(sizes, key=lambda r: r["size"]), fitted), labels
+
+
+def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> Figure:
+    started = time.monotonic()
+    tokenizer = AutoTokenizer.from_pretrained(bench_model())
+    histories: list[History] = []
+    labels: dict[str, Counter] = {v: Counter() for v in VARIANTS}
+    with httpx.Client(base_url=url, timeout=600) as http:
+        for name in args.histories:
+            history, seen = measure_history(url, name, args, tokenizer, http)
+            histories.append(history)
+            for v in VARIANTS:
+                labels[v].update(seen[v])
+    # Read after the requests: a labelled histogram shows on /metrics only once something was timed.
+    timer = has_preprocess_timer(scrape(url))
+    figure = Figure("P2", "Preprocessing: hook vs stock templating vs token-in", command("p2_preprocess.py", argv))
+    add_tables(figure, histories, timer, labels, args)
     figure.seconds = time.monotonic() - started
     return figure
 

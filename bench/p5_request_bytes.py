@@ -28,8 +28,9 @@ from _hops import Exchange, RecordingProxy, adapter_instance, serve_app
 from _server import MODEL, REPO, BenchError, note
 from _timing import ratio
 
+from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
+
 GAME = REPO / "resources_servers" / "number_guess" / "data" / "example.jsonl"
-BUNDLE = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -45,9 +46,9 @@ def bundle_bytes(body: dict[str, Any], key: str) -> tuple[int, int]:
     """(items carrying a token bundle, bytes of their bundle fields as JSON) in the request's `key` list."""
     carrying, size = 0, 0
     for item in body.get(key) or []:
-        if isinstance(item, dict) and any(f in item for f in BUNDLE):
+        if isinstance(item, dict) and any(f in item for f in BUNDLE_FIELDS):
             carrying += 1
-            size += sum(len(orjson.dumps(item[f])) for f in BUNDLE if f in item)
+            size += sum(len(orjson.dumps(item[f])) for f in BUNDLE_FIELDS if f in item)
     return carrying, size
 
 

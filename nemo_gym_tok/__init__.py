@@ -17,8 +17,8 @@ _EXPORTS = {
     "Gym": "nemo_gym_tok.servers.launcher",
     "ResourcesServer": "nemo_gym_tok.servers.base",
     "BaseServerConfig": "nemo_gym_tok.servers.base",
-    "EpisodeStore": "nemo_gym_tok.servers.episodes",
-    "ApiError": "nemo_gym_tok.servers.errors",
+    "EpisodeStore": "nemo_gym_tok.servers.episode_store",
+    "ApiError": "nemo_gym_tok.servers.api_errors",
     "ServerClient": "nemo_gym_tok.servers.client",
     # rollouts and training data
     "collect": "nemo_gym_tok.collect",

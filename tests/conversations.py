@@ -9,6 +9,7 @@ from typing import Any, Literal
 import httpx
 
 from nemo_gym_tok.testing.tiny_model import IM_END_ID
+from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 
 Mode = Literal["bundles", "prefix", "stock"]
 
@@ -110,6 +111,6 @@ def history_message(message: dict[str, Any], mode: Mode) -> dict[str, Any]:
     if message.get("tool_calls"):
         kept["tool_calls"] = message["tool_calls"]
     if mode == "bundles":
-        for key in ("prompt_token_ids", "generation_token_ids", "generation_log_probs"):
+        for key in BUNDLE_FIELDS:
             kept[key] = message[key]
     return kept

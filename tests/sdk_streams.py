@@ -9,9 +9,8 @@ from typing import Any
 
 from openai import OpenAI
 
+from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 from tests.conversations import MOVE_TOOL, turn_settings
-
-BUNDLE_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 
 @dataclass
@@ -37,7 +36,7 @@ class SdkTurn:
             "calls": calls,
             "finish": self.finish_reason,
             "ids": ids,
-            "telemetry": self.telemetry,
+            "telemetry": _without_proof_timing(self.telemetry),
         }
 
     def history_message(self) -> dict[str, Any]:
@@ -46,6 +45,14 @@ class SdkTurn:
             message["tool_calls"] = self.tool_calls
         message.update({key: self.bundle[key] for key in BUNDLE_FIELDS})
         return message
+
+
+def _without_proof_timing(telemetry: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The adapter-side splice's `proof` says when the template was proven (which call, how long ago): it depends on
+    the order calls arrive in, not on streaming, so only how it was proven is compared."""
+    if not telemetry or not isinstance(telemetry.get("proof"), dict):
+        return telemetry
+    return {**telemetry, "proof": {"by": telemetry["proof"].get("by")}}
 
 
 def from_stream(chunks: Iterable[Any]) -> SdkTurn:

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
 
 import pytest
 
-from nemo_gym_tok.splice import _splice
+from nemo_gym_tok.splice import SplicedPrompt, SpliceResult
 
 
 class PlantedSplice:
-    """Makes 1 call in `every` to the splice (splice_prompt, which splice_prefix and the hook go through) go wrong.
+    """Makes 1 splice in `every` go wrong where splice_prefix finishes it (`SplicedPrompt.result`).
 
-    `kind` "wrong": the call returns its prompt with one id after the kept prefix changed (the template's part, so
-    the prefix check alone cannot see it). `kind` "crash": the call raises an IndexError from inside the splice, as a
-    bug in our code would. `planted` counts the calls that went wrong, so a test can show the plant fired.
+    `kind` "wrong": the splice returns its prompt with one id after the kept prefix changed (the template's part, so
+    the prefix check alone cannot see it). `kind` "crash": the splice raises an IndexError from inside the splice, as a
+    bug in our code would. `planted` counts the splices that went wrong, so a test can show the plant fired.
+    The plant goes through the splice's public surface: the classes it exports, never its private modules.
     """
 
     def __init__(self, kind: str, every: int) -> None:
@@ -23,21 +24,20 @@ class PlantedSplice:
         self.calls = self.planted = 0
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> PlantedSplice:
-        real = _splice.splice_prompt
+        real = SplicedPrompt.result
 
-        def planted(renderer: Any, *args: Any, **kwargs: Any) -> _splice.SplicedPrompt:
+        def planted(spliced: SplicedPrompt) -> SpliceResult:
             self.calls += 1
             if self.calls % self.every:
-                return real(renderer, *args, **kwargs)
+                return real(spliced)
             self.planted += 1
             if self.kind == "crash":
                 raise IndexError("list index out of range (planted in the splice)")
-            spliced = real(renderer, *args, **kwargs)
-            ids = list(spliced.prompt_token_ids)
-            at = min(len(ids) - 1, spliced.kept_prefix_length + (len(ids) - spliced.kept_prefix_length) // 2)
-            ids[at] = next(i for i in renderer.encode(" planted") if i != ids[at])
-            spliced.prompt_token_ids = ids
-            return spliced
+            result = real(spliced)
+            ids = list(result.prompt_token_ids)
+            at = min(len(ids) - 1, result.kept_prefix_length + (len(ids) - result.kept_prefix_length) // 2)
+            ids[at] = next(i for i in ids if i != ids[at])  # another id the prompt uses: one the vocabulary has
+            return dataclasses.replace(result, prompt_token_ids=ids)
 
-        monkeypatch.setattr(_splice, "splice_prompt", planted)
+        monkeypatch.setattr(SplicedPrompt, "result", planted)
         return self

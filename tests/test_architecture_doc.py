@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -200,3 +201,142 @@ def test_only_commands_reach_the_test_harnesses_and_only_when_run() -> None:
     assert not outside, "test harnesses imported outside nemo_gym_tok/cli/:\n" + "\n".join(outside)
     at_import_time = [f"{file}: {module}" for file, module, top in reaching if top]
     assert not at_import_time, "test harnesses imported at module level:\n" + "\n".join(at_import_time)
+
+
+def _python_files() -> list[str]:
+    """Every .py file git knows of or would add (library, tests, bench, conftest), as paths from the repo root."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "--", "*.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    return sorted(f for f in listed if (ROOT / f).is_file())
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _resolve(module: str, folder: str) -> str | None:
+    """The repo file of `module` (its __init__.py for a package): from the root, else beside the importing file."""
+    base = module.replace(".", "/")
+    for prefix in ("", f"{folder}/" if folder else ""):
+        for candidate in (f"{prefix}{base}.py", f"{prefix}{base}/__init__.py"):
+            if (ROOT / candidate).is_file():
+                return candidate
+    return None
+
+
+def _home(file: str) -> str:
+    """The folder a repo file sits in ("" at the root)."""
+    return Path(file).parent.as_posix().removeprefix(".")
+
+
+def _private_owner(parts: list[str], index: int, folder: str) -> str | None:
+    """The folder whose code may use `parts[index]`, a private module or name; None when it is not this project's."""
+    module = _resolve(".".join(parts[: index + 1]), folder)
+    if module is not None:  # a private module (or package): it belongs to the folder it sits in
+        return _home(module.removesuffix("/__init__.py") if module.endswith("/__init__.py") else module)
+    holder = _resolve(".".join(parts[:index]), folder) if index else None
+    if holder is None:
+        return None
+    return _home(holder) if not holder.endswith("/__init__.py") else holder.removesuffix("/__init__.py")
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    nodes = [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))]
+    return {
+        id(node.body[0].value)
+        for node in nodes
+        if node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+    }
+
+
+def private_imports(file: str, source: str | None = None) -> list[str]:
+    """This project's private modules and names that `file` imports from a folder other than its own.
+
+    A private module (`x._y`) belongs to the folder it sits in; a private name (`from x import _y`) to the folder of
+    the module that holds it. A dotted string naming one (a monkeypatch target) and a private module reached as an
+    attribute of an imported package (`splice._splice`) count as imports of it.
+    """
+    folder = _home(file)
+    tree = ast.parse(source if source is not None else (ROOT / file).read_text(encoding="utf-8"))
+    docstrings = _docstrings(tree)
+    found: list[str] = []
+
+    def check(dotted: str, line: int, *, modules_only: bool = False) -> None:
+        parts = dotted.split(".")
+        index = next((i for i, part in enumerate(parts) if _is_private(part)), None)
+        if index is None or (modules_only and _resolve(".".join(parts[: index + 1]), folder) is None):
+            return
+        owner = _private_owner(parts, index, folder)
+        if owner is not None and owner != folder:
+            hit = f"{file}:{line}: {'.'.join(parts[: index + 1])} (private to {owner or 'the root'}/)"
+            if hit not in found:
+                found.append(hit)
+
+    bound: dict[str, str] = {}  # a name an import binds -> what it names, for `package._module` reached through it
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                check(alias.name, node.lineno)
+                bound[alias.asname or alias.name.split(".")[0]] = (
+                    alias.name if alias.asname else alias.name.split(".")[0]
+                )
+        elif isinstance(node, ast.ImportFrom):
+            package = Path(file).parent.parts
+            base = package[: len(package) - node.level + 1] if node.level else ()
+            module = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            for alias in node.names:
+                check(f"{module}.{alias.name}", node.lineno)
+                bound[alias.asname or alias.name] = f"{module}.{alias.name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            chain, value = [node.attr], node.value
+            while isinstance(value, ast.Attribute):
+                chain, value = [value.attr, *chain], value.value
+            if isinstance(value, ast.Name) and value.id in bound:  # a private module reached as an attribute
+                check(".".join([bound[value.id], *chain]), node.lineno, modules_only=True)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            for dotted in re.findall(
+                r"\b(?:nemo_gym_tok|responses_api_models|resources_servers)(?:\.\w+)+", node.value
+            ):
+                check(dotted, node.lineno)
+    return found
+
+
+def test_no_private_import_across_packages() -> None:
+    files = _python_files()
+    assert "tests/test_architecture_doc.py" in files and any(f.startswith("bench/") for f in files), files[:5]
+    crossing = [hit for file in files for hit in private_imports(file)]
+    assert not crossing, "private modules or names used outside their own folder:\n" + "\n".join(crossing)
+
+
+@pytest.mark.parametrize(
+    ("file", "source", "flagged"),
+    [
+        ("tests/planted.py", "from PKG.splice._splice import splice_prompt", True),
+        ("tests/planted.py", "from PKG.splice import _splice", True),
+        ("tests/planted.py", "import PKG.splice._render as render", True),
+        ("tests/planted.py", "from PKG.vllm.hook import _splice", True),
+        ("tests/planted.py", "monkeypatch.setattr('PKG.splice._splice.splice_prompt', None)", True),
+        ("tests/gpt_oss/planted.py", "from tests.splice_plants import _plant", True),
+        ("nemo_gym_tok/vllm/planted.py", "from PKG.splice._profile import TERMINATOR_ENV", True),
+        ("nemo_gym_tok/splice/planted.py", "from PKG.splice._splice import splice_prompt", False),
+        ("nemo_gym_tok/splice/planted.py", "from ._render import ChatRenderer", False),
+        ("nemo_gym_tok/vllm/planted.py", "from ..splice._render import ChatRenderer", True),
+        ("bench/planted.py", "from _server import MODEL", False),
+        ("tests/planted.py", "from PKG import splice\nsplice._splice.splice_prompt = None", True),
+        ("tests/planted.py", "import PKG.testing.tiny_model as tm\ntm._cache.file_sha256", True),
+        ("tests/planted.py", "from PKG.splice import SplicedPrompt\nSplicedPrompt._verify", False),
+        ("tests/planted.py", "from PKG.splice import splice_prompt", False),
+        ("tests/planted.py", "from _pytest.monkeypatch import MonkeyPatch", False),
+    ],
+)
+def test_the_private_import_scan_sees_a_planted_one(file: str, source: str, flagged: bool) -> None:
+    # PKG stands for the package so that the scan of this very file does not read the plants as its imports.
+    found = private_imports(file, source.replace("PKG", "nemo_gym_tok"))
+    assert bool(found) is flagged, found

@@ -15,7 +15,6 @@ pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENTS_PYTHON = ROOT / ".venv-clients" / "bin" / "python"
-BUNDLE = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 
 @pytest.fixture(scope="module")

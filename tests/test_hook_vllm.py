@@ -10,6 +10,7 @@ import pytest
 from openai import OpenAI
 
 from nemo_gym_tok.servers.http_pool import pool_limits
+from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 from nemo_gym_tok.vllm.server import VLLMServer
 from tests.conversations import Conversation, converse
 
@@ -147,8 +148,7 @@ def test_metrics_time_preprocessing_by_path(vllm_server: VLLMServer) -> None:
     token-reuse path, or refused."""
     before = preprocess_counts(vllm_server)
     (conversation,) = play(vllm_server, [56], mode="bundles", turns=3)  # 1 templated, 2 spliced
-    bundle_keys = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
-    plain = [{k: v for k, v in m.items() if k not in bundle_keys} for m in conversation.messages]
+    plain = [{k: v for k, v in m.items() if k not in BUNDLE_FIELDS} for m in conversation.messages]
     url, model = f"{vllm_server.base_url}/v1/chat/completions", vllm_server.served_model_name
     token_in = httpx.post(
         url,

@@ -6,7 +6,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from nemo_gym_tok.servers.base import BaseServerConfig, ResourcesServer
-from nemo_gym_tok.servers.episodes import EpisodeStore
+from nemo_gym_tok.servers.episode_store import EpisodeStore
 
 
 class Counter(ResourcesServer):
@@ -82,7 +82,7 @@ def test_a_reward_that_is_not_a_number_is_the_environments_bug() -> None:
 
 
 def test_episode_store_evicts_the_oldest_unverified_episodes() -> None:
-    from nemo_gym_tok.servers.errors import ApiError
+    from nemo_gym_tok.servers.api_errors import ApiError
 
     store: EpisodeStore[int] = EpisodeStore(max_episodes=2)
     store.start("a", 1)

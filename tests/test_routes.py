@@ -12,12 +12,11 @@ import uuid
 import httpx
 import pytest
 
+from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 from nemo_gym_tok.vllm.routes import ROUTES
 from nemo_gym_tok.vllm.server import VLLMServer
 
 pytestmark = pytest.mark.vllm
-
-BUNDLE = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +42,7 @@ def second_turn(vllm_server: VLLMServer, http: httpx.Client) -> list[dict]:
     )
     assert answer.status_code == 200, answer.text
     message = answer.json()["choices"][0]["message"]
-    assistant = {"role": "assistant", "content": message["content"], **{key: message[key] for key in BUNDLE}}
+    assistant = {"role": "assistant", "content": message["content"], **{key: message[key] for key in BUNDLE_FIELDS}}
     return [*first, assistant, {"role": "user", "content": "And then?"}]
 
 
@@ -87,7 +86,7 @@ def test_the_render_route_splices_as_tokenize_does(vllm_server: VLLMServer, http
 def test_the_render_route_refuses_a_stale_prefix(vllm_server: VLLMServer, http: httpx.Client, second_turn) -> None:
     body = {
         "model": vllm_server.served_model_name,
-        "messages": [m for m in second_turn if not set(BUNDLE) & set(m)][:1],
+        "messages": [m for m in second_turn if not set(BUNDLE_FIELDS) & set(m)][:1],
         "required_prefix_token_ids": [*_prefix(second_turn), 11, 12],
     }
     answer = http.post("/v1/chat/completions/render", json=body)
@@ -213,7 +212,7 @@ def test_routes_that_cannot_splice_refuse_token_ids(
     route and /v1/chat/completions; the same conversation without ids is served as stock vLLM serves it."""
     assert path in REFUSING
     model = vllm_server.served_model_name
-    plain = [{key: value for key, value in m.items() if key not in BUNDLE} for m in second_turn]
+    plain = [{key: value for key, value in m.items() if key not in BUNDLE_FIELDS} for m in second_turn]
     for body in (
         _request(path, model, second_turn),
         _request(path, model, plain, required_prefix_token_ids=_prefix(second_turn)),

@@ -19,7 +19,7 @@ from nemo_gym_tok.splice import (
     find_prefix_source,
     splice_prefix,
 )
-from nemo_gym_tok.testing.chat_templates.episodes import TOOL, EpisodeSettings, check_splice, play_episode
+from nemo_gym_tok.testing.chat_templates.oracle_episodes import TOOL, EpisodeSettings, check_splice, play_episode
 from nemo_gym_tok.testing.tiny_model.tokenizer import ENDOFTEXT_ID, IM_END_ID, build_tokenizer
 
 

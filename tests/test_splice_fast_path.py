@@ -8,22 +8,24 @@ import random
 import pytest
 
 from nemo_gym_tok.splice import (
+    Body,
+    FixedTextMatcher,
     HFChatRenderer,
+    Layout,
     SpliceError,
     StructureMismatchError,
+    batch_decoder,
     detect_profile,
     find_prefix_source,
     splice_prefix,
 )
-from nemo_gym_tok.splice._fixed_text import FixedTextMatcher
-from nemo_gym_tok.splice._render import batch_decoder
-from nemo_gym_tok.splice._structure import Body, Layout
 from nemo_gym_tok.testing.chat_templates.catalog import load_catalog
-from nemo_gym_tok.testing.chat_templates.episodes import TOOL, EpisodeSettings, WrongSplice, play_episode
 from nemo_gym_tok.testing.chat_templates.families import family_of
+from nemo_gym_tok.testing.chat_templates.oracle_episodes import TOOL, EpisodeSettings, WrongSplice, play_episode
 from nemo_gym_tok.testing.chat_templates.sweep import SweepRenderer, failure_kind
 from nemo_gym_tok.testing.chat_templates.tokenizer import end_token_ids, family_tokenizer
 from nemo_gym_tok.testing.tiny_model.tokenizer import ENDOFTEXT_ID, IM_END_ID, build_tokenizer
+from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 from tests.splice_plants import PlantedSplice
 
 
@@ -222,10 +224,7 @@ def remembering_renderer(renderer: HFChatRenderer) -> HFChatRenderer:
 
 def next_turn(messages: list[dict], prompt: list[int], answer: str, generation: list[int], question: str) -> list[dict]:
     """The messages of the next call: only the last call's bundle travels (lean payloads)."""
-    plain = [
-        {k: v for k, v in m.items() if k not in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")}
-        for m in messages
-    ]
+    plain = [{k: v for k, v in m.items() if k not in BUNDLE_FIELDS} for m in messages]
     return plain + [
         {
             "role": "assistant",

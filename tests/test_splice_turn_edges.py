@@ -20,7 +20,7 @@ from nemo_gym_tok.splice import (
     splice_prefix,
 )
 from nemo_gym_tok.testing.chat_templates import end_token_ids, entry, family_of, family_tokenizer
-from nemo_gym_tok.testing.chat_templates.episodes import EpisodeSettings, WrongSplice, check_splice, play_episode
+from nemo_gym_tok.testing.chat_templates.oracle_episodes import EpisodeSettings, WrongSplice, check_splice, play_episode
 
 # (template, what it writes between a message's text and the turn's closing)
 JUNCTIONS = (
@@ -85,16 +85,14 @@ def test_a_turn_the_model_closed_keeps_its_own_ids_up_to_its_end_token(name: str
 
 
 @pytest.mark.parametrize(("name", "junction"), JUNCTIONS)
-def test_the_oracle_fails_a_splice_that_drops_the_junction(
-    name: str, junction: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_oracle_fails_a_splice_that_drops_the_junction(name: str, junction: str) -> None:
     """The strict oracle sees what the old splice did (the template's text before the closing left out)."""
-    from nemo_gym_tok.splice import _splice
-
-    monkeypatch.setattr(_splice, "junction_text", lambda *args, **kwargs: "")
-    renderer, profile, messages, source, _, result = _spliced(name, ended=False)
+    renderer, profile, messages, source, full, _ = _spliced(name, ended=False)
+    after_text = full[full.index("In France") + len("In France") :]
+    assert after_text.startswith(junction), f"{name}: the template no longer writes {junction!r} after the text"
+    without_junction = source.prefix + renderer.encode(after_text[len(junction) :])
     with pytest.raises(WrongSplice, match="leaves out"):
-        check_splice(renderer, profile, messages, source, result.prompt_token_ids, result.kept_prefix_length)
+        check_splice(renderer, profile, messages, source, without_junction, len(source.prefix))
 
 
 def test_an_end_token_replaced_by_the_templates_closing_keeps_the_text_before_it() -> None:

@@ -7,10 +7,10 @@ already holds, and refusing another input's or agent's), `runner` (the loop), `h
 
 from __future__ import annotations
 
-from nemo_gym_tok.collect.errors import CollectError, HeadError, InputError, ResumeError
+from nemo_gym_tok.collect.agent_lookup import DEFAULT_HEAD_URL, HEAD_URL_ENV, resolve_agent_url
+from nemo_gym_tok.collect.collect_errors import CollectError, HeadError, InputError, ResumeError
 from nemo_gym_tok.collect.export import ExportSummary, export_nemo_gym, nemo_gym_failures_path_for
 from nemo_gym_tok.collect.files import FAILURES_SUFFIX, failures_path_for, read_failures, repair_output, write_failures
-from nemo_gym_tok.collect.head import DEFAULT_HEAD_URL, HEAD_URL_ENV, resolve_agent_url
 from nemo_gym_tok.collect.identity import RolloutId, RolloutKey, read_input, read_rows, row_hash
 from nemo_gym_tok.collect.nemo_gym_rows import ExportError, NemoGymExport, nemo_gym_export
 from nemo_gym_tok.collect.runner import CollectSummary, collect

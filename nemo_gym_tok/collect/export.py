@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_tok.collect.errors import CollectError
+from nemo_gym_tok.collect.collect_errors import CollectError
 from nemo_gym_tok.collect.files import failures_path_for, json_line, read_failures, write_atomically
 from nemo_gym_tok.collect.nemo_gym_rows import ExportError, nemo_gym_export
 

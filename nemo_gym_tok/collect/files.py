@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_tok.collect.errors import CollectError, ResumeError
+from nemo_gym_tok.collect.collect_errors import CollectError, ResumeError
 from nemo_gym_tok.collect.identity import RolloutId, RolloutKey
 from nemo_gym_tok.records.rollout_record import UnknownSchemaVersionError, record_schema_version
 

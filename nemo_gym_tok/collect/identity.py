@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from nemo_gym_tok.collect.errors import InputError
+from nemo_gym_tok.collect.collect_errors import InputError
 
 ROW_HASH_HEX_DIGITS = 16
 """64 bits of SHA-256: a collision between two different rows of a data set is not a practical concern."""

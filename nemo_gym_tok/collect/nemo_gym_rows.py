@@ -33,6 +33,7 @@ from nemo_gym_tok.records.rollout_record import (
     UnknownSchemaVersionError,
     full_output,
 )
+from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 
 TASK_INDEX_KEY = "_ng_task_index"
 ROLLOUT_INDEX_KEY = "_ng_rollout_index"
@@ -44,7 +45,6 @@ AGENT_RUN_ERROR = "agent_run_error"
 AGENT_REQUEST_FAILED = "agent_request_failed"
 GATEWAY_STATUSES = frozenset({429, 502, 503, 504})
 """Statuses something in front of the agent answers with: NeMo Gym then counts the rollout as never run."""
-_TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 _STATUS_IN_REASON = re.compile(r"agent answered HTTP (\d{3})\b")
 
 
@@ -198,7 +198,7 @@ def _row(record: dict[str, Any], rollout: RolloutId, numbering: _Numbering, what
         raise ExportError(f"{what} (row {rollout.row}, repeat {rollout.key.repeat}): {exc}") from None
     for position, item in enumerate(output):
         if isinstance(item, dict) and item.get("prompt_token_ids") is not None:
-            missing = [key for key in _TOKEN_FIELDS if not isinstance(item.get(key), list)]
+            missing = [key for key in BUNDLE_FIELDS if not isinstance(item.get(key), list)]
             if missing:
                 raise ExportError(
                     f"{what} (row {rollout.row}, repeat {rollout.key.repeat}): output item {position} "

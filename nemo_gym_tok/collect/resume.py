@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_tok.collect.errors import ResumeError
+from nemo_gym_tok.collect.collect_errors import ResumeError
 from nemo_gym_tok.collect.identity import InputRows, RolloutId, RolloutKey
 
 

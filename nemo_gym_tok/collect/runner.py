@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from nemo_gym_tok.collect.errors import InputError
+from nemo_gym_tok.collect.collect_errors import InputError
 from nemo_gym_tok.collect.files import (
     AppendLog,
     failures_path_for,

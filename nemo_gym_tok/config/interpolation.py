@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from nemo_gym_tok.config.errors import ConfigError
+from nemo_gym_tok.config.config_error import ConfigError
 
 KeyPath = tuple[str, ...]
 

@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from nemo_gym_tok.config import nemo_gym
-from nemo_gym_tok.config.errors import ConfigError
+from nemo_gym_tok.config.config_error import ConfigError
 from nemo_gym_tok.config.interpolation import MISSING, Interpolator, missing_paths
 
 SERVER_KINDS = ("responses_api_models", "resources_servers", "responses_api_agents")

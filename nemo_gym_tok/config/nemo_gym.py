@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_tok.config.errors import ConfigError
+from nemo_gym_tok.config.config_error import ConfigError
 
 KeyPath = tuple[str, ...]
 

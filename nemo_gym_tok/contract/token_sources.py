@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
+
 
 class TokenSource(str, Enum):
     """Where a bundle field came from, best first."""
@@ -62,7 +64,6 @@ class PrefixMismatchError(ValueError):
         )
 
 
-_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 _LOG_PROB_TOLERANCE = 1e-4
 
 
@@ -70,7 +71,7 @@ def resolve_bundle(sources: Sequence[PartialBundle]) -> ResolvedBundle:
     """Each field from the first source (in the given order) that has it; any later source that has it must agree."""
     chosen: dict[str, tuple[TokenSource, list[Any]]] = {}
     for partial in sources:
-        for field in _FIELDS:
+        for field in BUNDLE_FIELDS:
             value = getattr(partial, field)
             if value is None:
                 continue
@@ -84,7 +85,7 @@ def resolve_bundle(sources: Sequence[PartialBundle]) -> ResolvedBundle:
                     f"{field} from {first_source.value} and from {partial.source.value} disagree at position "
                     f"{position} (lengths {len(first_value)} and {len(value)}); refusing to pick one"
                 )
-    missing = [field for field in _FIELDS if field not in chosen]
+    missing = [field for field in BUNDLE_FIELDS if field not in chosen]
     if missing:
         raise TokenSourceError(f"no token source provided {', '.join(missing)}")
     generation_ids, log_probs = chosen["generation_token_ids"][1], chosen["generation_log_probs"][1]

@@ -11,8 +11,8 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nemo_gym_tok.config import ConfigError, GymConfig
+from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.servers.client import AUTH_TOKEN_ENV, auth_headers
-from nemo_gym_tok.servers.errors import ApiError
 
 __all__ = ["AUTH_TOKEN_ENV", "AUTH_TOKEN_KEY", "BearerTokenMiddleware", "auth_headers", "auth_token_of", "check_token"]
 

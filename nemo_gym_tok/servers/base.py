@@ -13,10 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nemo_gym_tok.servers.auth import BearerTokenMiddleware
-from nemo_gym_tok.servers.bodies import DEFAULT_MAX_BODY_BYTES, MAX_BODY_STATE_KEY, json_object
-from nemo_gym_tok.servers.client import SESSION_HEADER, ServerClient
-from nemo_gym_tok.servers.errors import (
+from nemo_gym_tok.servers.api_errors import (
     ApiError,
     UnexpectedErrorMiddleware,
     api_error_handler,
@@ -24,6 +21,9 @@ from nemo_gym_tok.servers.errors import (
     http_error_handler,
     validation_message,
 )
+from nemo_gym_tok.servers.auth import BearerTokenMiddleware
+from nemo_gym_tok.servers.bodies import DEFAULT_MAX_BODY_BYTES, MAX_BODY_STATE_KEY, json_object
+from nemo_gym_tok.servers.client import SESSION_HEADER, ServerClient
 from nemo_gym_tok.servers.http_pool import (
     DEFAULT_CONNECT_TIMEOUT_SECONDS,
     DEFAULT_MAX_CONNECTIONS,

@@ -10,7 +10,7 @@ from typing import Any, NoReturn
 import orjson
 from fastapi import Request
 
-from nemo_gym_tok.servers.errors import ApiError
+from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.servers.fast_json import has_wide_integer
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024

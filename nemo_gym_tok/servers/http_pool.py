@@ -57,7 +57,10 @@ def call_timeout(
 
 
 def aiohttp_session(
-    limits: httpx.Limits, timeout: aiohttp.ClientTimeout, headers: Mapping[str, str]
+    limits: httpx.Limits,
+    timeout: aiohttp.ClientTimeout,
+    headers: Mapping[str, str],
+    trace_configs: list[aiohttp.TraceConfig] | None = None,
 ) -> aiohttp.ClientSession:
     """An aiohttp.ClientSession with a gym client's pool (`limits`: size and idle expiry) and `timeout`. It reads no
     proxy or netrc settings from the environment (reading netrc costs a thread hop per request) and keeps no cookies:
@@ -72,6 +75,7 @@ def aiohttp_session(
         timeout=timeout,
         headers=dict(headers),
         cookie_jar=aiohttp.DummyCookieJar(),
+        trace_configs=trace_configs,
     )
 
 

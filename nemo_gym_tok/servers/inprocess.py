@@ -15,9 +15,11 @@ from nemo_gym_tok.servers.http_pool import SERVER_KEEPALIVE_SECONDS
 
 
 @contextmanager
-def serve_in_thread(app: Any, host: str = "127.0.0.1", startup_timeout: float = 30.0) -> Iterator[str]:
-    """Serve `app` until the block exits; yields its base URL."""
-    port = free_port(host)
+def serve_in_thread(
+    app: Any, host: str = "127.0.0.1", startup_timeout: float = 30.0, port: int | None = None
+) -> Iterator[str]:
+    """Serve `app` until the block exits (on `port`, else a free one); yields its base URL."""
+    port = port or free_port(host)
     server = uvicorn.Server(
         uvicorn.Config(
             app,

@@ -3,19 +3,8 @@
 Pure functions with no vLLM import; the vLLM hook (nemo_gym_tok.vllm.hook) and the adapter's own splice call them.
 """
 
-from nemo_gym_tok.splice._errors import (
-    BoundaryNotFoundError,
-    InvalidTokenIdsError,
-    NoAssistantTurnsError,
-    SpliceError,
-    StalePrefixError,
-    StructureMismatchError,
-    UnsupportedTemplateError,
-    in_this_package,
-    raised_in_this_package,
-)
+from nemo_gym_tok.splice._fixed_text import FixedTextMatcher
 from nemo_gym_tok.splice._ids import (
-    BUNDLE_KEYS,
     NEW_SEGMENT_KEY,
     PREFIX_KEY,
     PrefixSource,
@@ -26,20 +15,34 @@ from nemo_gym_tok.splice._ids import (
 from nemo_gym_tok.splice._memo import RenderMemo
 from nemo_gym_tok.splice._neutral import neutralize
 from nemo_gym_tok.splice._profile import TERMINATOR_ENV, Header, TemplateProfile, detect_profile
-from nemo_gym_tok.splice._render import ChatRenderer, HFChatRenderer, added_token_maps, text_encoder
+from nemo_gym_tok.splice._refusals import (
+    BoundaryNotFoundError,
+    InvalidTokenIdsError,
+    NoAssistantTurnsError,
+    SpliceError,
+    StalePrefixError,
+    StructureMismatchError,
+    UnsupportedTemplateError,
+    in_this_package,
+    raised_in_this_package,
+)
+from nemo_gym_tok.splice._render import ChatRenderer, HFChatRenderer, added_token_maps, batch_decoder, text_encoder
 from nemo_gym_tok.splice._result import RepairedTurn, SplicedPrompt, SpliceResult
 from nemo_gym_tok.splice._splice import splice_prefix, splice_prompt
+from nemo_gym_tok.splice._structure import Body, Layout
 
 __all__ = [
-    "BUNDLE_KEYS",
     "NEW_SEGMENT_KEY",
     "PREFIX_KEY",
     "TERMINATOR_ENV",
+    "Body",
     "BoundaryNotFoundError",
     "ChatRenderer",
+    "FixedTextMatcher",
     "HFChatRenderer",
     "Header",
     "InvalidTokenIdsError",
+    "Layout",
     "NoAssistantTurnsError",
     "PrefixSource",
     "RenderMemo",
@@ -52,6 +55,7 @@ __all__ = [
     "TemplateProfile",
     "UnsupportedTemplateError",
     "added_token_maps",
+    "batch_decoder",
     "check_starts_with",
     "check_token_ids",
     "detect_profile",

@@ -9,11 +9,11 @@ from typing import Any
 import orjson
 
 from nemo_gym_tok.contract.token_sources import PrefixMismatchError, check_prefix
-from nemo_gym_tok.splice._errors import InvalidTokenIdsError, StalePrefixError
+from nemo_gym_tok.splice._refusals import InvalidTokenIdsError, StalePrefixError
+from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 
 Decode = Callable[[Sequence[int]], str]
 
-BUNDLE_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 PREFIX_KEY = "required_prefix_token_ids"
 NEW_SEGMENT_KEY = "start_token_segment"
 """Top-level request field: use the template's ids from this call on (the harness edited the history on purpose)."""
@@ -45,12 +45,12 @@ def find_prefix_source(
         prefix = check_token_ids(required_prefix, PREFIX_KEY, vocab_size)
         return PrefixSource(prefix, assistant_indices[-1] if assistant_indices else -1, explicit=True)
     for index in reversed(range(len(messages))):
-        present = [key for key in BUNDLE_KEYS if _get(messages[index], key) is not None]
+        present = [key for key in BUNDLE_FIELDS if _get(messages[index], key) is not None]
         if not present:
             continue
         where = f"messages[{index}]"
-        if len(present) != len(BUNDLE_KEYS):
-            missing = ", ".join(k for k in BUNDLE_KEYS if k not in present)
+        if len(present) != len(BUNDLE_FIELDS):
+            missing = ", ".join(k for k in BUNDLE_FIELDS if k not in present)
             raise InvalidTokenIdsError(f"{where}: token bundle is all or none; {missing} missing")
         if _get(messages[index], "role") != "assistant":
             raise InvalidTokenIdsError(f"{where}: a token bundle belongs on an assistant message")

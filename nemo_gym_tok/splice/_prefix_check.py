@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from nemo_gym_tok.splice._errors import StalePrefixError, StructureMismatchError
 from nemo_gym_tok.splice._fixed_text import FixedTextMatcher
 from nemo_gym_tok.splice._ids import PREFIX_KEY, PrefixSource
 from nemo_gym_tok.splice._profile import TemplateProfile
+from nemo_gym_tok.splice._refusals import StalePrefixError, StructureMismatchError
 from nemo_gym_tok.splice._render import ChatRenderer, batch_decoder
 from nemo_gym_tok.splice._structure import Body, Layout, Mismatch, match_fixed_segments
 from nemo_gym_tok.splice._template_text import _proven_prompt, _render

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nemo_gym_tok.splice._errors import NoAssistantTurnsError, UnsupportedTemplateError
 from nemo_gym_tok.splice._neutral import neutralize, placeholder_spans
+from nemo_gym_tok.splice._refusals import NoAssistantTurnsError, UnsupportedTemplateError
 from nemo_gym_tok.splice._render import ChatRenderer
 
 _TOOL = {

@@ -26,12 +26,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from nemo_gym_tok.splice._errors import SpliceError, StalePrefixError, UnsupportedTemplateError
 from nemo_gym_tok.splice._ids import PrefixSource, _get
 from nemo_gym_tok.splice._memo import RenderMemo
 from nemo_gym_tok.splice._neutral import neutralize
 from nemo_gym_tok.splice._prefix_check import _check_prefix, _what
 from nemo_gym_tok.splice._profile import TemplateProfile
+from nemo_gym_tok.splice._refusals import SpliceError, StalePrefixError, UnsupportedTemplateError
 from nemo_gym_tok.splice._render import ChatRenderer
 from nemo_gym_tok.splice._result import SplicedPrompt, SpliceResult
 from nemo_gym_tok.splice._structure import Layout

@@ -9,7 +9,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nemo_gym_tok.contract.token_sources import first_difference
-from nemo_gym_tok.splice._errors import StalePrefixError, UnsupportedTemplateError
 from nemo_gym_tok.splice._fixed_text import added_token_pattern
 from nemo_gym_tok.splice._ids import PrefixSource, _get
 from nemo_gym_tok.splice._memo import RenderMemo
@@ -22,6 +21,7 @@ from nemo_gym_tok.splice._neutral import (
 )
 from nemo_gym_tok.splice._prefix_check import _what
 from nemo_gym_tok.splice._profile import TemplateProfile
+from nemo_gym_tok.splice._refusals import StalePrefixError, UnsupportedTemplateError
 from nemo_gym_tok.splice._render import ChatRenderer
 from nemo_gym_tok.splice._result import RepairedTurn
 from nemo_gym_tok.splice._structure import Body, Layout

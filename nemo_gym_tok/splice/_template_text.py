@@ -6,16 +6,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from nemo_gym_tok.splice._errors import (
+from nemo_gym_tok.splice._ids import _get
+from nemo_gym_tok.splice._memo import ProvenPrompt, RenderMemo
+from nemo_gym_tok.splice._neutral import neutralize, placeholder_spans
+from nemo_gym_tok.splice._profile import TemplateProfile
+from nemo_gym_tok.splice._refusals import (
     BoundaryNotFoundError,
     SpliceError,
     UnsupportedTemplateError,
     raised_in_this_package,
 )
-from nemo_gym_tok.splice._ids import _get
-from nemo_gym_tok.splice._memo import ProvenPrompt, RenderMemo
-from nemo_gym_tok.splice._neutral import neutralize, placeholder_spans
-from nemo_gym_tok.splice._profile import TemplateProfile
 from nemo_gym_tok.splice._render import ChatRenderer
 from nemo_gym_tok.splice._structure import locate_bodies
 

@@ -11,10 +11,10 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from nemo_gym_tok.splice._errors import UnsupportedTemplateError
 from nemo_gym_tok.splice._ids import _get
 from nemo_gym_tok.splice._neutral import PLACEHOLDER
 from nemo_gym_tok.splice._profile import TemplateProfile
+from nemo_gym_tok.splice._refusals import UnsupportedTemplateError
 from nemo_gym_tok.splice._render import ChatRenderer
 from nemo_gym_tok.splice._structure import Body, special_pattern
 

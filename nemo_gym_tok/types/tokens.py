@@ -6,12 +6,16 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
+MAX_TOKEN_ID = 2**31 - 1
+"""vLLM keeps token ids as 32-bit ints; a larger id is a caller's mistake, and past 64 bits a fast JSON reader would
+turn it into a float on its way back (nemo_gym_tok.servers.fast_json)."""
 # Strict: a bool, a float like 3.0 or a string "3" is a caller mistake, never silently coerced into an id.
-TokenId = Annotated[int, Strict(), Field(ge=0)]
+TokenId = Annotated[int, Strict(), Field(ge=0, le=MAX_TOKEN_ID)]
 TokenIds = list[TokenId]
 LogProb = Annotated[float, Field(allow_inf_nan=True)]
 
 BUNDLE_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+"""The bundle's field names, spelled only here: every layer (splice, contract, collect, adapter, bench) imports them."""
 TELEMETRY_FIELDS = (
     "prefix_splice",
     "token_source",
@@ -85,6 +89,11 @@ class TokenBundleMixin(BaseModel):
         if self.prompt_token_ids is None or self.generation_token_ids is None:
             return None
         return [*self.prompt_token_ids, *self.generation_token_ids]
+
+
+# The names above must be the model's own fields: a renamed field then fails at import, not in a dict lookup.
+if _unknown := set(BUNDLE_FIELDS) - TokenBundleMixin.model_fields.keys():
+    raise TypeError(f"BUNDLE_FIELDS names {sorted(_unknown)}, which TokenBundleMixin does not define")
 
 
 def bundle_of(data: dict[str, Any]) -> dict[str, Any]:

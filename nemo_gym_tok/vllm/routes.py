@@ -24,7 +24,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from nemo_gym_tok.splice import BUNDLE_KEYS, NEW_SEGMENT_KEY, PREFIX_KEY
+from nemo_gym_tok.splice import NEW_SEGMENT_KEY, PREFIX_KEY
+from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 
 CHAT_MODULE = "vllm.entrypoints.openai.chat_completion.serving"
 ANTHROPIC_MODULE = "vllm.entrypoints.anthropic.serving"
@@ -34,7 +35,7 @@ POOLING_MODULE = "vllm.entrypoints.pooling.base.serving"
 COHERE_MODULE = "vllm.entrypoints.cohere.api_router"
 COHERE_PATHS = ("/cohere/v2/chat", "/cohere/v2/chat/render")
 
-_TOKEN_KEYS = (PREFIX_KEY, NEW_SEGMENT_KEY, *BUNDLE_KEYS)
+_TOKEN_KEYS = (PREFIX_KEY, NEW_SEGMENT_KEY, *BUNDLE_FIELDS)
 POOLING_LABEL = "this pooling route"
 """How a refusal names the pooling routes (one guard on their shared base class serves them all)."""
 
@@ -316,5 +317,5 @@ def _keys_in_items(items: Any) -> set[str]:
             if isinstance(item, dict)
             else {**(getattr(item, "model_extra", None) or {}), **getattr(item, "__dict__", {})}
         )
-        found |= {key for key in BUNDLE_KEYS if fields.get(key) is not None}
+        found |= {key for key in BUNDLE_FIELDS if fields.get(key) is not None}
     return found

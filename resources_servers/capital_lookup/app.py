@@ -9,10 +9,10 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
+from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.servers.base import BaseServerConfig, ResourcesServer, ToolHandler
 from nemo_gym_tok.servers.client import ServerClient
-from nemo_gym_tok.servers.episodes import EpisodeStore
-from nemo_gym_tok.servers.errors import ApiError
+from nemo_gym_tok.servers.episode_store import EpisodeStore
 from nemo_gym_tok.servers.openapi import JsonSchema, SeedSessionRequest
 
 CAPITALS: dict[str, str] = {

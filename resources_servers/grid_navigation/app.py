@@ -7,10 +7,10 @@ from typing import Any, ClassVar
 
 from pydantic import Field, ValidationError
 
+from nemo_gym_tok.servers.api_errors import ApiError, validation_message
 from nemo_gym_tok.servers.base import BaseServerConfig, ResourcesServer, ToolHandler
 from nemo_gym_tok.servers.client import ServerClient
-from nemo_gym_tok.servers.episodes import EpisodeStore
-from nemo_gym_tok.servers.errors import ApiError, validation_message
+from nemo_gym_tok.servers.episode_store import EpisodeStore
 from nemo_gym_tok.servers.openapi import JsonSchema, SeedSessionRequest
 from resources_servers.grid_navigation.world import DIRECTIONS, Grid, Walker
 

@@ -6,42 +6,43 @@ import asyncio
 import os
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response as HTTPResponse
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from nemo_gym_tok.common.remote_errors import error_message, error_param
 from nemo_gym_tok.contract.conversion import chat_message_to_items, responses_to_chat_request
 from nemo_gym_tok.contract.provenance import generation_defaults, model_fingerprint
+from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.servers.base import BaseServerConfig, ModelServer
 from nemo_gym_tok.servers.bodies import json_object
-from nemo_gym_tok.servers.errors import ApiError, validation_message
 from nemo_gym_tok.servers.json_response import JSONBytesResponse
 from nemo_gym_tok.servers.openapi import json_body
 from nemo_gym_tok.splice import PREFIX_KEY, TERMINATOR_ENV
 from nemo_gym_tok.types import ChatCompletionRequest, Response, ResponsesRequest
-from responses_api_models.vllm_model.local_splice import AdapterSplicer, _served_model_root
+from responses_api_models.vllm_model.calls import ChatCall, PreparedCall, parse_body
+from responses_api_models.vllm_model.chat_events import chat_sse
+from responses_api_models.vllm_model.config import VLLMModelConfig
+from responses_api_models.vllm_model.local_splice import AdapterSplicer, served_model_root
 from responses_api_models.vllm_model.nemo_gym_capture import NeMoGymTokenStore
 from responses_api_models.vllm_model.request_metadata import apply_metadata
 from responses_api_models.vllm_model.response_fields import request_echo, response_usage
+from responses_api_models.vllm_model.responses_events import responses_sse
 from responses_api_models.vllm_model.rollout_paths import RolloutPathMiddleware, rollout_of
 from responses_api_models.vllm_model.sessions import SessionRouter
-from responses_api_models.vllm_model.streaming import chat_sse, open_chat_stream, responses_sse
+from responses_api_models.vllm_model.streaming import open_chat_stream
 from responses_api_models.vllm_model.token_capture import (
     attach_bundles,
     attach_provenance,
     capture_request_fields,
     drop_unrequested,
+    token_in_prompt,
     tokenize_request,
 )
 from responses_api_models.vllm_model.upstream import VLLMUpstream, answer_json, is_context_overflow
-
-Model = TypeVar("Model", bound=BaseModel)
 
 ADAPTER_FIELDS = frozenset({"model", "messages", "stream", "stream_options", "n", PREFIX_KEY, "start_token_segment"})
 """Top-level fields the adapter reads itself (routing, token ids, streaming): allowed whatever `forwarded_fields`
@@ -50,150 +51,6 @@ RESPONSES_ADAPTER_FIELDS = frozenset({"input", "instructions"})
 """`/v1/responses` fields that become the chat `messages`."""
 RESPONSES_ALIASES = {"max_output_tokens": "max_tokens"}
 """`/v1/responses` fields that reach vLLM under a chat name: listing either name in `forwarded_fields` allows it."""
-
-
-class VLLMModelConfig(BaseServerConfig):
-    base_url: str | list[str]
-    """vLLM server URL(s), with or without `/v1`; each conversation sticks to one."""
-    model: str
-    """The model name vLLM serves (its --served-model-name)."""
-    api_key: str = "EMPTY"
-    return_token_id_information: bool = False
-    """Put prompt_token_ids, generation_token_ids and generation_log_probs on every returned message."""
-    use_return_token_ids: bool = True
-    """Ask vLLM for `return_token_ids`; false uses the `/tokenize` fallback for prompt ids."""
-    exclude_tools_when_tool_choice_none: bool = False
-    """Mirror of the vLLM server's flag of that name: the /tokenize fallback then leaves tools out likewise."""
-    harmony: bool = False
-    """The served model is GPT-OSS: vLLM renders its chat prompts with Harmony, while /tokenize renders the Hugging Face
-    template, so /tokenize is no source of its prompt ids (use_return_token_ids must stay true)."""
-    splice: Literal["hook", "adapter", "auto"] = "auto"
-    """Who splices the exact previous ids into the prompt: `hook` (vLLM served with `ngt vllm-serve`), `adapter`
-    (this adapter, against any vLLM 0.30+: /tokenize, the splice, then a token-in chat call) or `auto` (the hook
-    where the server has it, detected once per URL, else the adapter)."""
-    tokenizer: str | None = None
-    """Adapter-side splice: where to load the served tokenizer and chat template (directory or hub name); unset, the
-    model path the server reports on /v1/models."""
-    chat_template: str | None = None
-    """Adapter-side splice: the server's --chat-template (file or text), when it overrides the tokenizer's."""
-    chat_template_content_format: Literal["auto", "string", "openai"] = "auto"
-    """Adapter-side splice: the server's --chat-template-content-format."""
-    default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Adapter-side splice: the server's --default-chat-template-kwargs."""
-    sampling_overrides: dict[str, Any] = Field(default_factory=dict)
-    """Fields set on every request sent to vLLM, over what the caller sent (e.g. temperature: 1.0)."""
-    forwarded_fields: list[str] | None = None
-    """Top-level request fields a caller may send, forwarded to vLLM; None forwards every field. A field outside the
-    list is a 400 naming it. The fields the adapter itself reads (ADAPTER_FIELDS) are always allowed."""
-    max_attempts: int = 3
-    """Attempts per vLLM call while vLLM is unreachable or answers 429, 502, 503 or 504 (upstream.RETRYABLE_STATUSES);
-    any other 5xx is the request's own error and is not retried."""
-    retry_backoff_seconds: float = 0.5
-    health_check_interval_seconds: float = Field(default=5.0, gt=0)
-    """How often a URL marked unhealthy (unreachable, or 5xx on every attempt) is probed with GET /health."""
-    nemo_gym_token_capture_dir: str | None = None
-    """NeMo Gym's `token_id_capture.dir`: calls on its training-capture paths are recorded there in its file store's
-    layout (nemo_gym_capture.py). Unset, such calls are served with their bundles only."""
-
-    @field_validator("base_url")
-    @classmethod
-    def _at_least_one_url(cls, value: str | list[str]) -> str | list[str]:
-        if isinstance(value, list) and not value:
-            raise ValueError("give at least one vLLM base URL")
-        return value
-
-    @model_validator(mode="after")
-    def _adapter_splice_needs_returned_ids(self) -> VLLMModelConfig:
-        if self.splice == "adapter" and not self.use_return_token_ids:
-            raise ValueError(
-                "splice: adapter sends the spliced prompt as ids and reads them back with return_token_ids; "
-                "use_return_token_ids: false would take them from /tokenize, which re-renders the history"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _tokenize_cannot_render_harmony(self) -> VLLMModelConfig:
-        if self.harmony and not self.use_return_token_ids:
-            raise ValueError(
-                "harmony: true with use_return_token_ids: false would take GPT-OSS prompt ids from /tokenize, which "
-                "renders the Hugging Face template, not Harmony; set use_return_token_ids: true"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _capture_needs_bundles(self) -> VLLMModelConfig:
-        if self.nemo_gym_token_capture_dir and not self.return_token_id_information:
-            raise ValueError(
-                "nemo_gym_token_capture_dir records the token bundle of each answer: set "
-                "return_token_id_information: true"
-            )
-        return self
-
-    @property
-    def base_urls(self) -> list[str]:
-        return [self.base_url] if isinstance(self.base_url, str) else list(self.base_url)
-
-
-@dataclass(frozen=True)
-class ChatCall:
-    """A chat request validated once: the body to forward and what the adapter reads from the validated model."""
-
-    body: dict[str, Any]
-    """The caller's body as received (the same dict, id lists not copied), as the validated model reads it: see
-    `forwarded_body`."""
-    required_prefix: list[int] | None
-    """The explicit required prefix, else the last bundled assistant message's prompt + generation ids."""
-    n: int | None
-    stream: bool
-
-    @classmethod
-    def validated(cls, body: dict[str, Any]) -> ChatCall:
-        """`body` checked against ChatCompletionRequest (400 naming the field), once: what is forwarded is `body`
-        itself, not the model dumped again (which rebuilt every message and copied every id list)."""
-        chat = _parse(ChatCompletionRequest, body)
-        return cls(forwarded_body(body, chat), chat.required_prefix(), chat.n, bool(chat.stream))
-
-
-def forwarded_body(body: dict[str, Any], chat: ChatCompletionRequest) -> dict[str, Any]:
-    """`body` as its validated model `chat` reads it, with no copy where they agree: the top-level fields the model
-    declares and coerces (`"stream": "true"` is true) take the model's values, and a message's `reasoning` becomes
-    `reasoning_content` as ChatMessage renames it (vLLM reads either; the adapter's local template reads the latter).
-    Every other field, extra ones included, is forwarded as sent."""
-    forwarded = dict(body)
-    for name in ("model", "n", "stream"):
-        if name in forwarded:
-            forwarded[name] = getattr(chat, name)
-    messages = body.get("messages")
-    if isinstance(messages, list) and any(_renames_reasoning(message) for message in messages):
-        forwarded["messages"] = [
-            {
-                **{key: value for key, value in message.items() if key != "reasoning"},
-                "reasoning_content": message["reasoning"],
-            }
-            if _renames_reasoning(message)
-            else message
-            for message in messages
-        ]
-    return forwarded
-
-
-def _renames_reasoning(message: Any) -> bool:
-    return isinstance(message, dict) and "reasoning" in message and message.get("reasoning_content") is None
-
-
-@dataclass
-class PreparedCall:
-    """One chat call as the adapter sends it to vLLM, with what it needs to finish the answer."""
-
-    body: dict[str, Any]
-    caller_body: dict[str, Any]
-    required_prefix: list[int] | None
-    capture: bool
-    """Put the bundle on the returned message (return_token_id_information)."""
-    needs_ids: bool
-    """Token ids are asked of vLLM (for the bundle, or to check the required prefix)."""
-    telemetry: dict[str, Any] | None
-    """The adapter's own splice telemetry; None where it did not splice."""
 
 
 class VLLMModel(ModelServer):
@@ -221,6 +78,7 @@ class VLLMModel(ModelServer):
             default_template_kwargs=self.config.default_chat_template_kwargs,
             harmony=self.config.harmony,
             terminator_override=os.environ.get(TERMINATOR_ENV) or None,
+            proof_max_age_seconds=self.config.template_proof_max_age_seconds,
         )
         self._hooked: dict[str, bool] = {}
         self._provenance: dict[str, tuple[dict[str, Any] | None, dict[str, str] | None]] = {}
@@ -245,7 +103,7 @@ class VLLMModel(ModelServer):
         async def responses(request: Request) -> HTTPResponse:
             raw = await json_object(request)
             self._check_forwarded(raw, responses_api=True)
-            responses_request = _parse(ResponsesRequest, raw)
+            responses_request = parse_body(ResponsesRequest, raw)
             try:
                 chat_body = responses_to_chat_request(responses_request)
             except ValueError as exc:
@@ -346,13 +204,7 @@ class VLLMModel(ModelServer):
             call,
             url,
             post=lambda body: self.upstream.open_stream(url, "/v1/chat/completions", body),
-            prompt_ids=lambda: self._tokenize(
-                url,
-                tokenize_request(
-                    call.body,
-                    exclude_tools_when_tool_choice_none=self.config.exclude_tools_when_tool_choice_none,
-                ),
-            ),
+            prompt_ids=lambda: self._prompt_ids(call, url),
             finish=lambda result: self.finish(call, result, url),
             overflow=lambda reason: _context_overflow_result(self.config.model, reason),
         )
@@ -377,6 +229,7 @@ class VLLMModel(ModelServer):
         if needs_ids:
             body.update(capture_request_fields(body, use_return_token_ids=self.config.use_return_token_ids))
         telemetry: dict[str, Any] | None = None
+        confirm = None
         if required_prefix is not None and await self.splices_here(url):
             spliced = await self.splicer.prepare(
                 body,
@@ -385,15 +238,19 @@ class VLLMModel(ModelServer):
                 tokenize_body=tokenize_request(
                     body, exclude_tools_when_tool_choice_none=self.config.exclude_tools_when_tool_choice_none
                 ),
+                server=url,
+                epoch=lambda: self.upstream.epoch(url),
             )
-            body, telemetry = spliced.body, spliced.telemetry
+            body, telemetry, confirm = spliced.body, spliced.telemetry, spliced.confirm
             if needs_ids:
                 body["return_token_ids"] = True  # the prompt ids are the spliced ones, never a /tokenize re-render
-        return PreparedCall(body, caller_body, required_prefix, capture, needs_ids, telemetry)
+        return PreparedCall(body, caller_body, required_prefix, capture, needs_ids, telemetry, confirm)
 
     async def finish(self, call: PreparedCall, result: dict[str, Any], url: str) -> dict[str, Any]:
         """vLLM's chat completion `result` as the caller gets it: splice telemetry, bundles resolved and checked, and
         what the adapter asked for only for itself removed."""
+        if call.confirm is not None:
+            await call.confirm()
         if call.telemetry is not None:
             result["prefix_splice"] = {**call.telemetry, "spliced_by": "adapter"}
         elif isinstance(result.get("prefix_splice"), dict):
@@ -425,7 +282,7 @@ class VLLMModel(ModelServer):
 
     async def _read_model_files(self, url: str) -> tuple[dict[str, Any] | None, dict[str, str] | None]:
         try:
-            source = self.config.tokenizer or await _served_model_root(lambda path: self.upstream.get(url, path))
+            source = self.config.tokenizer or await served_model_root(lambda path: self.upstream.get(url, path))
         except ApiError:
             return None, None
         if not Path(source).is_dir():
@@ -469,6 +326,15 @@ class VLLMModel(ModelServer):
         await self.upstream.aclose()
         await super().aclose()
 
+    async def _prompt_ids(self, call: PreparedCall, url: str) -> list[int]:
+        """The prompt ids `call` generated from: the token-in ids it sent (the adapter's splice), else /tokenize's."""
+        return token_in_prompt(call.body) or await self._tokenize(
+            url,
+            tokenize_request(
+                call.body, exclude_tools_when_tool_choice_none=self.config.exclude_tools_when_tool_choice_none
+            ),
+        )
+
     async def _tokenize(self, url: str, body: dict[str, Any]) -> list[int]:
         response = await self.upstream.post(url, "/tokenize", body)
         if response.status_code >= 400:
@@ -476,14 +342,6 @@ class VLLMModel(ModelServer):
                 502, f"vLLM /tokenize fallback failed with HTTP {response.status_code}: {error_message(response)}"
             )
         return list(answer_json(response, f"vLLM /tokenize at {url}")["tokens"])
-
-
-def _parse(model: type[Model], body: dict[str, Any]) -> Model:
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        message, param = validation_message(list(exc.errors()))
-        raise ApiError(400, message, param=param) from None
 
 
 def _context_overflow_result(model: str, reason: str) -> dict[str, Any]:

@@ -2,49 +2,50 @@
 
 Stock vLLM (0.30 and later) takes a chat request's prompt as ids (`kv_transfer_params.prompt_token_ids`: templating
 and tokenization are skipped, tool-choice validation and tool/reasoning parsing still run) and reports the ids it
-used (`return_token_ids`). So the adapter can do what the hook does inside vLLM: take the template's ids for the
-request from the server's `/tokenize`, run the same pure splice and structural check (nemo_gym_tok.splice) with a
-local copy of the served tokenizer and chat template, and send the spliced ids. The local copy is proven to be the
-server's on every request: its ids for the whole prompt must equal `/tokenize`'s, or the request is refused.
+used (`return_token_ids`). So the adapter does what the hook does inside vLLM, with a local copy of the served
+tokenizer and chat template and the same pure splice and structural check (nemo_gym_tok.splice): it renders the
+request, splices the previous call's ids in, and sends the result as the prompt.
+
+The local copy must render as the server does. The first spliced request of each scope (template, template
+arguments, tools) on a server proves it: the server's `/tokenize` ids for the whole prompt must equal the local
+ones, or the request is refused (502). Later requests of that scope rely on the proof (template_proof.py says when
+it lapses) and cost the adapter what the hook costs vLLM: one rendering, a digest of the previous prompt (the render
+memo), and the template's ids after it; no `/tokenize`, no tokenizing of the history.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from nemo_gym_tok.common.remote_errors import error_message
 from nemo_gym_tok.contract.token_sources import first_difference
-from nemo_gym_tok.servers.errors import ApiError
+from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.splice import (
-    BUNDLE_KEYS,
     NEW_SEGMENT_KEY,
     PREFIX_KEY,
-    HFChatRenderer,
     PrefixSource,
     SpliceError,
-    TemplateProfile,
     check_starts_with,
-    detect_profile,
     find_prefix_source,
     splice_prefix,
 )
+from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 from responses_api_models.vllm_model.developer_role import as_server_renders
 from responses_api_models.vllm_model.hub_access import hub_unreachable, offline_advice
+from responses_api_models.vllm_model.local_template import LocalTemplate, ScopedRenderer
+from responses_api_models.vllm_model.template_proof import TemplateProofs
 from responses_api_models.vllm_model.upstream import answer_json
 
-TOKEN_FIELDS = (*BUNDLE_KEYS, "generation_log_probs")
-"""Fields the adapter reads and a stock vLLM must not be relied on to ignore: stripped before the token-in call."""
 NEW_SEGMENT_TELEMETRY = {"applied": False, "template_differed": False, "replaced_tokens": 0, "new_segment": True}
 HARMONY_REFUSAL = (
     "the adapter cannot splice a prefix for a Harmony (GPT-OSS) model: vLLM renders its prompts with openai_harmony, "
     "which /tokenize does not expose; serve it with `ngt vllm-serve` (the hook splices inside vLLM) and set "
     "splice: hook or auto"
 )
+DEFAULT_PROOF_MAX_AGE_SECONDS = 300.0
 
 Post = Callable[[str, dict[str, Any]], Awaitable[Any]]
 """POST `path` with a JSON body to the vLLM URL the conversation is on; returns the httpx response."""
@@ -56,94 +57,32 @@ class SplicedCall:
 
     body: dict[str, Any]
     telemetry: dict[str, Any] | None
+    confirm: Callable[[], Awaitable[None]] | None = None
+    """Run once the answer is in: where the call went over a connection opened after the proof it relied on (the
+    server may have restarted in between), it proves the scope again on this request, and refuses the answer (502)
+    when the server no longer renders it as the local copy does."""
 
 
-class LocalTemplate:
-    """The served model's tokenizer and chat template in the adapter process, with template profiles detected once."""
+@dataclass
+class RequestTemplate:
+    """One request's view of the local template: its renderer (scope), its messages as the server renders them and
+    the rendering flags."""
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        *,
-        chat_template: str | None,
-        content_format: str,
-        end_token_ids: Sequence[int],
-        default_template_kwargs: Mapping[str, Any],
-        terminator_override: str | None = None,
-        vocab_size: int | None = None,
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.chat_template = chat_template
-        self.content_format = content_format
-        self.end_token_ids = tuple(end_token_ids)
-        self.default_template_kwargs = dict(default_template_kwargs)
-        self.vocab_size = max(vocab_size or 0, len(tokenizer))
-        """The model's vocabulary (its embedding rows, which may outnumber the tokenizer's tokens: a model can
-        generate the extra ids, and vLLM accepts them), as the hook checks ids against it."""
-        self._terminator_override = terminator_override
-        self._profiles: dict[tuple[str | None, str], TemplateProfile] = {}
+    renderer: ScopedRenderer
+    messages: list[Any]
+    add_generation_prompt: bool
+    continue_final_message: bool
+    template_kwargs: dict[str, Any]
+    """The request's own template arguments (the renderer's are these over the configured defaults)."""
+    chat_template: str | None
+    """The request's own chat template, if it names one."""
 
-    @classmethod
-    def load(
-        cls,
-        source: str,
-        *,
-        chat_template: str | None,
-        content_format: str,
-        default_template_kwargs: Mapping[str, Any],
-        terminator_override: str | None = None,
-        local_files_only: bool = False,
-    ) -> LocalTemplate:
-        """Load the tokenizer (directory or hub name; `local_files_only`: from the hub cache, without asking the hub)
-        and the generation config's end ids; blocking."""
-        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_files_only)
-        try:
-            model_config = AutoConfig.from_pretrained(source, local_files_only=local_files_only)
-            vocab_size = getattr(model_config.get_text_config(), "vocab_size", None)
-        except (OSError, ValueError):  # a tokenizer-only directory: its own size is all there is to check against
-            vocab_size = None
-        try:
-            configured = GenerationConfig.from_pretrained(source, local_files_only=local_files_only).eos_token_id
-        except (OSError, ValueError):  # no generation config: the tokenizer's eos is the only end id
-            configured = None
-        ends = [
-            value for value in (configured if isinstance(configured, list) else [configured]) if isinstance(value, int)
-        ]
-        return cls(
-            tokenizer,
-            chat_template=_template_text(chat_template),
-            content_format=content_format,
-            end_token_ids=ends,
-            default_template_kwargs=default_template_kwargs,
-            terminator_override=terminator_override,
-            vocab_size=vocab_size if isinstance(vocab_size, int) else None,
+    def render(self) -> str:
+        return self.renderer.render(
+            self.messages,
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
         )
-
-    def renderer(
-        self, tools: list[dict[str, Any]] | None, template_kwargs: Mapping[str, Any], chat_template: str | None
-    ) -> HFChatRenderer:
-        return HFChatRenderer(
-            self.tokenizer,
-            tools=tools,
-            template_kwargs={**self.default_template_kwargs, **template_kwargs},
-            chat_template=chat_template or self.chat_template,
-            extra_end_token_ids=self.end_token_ids,
-            content_format=self.content_format,
-        )
-
-    def profile(self, template_kwargs: Mapping[str, Any], chat_template: str | None) -> TemplateProfile:
-        """The turn structure for one template and template-argument combination (detected without tools)."""
-        key = (chat_template, json.dumps(template_kwargs, sort_keys=True, default=str))
-        profile = self._profiles.get(key)
-        if profile is None:
-            if len(self._profiles) >= 256:  # callers choose template arguments freely; keep the cache bounded
-                self._profiles.clear()
-            profile = self._profiles[key] = detect_profile(
-                self.renderer(None, template_kwargs, chat_template), terminator_override=self._terminator_override
-            )
-        return profile
 
 
 @dataclass
@@ -157,19 +96,33 @@ class AdapterSplicer:
     default_template_kwargs: dict[str, Any] = field(default_factory=dict)
     harmony: bool = False
     terminator_override: str | None = None
+    proof_max_age_seconds: float = DEFAULT_PROOF_MAX_AGE_SECONDS
+    proofs: TemplateProofs = field(init=False)
     _templates: dict[str, LocalTemplate] = field(default_factory=dict)
     _served_root: str | None = None
     """The model path the server reported, asked once (not on every spliced turn); replicas serve the same model,
-    and each request's /tokenize ids prove the loaded copy renders as that replica does."""
+    and each scope's proof on each server shows the loaded copy renders as that server does."""
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
+    def __post_init__(self) -> None:
+        self.proofs = TemplateProofs(self.proof_max_age_seconds)
+
     async def prepare(
-        self, body: dict[str, Any], *, post: Post, get: Callable[[str], Awaitable[Any]], tokenize_body: dict[str, Any]
+        self,
+        body: dict[str, Any],
+        *,
+        post: Post,
+        get: Callable[[str], Awaitable[Any]],
+        tokenize_body: dict[str, Any],
+        server: str = "",
+        epoch: Callable[[], int] = lambda: 0,
     ) -> SplicedCall:
         """The token-in chat body for `body` (a chat request as vLLM would get it) and its telemetry.
 
-        `tokenize_body` is the /tokenize request that renders the same prompt. Raises ApiError: 400 for a prefix
-        that cannot be proven exact (as the hook answers), 502 when the local template is not the server's.
+        `tokenize_body` is the /tokenize request that renders the same prompt; `server` names the vLLM server the
+        request goes to and `epoch()` its connection epoch (VLLMUpstream.epoch), which the template proofs are kept
+        by. Raises ApiError: 400 for a prefix that cannot be proven exact (as the hook answers), 502 when the local
+        template is not the server's.
         """
         messages = body.get("messages") or []
         template = await self._template(get)
@@ -193,26 +146,43 @@ class AdapterSplicer:
                 "the spliced prompt there; drop one of them",
                 param="kv_transfer_params",
             )
-        template_ids = await _server_template_ids(post, strip_token_fields(tokenize_body))
-        prompt_ids, telemetry = await asyncio.to_thread(
-            _splice,
-            template,
-            source,
-            sent["messages"],
-            body,
-            tokenize_body,
-            template_ids,
-        )
+        request = _request_template(template, sent["messages"], body, tokenize_body)
+        scope = request.renderer.render_scope
+        relied_on = epoch()
+        proof = self.proofs.current(server, scope, relied_on)
+        prompt_ids: list[int] | None = None
+        if proof is not None:
+            # Proven scope: no /tokenize. A local failure the proof cannot explain (the template raising on these
+            # messages) asks the server after all, which tells a bad request (its 4xx) from a different template.
+            prompt_ids, telemetry = await asyncio.to_thread(_splice, template, request, source, body, None)
+        if prompt_ids is None:
+            proof = None
+            template_ids = await _server_template_ids(post, strip_token_fields(tokenize_body))
+            prompt_ids, telemetry = await asyncio.to_thread(_splice, template, request, source, body, template_ids)
+            relied_on = epoch()
+            self.proofs.record(server, scope, relied_on)
+        assert telemetry is not None
+        telemetry["proof"] = self.proofs.telemetry(proof)
         sent["kv_transfer_params"] = {
             **(kv_params if isinstance(kv_params, dict) else {}),
             "prompt_token_ids": prompt_ids,
         }
-        return SplicedCall(sent, telemetry)
+
+        async def confirm() -> None:
+            if epoch() == relied_on:
+                return
+            template_ids = await _server_template_ids(post, strip_token_fields(tokenize_body))
+            local_ids = await asyncio.to_thread(lambda: request.renderer.encode(request.render()))
+            _check_same_ids(request.renderer, template_ids, local_ids)
+            self.proofs.record(server, scope, epoch())
+            telemetry["proof"] = self.proofs.telemetry(None)
+
+        return SplicedCall(sent, telemetry, confirm)
 
     async def _template(self, get: Callable[[str], Awaitable[Any]]) -> LocalTemplate:
         source = self.tokenizer or self._served_root
         if source is None:
-            source = self._served_root = await _served_model_root(get)
+            source = self._served_root = await served_model_root(get)
         template = self._templates.get(source)
         if template is not None:
             return template
@@ -248,56 +218,75 @@ class AdapterSplicer:
         return template
 
 
+def _request_template(
+    template: LocalTemplate, messages: list[Any], body: Mapping[str, Any], tokenize_body: Mapping[str, Any]
+) -> RequestTemplate:
+    template_kwargs = dict(tokenize_body.get("chat_template_kwargs") or {})
+    chat_template = tokenize_body.get("chat_template")
+    renderer = template.renderer(vllm_tool_dicts(tokenize_body.get("tools")), template_kwargs, chat_template)
+    return RequestTemplate(
+        renderer,
+        as_server_renders(messages, renderer.chat_template or getattr(renderer.tokenizer, "chat_template", None)),
+        bool(body.get("add_generation_prompt", True)),
+        bool(body.get("continue_final_message", False)),
+        template_kwargs,
+        chat_template,
+    )
+
+
 def _splice(
     template: LocalTemplate,
+    request: RequestTemplate,
     source: PrefixSource,
-    messages: list[dict[str, Any]],
     body: Mapping[str, Any],
-    tokenize_body: Mapping[str, Any],
-    template_ids: list[int],
-) -> tuple[list[int], dict[str, Any]]:
-    """The spliced prompt ids and the splice telemetry; the CPU-bound part, run off the event loop."""
-    template_kwargs = dict(tokenize_body.get("chat_template_kwargs") or {})
-    request_template = tokenize_body.get("chat_template")
-    renderer = template.renderer(vllm_tool_dicts(tokenize_body.get("tools")), template_kwargs, request_template)
-    messages = as_server_renders(messages, renderer.chat_template or getattr(renderer.tokenizer, "chat_template", None))
-    add_generation_prompt = bool(body.get("add_generation_prompt", True))
-    continue_final_message = bool(body.get("continue_final_message", False))
+    template_ids: list[int] | None,
+) -> tuple[list[int] | None, dict[str, Any] | None]:
+    """The spliced prompt ids and the splice telemetry; the CPU-bound part, run off the event loop.
+
+    `template_ids` are the server's ids for the whole prompt, which the local copy must reproduce (the proof), or
+    None for a proven scope; then (None, None) says the local template failed where the server's answer is needed.
+    """
+    renderer = request.renderer
     try:
+        text = request.render()
         if source.message_index < 0:
-            check_starts_with(template_ids, source.prefix, renderer.decode)
-            return template_ids, {"applied": False, "template_differed": False, "replaced_tokens": 0}
-        text = renderer.render(
-            messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message
-        )
+            local_ids = renderer.encode(text) if template_ids is None else template_ids
+            check_starts_with(local_ids, source.prefix, renderer.decode)
+            return local_ids, {"applied": False, "template_differed": False, "replaced_tokens": 0}
     except SpliceError as exc:
         raise ApiError(400, str(exc), param=PREFIX_KEY) from None
-    except Exception as exc:  # noqa: BLE001 - the server rendered it, so a local failure means another template
+    except Exception as exc:  # noqa: BLE001 - the server renders it, so a local failure means another template
+        if template_ids is None:
+            return None, None
         raise _not_the_servers_template(f"the local chat template failed on this request ({exc})") from None
-    local_ids = renderer.encode(text)
-    if local_ids != template_ids:
-        at = first_difference(local_ids, template_ids) or 0
-        raise _not_the_servers_template(
-            f"for this request the server's /tokenize gives {len(template_ids)} ids and the local copy "
-            f"{len(local_ids)}, "
-            f"first different at id {at}: server {renderer.decode(template_ids[at : at + 12])!r}, "
-            f"local {renderer.decode(local_ids[at : at + 12])!r}"
-        )
+    if template_ids is not None:
+        _check_same_ids(renderer, template_ids, renderer.encode(text))
     truncate = body.get("truncate_prompt_tokens")
     try:
         result = splice_prefix(
             renderer,
-            template.profile(template_kwargs, request_template),
-            messages,
+            template.profile(request.template_kwargs, request.chat_template),
+            request.messages,
             source,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
             truncate_prompt_tokens=truncate if isinstance(truncate, int) and truncate >= 0 else None,
             template_text=text,
         )
     except SpliceError as exc:
         raise ApiError(400, str(exc), param=PREFIX_KEY) from None
     return result.prompt_token_ids, result.telemetry()
+
+
+def _check_same_ids(renderer: ScopedRenderer, template_ids: list[int], local_ids: list[int]) -> None:
+    """The proof: the server's ids for the whole prompt are the local copy's, or a 502 showing where they part."""
+    if local_ids != template_ids:
+        at = first_difference(local_ids, template_ids) or 0
+        raise _not_the_servers_template(
+            f"for this request the server's /tokenize gives {len(template_ids)} ids and the local copy "
+            f"{len(local_ids)}, first different at id {at}: server "
+            f"{renderer.decode(template_ids[at : at + 12])!r}, local {renderer.decode(local_ids[at : at + 12])!r}"
+        )
 
 
 def _not_the_servers_template(detail: str) -> ApiError:
@@ -320,7 +309,7 @@ async def _server_template_ids(post: Post, tokenize_body: dict[str, Any]) -> lis
     return [int(token) for token in answer_json(response, "vLLM /tokenize")["tokens"]]
 
 
-async def _served_model_root(get: Callable[[str], Awaitable[Any]]) -> str:
+async def served_model_root(get: Callable[[str], Awaitable[Any]]) -> str:
     response = await get("/v1/models")
     try:
         models = response.json()["data"]
@@ -339,7 +328,7 @@ def strip_token_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     stripped = {key: value for key, value in body.items() if key not in (PREFIX_KEY, NEW_SEGMENT_KEY)}
     if isinstance(body.get("messages"), list):
         stripped["messages"] = [
-            {key: value for key, value in message.items() if key not in TOKEN_FIELDS}
+            {key: value for key, value in message.items() if key not in BUNDLE_FIELDS}
             if isinstance(message, dict)
             else message
             for message in body["messages"]
@@ -372,10 +361,3 @@ def _new_segment_requested(body: Mapping[str, Any]) -> bool:
     if not isinstance(value, bool):
         raise SpliceError(f"{NEW_SEGMENT_KEY} must be true or false, got {value!r}")
     return value
-
-
-def _template_text(chat_template: str | None) -> str | None:
-    """A chat template given as a file path or as the template itself."""
-    if chat_template and "\n" not in chat_template and "{" not in chat_template and Path(chat_template).is_file():
-        return Path(chat_template).read_text()
-    return chat_template

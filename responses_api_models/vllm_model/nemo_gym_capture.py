@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from nemo_gym_tok.servers.errors import ApiError
+from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 
 RECORD_SCHEMA_VERSION = 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from nemo_gym_tok.servers.errors import ApiError
+from nemo_gym_tok.servers.api_errors import ApiError
 
 TEMPLATE_KWARGS = "chat_template_kwargs"
 EXTRA_BODY = "extra_body"

@@ -8,7 +8,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from nemo_gym_tok.servers.errors import error_response
+from nemo_gym_tok.servers.api_errors import error_response
 
 ROLLOUT_SEGMENT = "ng-rollout"
 CAPTURE_SEGMENT = "training-token-capture"

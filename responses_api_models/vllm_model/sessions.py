@@ -14,8 +14,8 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
+from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.servers.client import SESSION_HEADER
-from nemo_gym_tok.servers.errors import ApiError
 from responses_api_models.vllm_model.rollout_paths import rollout_of
 from responses_api_models.vllm_model.upstream import UpstreamUnavailable
 

@@ -23,7 +23,7 @@ from nemo_gym_tok.contract.token_sources import (
     logprobs_bundle,
     resolve_bundle,
 )
-from nemo_gym_tok.servers.errors import ApiError
+from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 
 # Fields of a chat request that change the rendered prompt: the /tokenize fallback gets exactly these.
@@ -89,6 +89,14 @@ def tokenize_request(body: dict[str, Any], *, exclude_tools_when_tool_choice_non
     return request
 
 
+def token_in_prompt(generation_body: dict[str, Any]) -> list[int] | None:
+    """The prompt ids the call sent as token-in (`kv_transfer_params.prompt_token_ids`: the adapter's own splice):
+    exactly what generation used, so the /tokenize fallback answers them instead of re-rendering the history."""
+    params = generation_body.get("kv_transfer_params")
+    ids = params.get("prompt_token_ids") if isinstance(params, dict) else None
+    return list(ids) if isinstance(ids, list) and ids else None
+
+
 async def attach_bundles(
     result: dict[str, Any],
     *,
@@ -108,7 +116,7 @@ async def attach_bundles(
         present = _distinct_sources(_message_source(message), _returned_source(result, choice))
         if all(source.prompt_token_ids is None for source in present):
             if tokenized is None:
-                tokenized = await tokenize(
+                tokenized = token_in_prompt(generation_body) or await tokenize(
                     tokenize_request(
                         generation_body, exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none
                     )

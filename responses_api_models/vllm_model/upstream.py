@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import re
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import httpx
 from tenacity import AsyncRetrying, RetryError, retry_if_exception, stop_after_attempt, wait_exponential
 
 from nemo_gym_tok.common.remote_errors import error_message
-from nemo_gym_tok.servers.errors import ApiError
+from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.servers.fast_json import JSON_HEADERS, dumps, loads
 from nemo_gym_tok.servers.http_pool import aiohttp_session, call_timeout, pool_limits, post_read_whole
 
@@ -89,6 +90,17 @@ class VLLMUpstream:
         self._posts: aiohttp.ClientSession | None = None
         self._max_attempts = max_attempts
         self._backoff_seconds = backoff_seconds
+        self._epochs: dict[str, int] = {}
+
+    def epoch(self, base_url: str) -> int:
+        """How many connections this client opened to the server at `base_url`, plus its failed calls to it. A
+        restarted server can only be reached over a new connection, so what was proven about the server (the
+        adapter's template proofs) holds while this number stands still."""
+        return self._epochs.get(_server_of(base_url), 0)
+
+    def _new_epoch(self, url: str) -> None:
+        server = _server_of(url)
+        self._epochs[server] = self._epochs.get(server, 0) + 1
 
     async def post(self, base_url: str, path: str, body: dict[str, Any]) -> httpx.Response:
         """The response for a 2xx or 4xx answer (429 after its retries). Transport errors and 502/503/504 are retried,
@@ -118,13 +130,25 @@ class VLLMUpstream:
         try:
             async for attempt in retrying:
                 with attempt:
-                    if stream:
-                        request = self._http.build_request(method, url, content=content, headers=headers)
-                        response = await self._http.send(request, stream=True)
-                    elif method == "POST":
-                        response = await self._post(url, content or b"")
-                    else:
-                        response = await self._http.request(method, url, content=content, headers=headers)
+                    try:
+                        if stream:
+                            request = self._http.build_request(
+                                method,
+                                url,
+                                content=content,
+                                headers=headers,
+                                extensions={"trace": self._stream_trace(url)},
+                            )
+                            response = await self._http.send(request, stream=True)
+                        elif method == "POST":
+                            response = await self._post(url, content or b"")
+                        else:
+                            response = await self._http.request(method, url, content=content, headers=headers)
+                    except _TRANSPORT_ERRORS:
+                        self._new_epoch(url)
+                        raise
+                    if response.status_code >= 500:
+                        self._new_epoch(url)
                     if response.status_code >= 500 or response.status_code in RETRYABLE_STATUSES:
                         if stream:  # read the error text for the message, and give the connection back
                             await response.aread()
@@ -155,8 +179,23 @@ class VLLMUpstream:
         """POST a JSON body over aiohttp and read the answer whole (see the module docstring)."""
         if self._posts is None:  # made on first use: an aiohttp session belongs to the running loop
             timeout = aiohttp.ClientTimeout(total=self._timeout.read, connect=self._timeout.connect)
-            self._posts = aiohttp_session(self._limits, timeout, self._headers)
+            tracing = aiohttp.TraceConfig()
+            tracing.on_request_start.append(_remember_url)
+            tracing.on_connection_create_end.append(self._on_connection_created)
+            self._posts = aiohttp_session(self._limits, timeout, self._headers, trace_configs=[tracing])
         return await post_read_whole(self._posts, url, content, JSON_HEADERS)
+
+    async def _on_connection_created(self, _session: Any, context: Any, _params: Any) -> None:
+        self._new_epoch(context.url)
+
+    def _stream_trace(self, url: str) -> Any:
+        """httpcore's trace callback for a streamed request to `url`: a new connection is a new epoch."""
+
+        async def trace(event: str, _info: dict[str, Any]) -> None:
+            if event == "connection.connect_tcp.complete":
+                self._new_epoch(url)
+
+        return trace
 
     async def _status_error(self, base_url: str, url: str, response: httpx.Response) -> ApiError:
         """A 5xx that is not retried: the request's own error (502 with vLLM's reason; the URL stays in routing)
@@ -180,6 +219,15 @@ class VLLMUpstream:
         await self._http.aclose()
         if self._posts is not None:
             await self._posts.close()
+
+
+def _server_of(url: str) -> str:
+    parts = urlsplit(str(url))
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+async def _remember_url(_session: Any, context: Any, params: Any) -> None:
+    context.url = str(params.url)  # the connection-created signal of the same request reads it
 
 
 _TRANSPORT_ERRORS = (

@@ -86,6 +86,13 @@ RESPONSES_CASES = [
     ("prefix_string", {"input": "hi", "required_prefix_token_ids": "1,2"}, "required_prefix_token_ids"),
     ("prefix_negative", {"input": "hi", "required_prefix_token_ids": [-1]}, "required_prefix_token_ids[0]"),
     ("prefix_bool", {"input": "hi", "required_prefix_token_ids": [True]}, "required_prefix_token_ids[0]"),
+    # Past 64 bits a fast JSON reader turns an id into a float on its way back: refused before vLLM sees it.
+    (
+        "prefix_past_64_bits",
+        {"input": "", "required_prefix_token_ids": [510925679027671924736]},
+        "required_prefix_token_ids[0]",
+    ),
+    ("prefix_past_32_bits", {"input": "hi", "required_prefix_token_ids": [2**31]}, "required_prefix_token_ids[0]"),
 ]
 
 

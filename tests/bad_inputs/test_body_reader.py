@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from starlette.requests import Request
 
+from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.servers.base import BaseServerConfig
 from nemo_gym_tok.servers.bodies import DEFAULT_MAX_BODY_BYTES, parse_json_object, read_body
-from nemo_gym_tok.servers.errors import ApiError
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from resources_servers.number_guess.app import SERVER as NumberGuess
 from tests.bad_inputs.cases import BAD_BODIES, SMALL_LIMIT

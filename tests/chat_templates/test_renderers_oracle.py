@@ -12,14 +12,9 @@ import pytest
 
 from nemo_gym_tok.splice import HFChatRenderer
 from nemo_gym_tok.testing.chat_templates import entry, family_of, family_tokenizer
-from nemo_gym_tok.testing.chat_templates.renderers_oracle import (
-    CANDIDATES,
-    POLICIES,
-    OracleReport,
-    classify,
-    compare,
-    worker_python,
-)
+from nemo_gym_tok.testing.chat_templates.renderers_oracle import POLICIES, OracleReport, compare
+from nemo_gym_tok.testing.chat_templates.renderers_parity import CANDIDATES, worker_python
+from nemo_gym_tok.testing.chat_templates.renderers_rules import classify
 from tests.families.conftest import CASES
 
 # Templates of `make test-families` that renderers does not mirror, and what it renders otherwise (its render-parity

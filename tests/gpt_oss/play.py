@@ -13,12 +13,12 @@ from typing import Any, Literal
 import httpx
 
 from nemo_gym_tok.testing.tiny_model.gpt_oss import CALL_ID, GENERATION_EOS_IDS, RETURN_ID
+from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 from tests import conversations
 from tests.conversations import Conversation
 
 Mode = Literal["bundles", "stock"]
 MODEL = "tiny-gpt-oss"
-BUNDLE_KEYS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 WEATHER_TOOL = {
     "type": "function",
@@ -135,5 +135,5 @@ def history_message(message: dict[str, Any], mode: Mode) -> dict[str, Any]:
             {"id": call["id"], "type": "function", "function": call["function"]} for call in message["tool_calls"]
         ]
     if mode == "bundles":
-        kept.update({key: message[key] for key in BUNDLE_KEYS})
+        kept.update({key: message[key] for key in BUNDLE_FIELDS})
     return kept

@@ -13,6 +13,7 @@ import pytest
 
 from nemo_gym_tok.servers.http_pool import pool_limits
 from nemo_gym_tok.testing.tiny_model.gpt_oss import CALL_ID, END_ID
+from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 from nemo_gym_tok.vllm.server import VLLMServer
 from tests.gpt_oss.play import MODEL, Conversation, converse
 
@@ -113,7 +114,7 @@ def test_stale_bundle_is_refused(gpt_oss_server: VLLMServer) -> None:
     messages = [dict(message) for message in conversation.messages]
     assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     first, last = assistants[0], assistants[-1]
-    for key in ("prompt_token_ids", "generation_token_ids", "generation_log_probs"):
+    for key in BUNDLE_FIELDS:
         messages[first][key] = messages[last][key]
     truncated = messages[: first + 2]
     answer = httpx.post(

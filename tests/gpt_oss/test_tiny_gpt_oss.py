@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_gym_tok.testing.tiny_model._cache import file_sha256
+from nemo_gym_tok.testing.tiny_model import file_sha256
 from nemo_gym_tok.testing.tiny_model.gpt_oss import (
     CALL_ID,
     END_ID,

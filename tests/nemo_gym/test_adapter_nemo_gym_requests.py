@@ -24,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import Response as HTTPResponse
 
 from nemo_gym_tok.servers.inprocess import serve_in_thread
+from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 from nemo_gym_tok.vllm.server import VLLMServer
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 from tests.nemo_gym import gym
@@ -77,8 +78,7 @@ def read_capture(capture_dir: Path, entries: list[dict[str, Any]]) -> list[dict[
 
 
 def bundles(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    keys = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
-    return [{key: item[key] for key in keys} for item in output if item.get("generation_token_ids")]
+    return [{key: item[key] for key in BUNDLE_FIELDS} for item in output if item.get("generation_token_ids")]
 
 
 def think_block(server: VLLMServer) -> list[int]:
@@ -143,10 +143,7 @@ def test_training_capture_and_metadata_through_adapter(vllm_server: VLLMServer, 
     resolved = 0
     for row, result, read in zip(rows, results, report):
         ours = bundles(result.body["response"]["output"])
-        recorded = [
-            {k: e[k] for k in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")}
-            for e in read["entries"]
-        ]
+        recorded = [{k: e[k] for k in BUNDLE_FIELDS} for e in read["entries"]]
         assert recorded == ours, read["rollout_id"]
         assert read["rebuilt"] == ours and read["mask_sample"] is False, (read["rollout_id"], read["error"])
         decisions = [e["parent_resolution"] for e in read["entries"]]
@@ -214,9 +211,8 @@ def test_chat_completions_on_the_capture_path_are_recorded(vllm_server: VLLMServ
             answers.append(answer.json())
             messages = [*messages, answer.json()["choices"][0]["message"], {"role": "user", "content": f"More {turn}."}]
     read = read_capture(tmp_path / "capture", [{"rollout_id": "chat-1", "result": {"response": {"output": []}}}])[0]
-    keys = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
-    assert [{k: e[k] for k in keys} for e in read["entries"]] == [
-        {k: a["choices"][0]["message"][k] for k in keys} for a in answers
+    assert [{k: e[k] for k in BUNDLE_FIELDS} for e in read["entries"]] == [
+        {k: a["choices"][0]["message"][k] for k in BUNDLE_FIELDS} for a in answers
     ]
     assert [e["parent_resolution"] for e in read["entries"]] == ["root", "resolved"]
     assert read["entries"][1]["parent_call_id"] == read["entries"][0]["model_call_id"]

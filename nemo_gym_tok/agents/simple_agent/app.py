@@ -16,10 +16,10 @@ from fastapi.responses import Response as HTTPResponse
 from nemo_gym_tok.agents.simple_agent import nemo_gym_protocol as nemo_gym
 from nemo_gym_tok.common.remote_errors import error_message, error_param
 from nemo_gym_tok.records.rollout_record import RECORD_SCHEMA_VERSION, SCHEMA_VERSION_KEY, PromptPacker
+from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.servers.base import RESERVED_PATHS, Agent, BaseServerConfig
 from nemo_gym_tok.servers.bodies import json_object
 from nemo_gym_tok.servers.client import SESSION_HEADER
-from nemo_gym_tok.servers.errors import ApiError
 from nemo_gym_tok.servers.openapi import AgentRunRequest, json_body
 from nemo_gym_tok.types.responses import Response, ResponsesRequest, ResponseUsage
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS, TELEMETRY_FIELDS

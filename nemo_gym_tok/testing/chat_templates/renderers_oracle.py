@@ -2,11 +2,12 @@
 
 `renderers` (0.1.12, in its own venv `.venv-renderers`: `make renderers-venv`) hand-codes one renderer per model
 family and bridges a conversation to its next turn from the previous prompt and completion ids, without re-rendering
-them: the job the splice does. For each template both support, seeded drift-prone episodes (chat_templates/episodes)
-are played through the splice, and every turn renderers bridges is compared with the splice's ids. A template counts
-as one renderers has only if renderers renders probe conversations to the template's own ids (render parity): where it
-does not, the two would differ by rendering, not by splicing. Each difference is put in a class by `classify`, whose
-rules say why renderers' ids differ from the template's (docs/hook.md); one no rule explains is `unexplained`.
+them: the job the splice does. For each template both support, seeded drift-prone episodes (oracle_episodes) are
+played through the splice, and every turn renderers bridges is compared with the splice's ids. A template counts as
+one renderers has only if renderers renders probe conversations to the template's own ids (render parity,
+renderers_parity): where it does not, the two would differ by rendering, not by splicing. Each difference is put in
+a class by `classify` (renderers_rules), whose rules say why renderers' ids differ from the template's (docs/hook.md);
+one no rule explains is `unexplained`.
 
 `python -m nemo_gym_tok.testing.chat_templates.renderers_oracle` (`make renderers-oracle`) runs every catalog template
 of the families renderers has and exits 1 on any unexplained difference.
@@ -14,21 +15,15 @@ of the families renderers has and exits 1 on any unexplained difference.
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from nemo_gym_tok.splice import (
-    BUNDLE_KEYS,
     HFChatRenderer,
     SpliceError,
     detect_profile,
@@ -36,41 +31,20 @@ from nemo_gym_tok.splice import (
     splice_prefix,
 )
 from nemo_gym_tok.testing.chat_templates.catalog import TemplateEntry, entry, load_catalog
-from nemo_gym_tok.testing.chat_templates.episodes import TOOL, EpisodeSettings, WrongSplice, play_episode
 from nemo_gym_tok.testing.chat_templates.families import family_of
+from nemo_gym_tok.testing.chat_templates.oracle_episodes import TOOL, EpisodeSettings, WrongSplice, play_episode
+from nemo_gym_tok.testing.chat_templates.renderers_parity import (
+    CANDIDATES,
+    REQUIRED_TOKENS,
+    Worker,
+    parity_renderer,
+    worker,
+)
+from nemo_gym_tok.testing.chat_templates.renderers_rules import classify, common_length
 from nemo_gym_tok.testing.chat_templates.sweep import renders
 from nemo_gym_tok.testing.chat_templates.tokenizer import end_token_ids, family_tokenizer
+from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 
-WORKER = Path(__file__).with_name("renderers_worker.py")
-VENV = Path(__file__).resolve().parents[3] / ".venv-renderers"
-"""`make renderers-venv` builds it; NGT_RENDERERS_PYTHON names another interpreter that has `renderers`."""
-
-# Our family (chat_templates/families.py) -> the renderers that may mirror its templates, tried in order; the first
-# with render parity on a template is used for it. Families not listed have no renderer in renderers 0.1.12 (Gemma 2
-# and 3, Mistral, Phi, ChatML...). GPT-OSS is left out: renderers encodes it with openai-harmony's real o200k vocabulary
-# (downloaded), which the family tokenizer (Qwen BPE + GPT-OSS markers) does not have.
-CANDIDATES: dict[str, tuple[str, ...]] = {
-    "qwen3": ("qwen3",),
-    "qwen3_coder": ("prime-qwen3",),
-    "qwen3_5": ("qwen3.5", "qwen3.6", "qwen3.8"),
-    "qwen2_5": ("qwen3-vl",),
-    "llama3": ("llama-3",),
-    "gemma4": ("gemma4",),
-    "glm4": ("glm-4.5", "glm-5", "glm-5.1", "glm-5.3"),
-    "deepseek_v3": ("deepseek-v3", "deepseek-r1"),
-    "kimi": ("kimi-k2", "kimi-k2.5"),
-    "nemotron3": ("nemotron-3", "nemotron-3-ultra", "nemotron-3.5"),
-    "minimax": ("minimax-m2",),
-}
-# Markers a renderer looks up when it is built (image and media placeholders) that a template of its family may never
-# write, so the family tokenizer lacks them; they are added as special tokens (as the real tokenizers have them).
-REQUIRED_TOKENS: dict[str, tuple[str, ...]] = {
-    "gemma4": ("<|image>", "<|image|>", "<image|>"),
-    "qwen3_5": ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
-    "qwen2_5": ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
-    "kimi": ("<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>", "<|endoftext|>"),
-    "nemotron3": ("<image>", "<|endoftext|>"),
-}
 # The bridge policies compared: renderers' default (derived from the template's own thinking-retention knobs: Qwen3,
 # GLM and Gemma 4 with thinking re-render at every new user query) and "all" (bridge across user queries, the
 # splice's contract: the model's ids are kept whatever the template would re-render).
@@ -81,72 +55,6 @@ SHAPES = (
     EpisodeSettings(turns=4, tools=True),
     EpisodeSettings(turns=4, reasoning=True),
 )
-_CALL = {"id": "call_0", "type": "function", "function": {"name": "lookup", "arguments": '{"word": "x"}'}}
-# Render-parity probes: what a bridge appends (system, user and tool messages, then the generation prompt). A bridge
-# keeps the history's ids, so after history only the text after an anchor is compared (a renderer may render
-# history otherwise, as Gemma 4's keeps the empty thought channel): the probe's text after `after`, and the `before`
-# characters before it (the tool result's wrapper). Probes without history are compared id for id.
-PROBES: tuple[tuple[bool, list[dict[str, Any]], str, int], ...] = (
-    (False, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there."}], "", 0),
-    (False, [{"role": "user", "content": "Hi there."}], "", 0),
-    (False, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."},
-             {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "More, please."}], "Hello.", 0),
-    (True, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."},
-            {"role": "assistant", "content": "", "tool_calls": [_CALL]},
-            {"role": "tool", "tool_call_id": "call_0", "content": "found: x"}], "found: x", 40),
-    # A second tool cycle: DeepSeek V2.5's template opens only a conversation's first tool result with
-    # `<｜tool▁outputs▁begin｜>` (its flag is never reset), renderers' DeepSeek V3 every cycle's.
-    (True, [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "", "tool_calls": [_CALL]},
-            {"role": "tool", "tool_call_id": "call_0", "content": "found: x"},
-            {"role": "assistant", "content": "", "tool_calls": [{**_CALL, "id": "call_1"}]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "found: y"}], "found: y", 40),
-)  # fmt: skip
-
-
-def worker_python() -> Path:
-    """The interpreter that has `renderers`; FileNotFoundError with the command that builds it."""
-    named = os.environ.get("NGT_RENDERERS_PYTHON")
-    python = Path(named) if named else VENV / "bin" / "python"
-    if not python.exists():
-        raise FileNotFoundError(f"{python} not found: `make renderers-venv` builds the venv that holds renderers")
-    return python
-
-
-class Worker:
-    """The renderers worker process (one per run): one JSON job per line in, one answer per line out."""
-
-    def __init__(self, process: subprocess.Popen[str]) -> None:
-        self.process = process
-
-    def job(self, payload: dict[str, Any]) -> dict[str, Any]:
-        assert self.process.stdin is not None and self.process.stdout is not None
-        self.process.stdin.write(json.dumps(payload) + "\n")
-        self.process.stdin.flush()
-        line = self.process.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the renderers worker exited (code {self.process.poll()})")
-        return json.loads(line)
-
-
-@contextmanager
-def worker() -> Iterator[Worker]:
-    process = subprocess.Popen(
-        [str(worker_python()), str(WORKER)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"},
-    )
-    try:
-        yield Worker(process)
-    finally:
-        if process.stdin:
-            process.stdin.close()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @dataclass
@@ -282,7 +190,7 @@ def compare_template(
     with_tools = HFChatRenderer(tokenizer, tools=[TOOL], extra_end_token_ids=ends)
     with tempfile.TemporaryDirectory(prefix="ngt-renderers-") as directory:
         tokenizer.save_pretrained(directory)
-        result.renderer = _with_parity(result, candidates, directory, work, plain, with_tools)
+        result.renderer, result.parity = parity_renderer(candidates, directory, work, plain, with_tools)
         if not result.renderer:
             return result
         try:
@@ -378,82 +286,14 @@ def catalog_entries() -> list[TemplateEntry]:
     return [item for item in load_catalog() if family_of(item).name in CANDIDATES]
 
 
-def _with_parity(
-    result: TemplateComparison,
-    candidates: Sequence[str],
-    directory: str,
-    work: Worker,
-    plain: HFChatRenderer,
-    with_tools: HFChatRenderer,
-) -> str:
-    probes: list[dict[str, Any]] = []
-    expected: list[list[int]] = []
-    anchors: list[tuple[str, int]] = []
-    for tools, messages, after, before in PROBES:
-        renderer = with_tools if tools else plain
-        try:
-            ids = renderer.encode(renderer.render(messages, add_generation_prompt=True))
-        except Exception:  # noqa: BLE001 - a probe the template cannot render (no system role, say) proves nothing
-            continue
-        probes.append({"messages": messages, "tools": [TOOL] if tools else None})
-        expected.append(ids)
-        anchors.append((after, before))
-    failures = []
-    for name in candidates:
-        answer = work.job({"tokenizer_dir": directory, "renderer": name, "renders": probes})
-        if "error" in answer:
-            failures.append(f"{name}: {answer['error']}")
-            continue
-        bad = [
-            _excerpt(plain, want, got, anchor)
-            for got, want, anchor in zip(answer["renders"], expected, anchors)
-            if not _same(plain, want, got, anchor)
-        ]
-        if not bad and probes:
-            return name
-        failures.append(f"{name}: {bad[0] if bad else 'no probe renders'}")
-    result.parity = "; ".join(failures)
-    return ""
-
-
-def _same(renderer: HFChatRenderer, want: list[int], got: Any, anchor: tuple[str, int]) -> bool:
-    after, before = anchor
-    if not isinstance(got, list):
-        return False
-    if not after:
-        return got == want
-    template, theirs = renderer.decode(want), renderer.decode(got)
-    if after not in template or after not in theirs:
-        return False
-    i, j = template.rindex(after), theirs.rindex(after)
-    return template[i:] == theirs[j:] and template[max(0, i - before) : i] == theirs[max(0, j - before) : j]
-
-
-def _excerpt(renderer: HFChatRenderer, want: list[int], got: Any, anchor: tuple[str, int]) -> str:
-    if not isinstance(got, list):
-        return f"renders raise {got.get('error')}"
-    n = _common(want, got)
-    return (
-        f"the template renders {renderer.decode(want[n : n + 12])!r} where renderers renders "
-        f"{renderer.decode(got[n : n + 12])!r}"
-    )
-
-
 def _clean(message: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in message.items() if key not in BUNDLE_KEYS}
+    return {key: value for key, value in message.items() if key not in BUNDLE_FIELDS}
 
 
 def _shape(shape: EpisodeSettings, number: int) -> str:
     parts = ["tools" if shape.tools else "", "reasoning" if shape.reasoning else ""]
     parts.append("" if shape.system else "no system")
     return "episode(" + ", ".join(p for p in parts if p) + f") #{number}"
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def _difference(
@@ -465,7 +305,7 @@ def _difference(
     ours: list[int],
     theirs: list[int],
 ) -> Difference:
-    n = _common(ours, theirs)
+    n = common_length(ours, theirs)
     start = max(0, n - 3)
     return Difference(
         result.name,
@@ -476,47 +316,6 @@ def _difference(
         renderer.decode(ours[start : n + 12]),
         renderer.decode(theirs[start : n + 12]),
     )
-
-
-def classify(renderer: HFChatRenderer, previous: list[int], ours: list[int], theirs: list[int], *, ended: bool) -> str:
-    """The rule that explains why renderers' bridge differs from the splice's ids, or "" if none does.
-
-    Both keep the previous prompt and completion ids; the rules name the one place they may part, each a choice of
-    renderers' that the template's own rendering does not make (the splice's ids end as the template's do, which
-    the project's oracle checks on every turn):
-    - `closes a cut turn`: the turn was cut by max_tokens, and renderers appends its own close right after the
-      model's ids (`</think>` for reasoning left open, GLM's `<|endoftext|>`), then continues as the splice does
-      (which may first write the whitespace the template puts before its closing: Nemotron 3 after a tool call);
-    - `keeps the model's end token`: the turn ended on an end token that is not the template's closer of an assistant
-      turn (Qwen's `<|endoftext|>`, Llama's `<|eom_id|>`); the splice gives it way to the template's closer, renderers
-      keeps it, and the rest is the same.
-    """
-    n = len(previous)
-    if theirs[:n] != previous:
-        return ""
-    if not ended and ours[:n] == previous:
-        # The splice's ids may open with the whitespace the template writes before its closing (the junction, which
-        # the project's oracle checks); renderers writes its close there instead.
-        kept = [j for j in range(4) if j == 0 or renderer.decode(ours[n : n + j]).isspace()]
-        for m in (1, 2, 3):
-            inserted = theirs[n : n + m]
-            if not all(renderer.decode([i]) in renderer.added_tokens for i in inserted):
-                continue
-            for j in kept:
-                if theirs[n + m :] == ours[n + j :]:
-                    instead = f", where the template writes {renderer.decode(ours[n : n + j])!r}" if j else ""
-                    return (
-                        f"cut by max_tokens: renderers closes the turn with {renderer.decode(inserted)!r}, which "
-                        f"the template does not render there{instead}"
-                    )
-    if ended and ours[: n - 1] == previous[:-1] and len(ours) >= n:
-        end, closer = previous[-1], ours[n - 1]
-        if closer != end and theirs[: n - 1] + [closer] + theirs[n:] == ours:
-            return (
-                f"ended on {renderer.decode([end])!r}: the splice writes the template's closer "
-                f"{renderer.decode([closer])!r} in its place, renderers keeps the model's token"
-            )
-    return ""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

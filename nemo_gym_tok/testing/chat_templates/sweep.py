@@ -45,8 +45,14 @@ from nemo_gym_tok.splice import (
     splice_prefix,
 )
 from nemo_gym_tok.testing.chat_templates.catalog import TemplateEntry, load_catalog
-from nemo_gym_tok.testing.chat_templates.episodes import TOOL, Episode, EpisodeSettings, WrongSplice, play_episode
 from nemo_gym_tok.testing.chat_templates.families import family_of
+from nemo_gym_tok.testing.chat_templates.oracle_episodes import (
+    TOOL,
+    Episode,
+    EpisodeSettings,
+    WrongSplice,
+    play_episode,
+)
 from nemo_gym_tok.testing.chat_templates.tokenizer import end_token_ids, family_tokenizer
 
 OUTCOMES = ("exact", "refused", "crash", "wrong", "no chat turns")

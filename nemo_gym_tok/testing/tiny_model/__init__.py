@@ -1,5 +1,6 @@
 """The embedded default model: a tiny random-weight Qwen3 with Qwen's real tokenizer and our chat template."""
 
+from nemo_gym_tok.testing.tiny_model._cache import file_sha256
 from nemo_gym_tok.testing.tiny_model.build import (
     MODEL_CONFIG,
     SEED,
@@ -51,6 +52,7 @@ __all__ = [
     "cache_root",
     "chat_template",
     "default_tiny_model_dir",
+    "file_sha256",
     "is_complete",
     "qwen_ranks_file",
     "spec_hash",

@@ -14,6 +14,8 @@ from fastapi.responses import Response
 
 from nemo_gym_tok.servers.http_pool import pool_limits
 from nemo_gym_tok.servers.inprocess import serve_in_thread
+from nemo_gym_tok.splice import PREFIX_KEY
+from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 from nemo_gym_tok.vllm.server import VLLMServer
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 
@@ -32,7 +34,7 @@ class RecordingProxy:
         return [answer for p, _, answer in self.exchanges if p == path]
 
 
-TOKEN_FIELDS = ("required_prefix_token_ids", "prompt_token_ids", "generation_token_ids", "generation_log_probs")
+TOKEN_FIELDS = (PREFIX_KEY, *BUNDLE_FIELDS)
 
 
 def without_token_fields(body: dict[str, Any]) -> dict[str, Any]:

@@ -13,12 +13,12 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, BadRequestError, OpenAI
 
+from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 from nemo_gym_tok.vllm.server import VLLMServer
 from responses_api_models.vllm_model.tests.conftest import adapter
 from tests.conversations import MOVE_TOOL, turn_settings
 
 SEEDS = range(10)
-TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ async def converse(url: str, seed: int, *, turns: int = 4, mode: str = "bundles"
             kept = {key: value for key, value in message.items() if key in ("role", "content", "tool_calls")}
             kept.setdefault("content", "")
             if mode == "bundles":
-                kept.update({key: message[key] for key in TOKEN_FIELDS})
+                kept.update({key: message[key] for key in BUNDLE_FIELDS})
             messages.append(kept)
             for call in message.get("tool_calls") or []:
                 conversation.tool_calls += 1

@@ -16,10 +16,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from nemo_gym_tok.servers import serve
+from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.servers.base import BaseServerConfig
 from nemo_gym_tok.servers.bodies import parse_json_object
 from nemo_gym_tok.servers.client import ServerClient
-from nemo_gym_tok.servers.errors import ApiError
 from nemo_gym_tok.servers.fast_json import dumps, has_wide_integer, loads
 from nemo_gym_tok.servers.http_pool import (
     DEFAULT_CONNECT_TIMEOUT_SECONDS,

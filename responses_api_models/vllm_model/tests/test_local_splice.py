@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from nemo_gym_tok.servers.errors import ApiError
+from nemo_gym_tok.servers.api_errors import ApiError
 from responses_api_models.vllm_model.local_splice import (
     HARMONY_REFUSAL,
     AdapterSplicer,

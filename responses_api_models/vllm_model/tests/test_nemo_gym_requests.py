@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from nemo_gym_tok.servers.errors import ApiError
+from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 from responses_api_models.vllm_model.nemo_gym_capture import NeMoGymTokenStore, sequence_digest

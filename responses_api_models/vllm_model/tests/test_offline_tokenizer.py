@@ -14,7 +14,7 @@ import httpx
 import pytest
 from huggingface_hub import constants
 
-from nemo_gym_tok.servers.errors import ApiError
+from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 from responses_api_models.vllm_model.hub_access import hub_unreachable

@@ -7,6 +7,7 @@ import pytest
 from openai import OpenAI
 
 from nemo_gym_tok.testing.tiny_model.tokenizer import THINK_START_ID
+from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 from nemo_gym_tok.vllm.server import VLLMServer
 from responses_api_models.vllm_model.tests.conftest import RecordingProxy
 
@@ -51,7 +52,7 @@ def test_bundles_on_messages_reach_vllm_unchanged(
     history = [USER, assistant, {"role": "user", "content": "More."}]
     client.chat.completions.create(model="m", messages=history, max_tokens=4, seed=2)
     sent_assistant = recording_proxy.bodies("/v1/chat/completions")[-1]["messages"][1]
-    for key in ("prompt_token_ids", "generation_token_ids", "generation_log_probs"):
+    for key in BUNDLE_FIELDS:
         assert sent_assistant[key] == assistant[key], key
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from starlette.requests import Request
 
-from nemo_gym_tok.servers.errors import ApiError
+from nemo_gym_tok.servers.api_errors import ApiError
 from responses_api_models.vllm_model.sessions import SessionRouter, conversation_key
 from responses_api_models.vllm_model.upstream import UpstreamUnavailable
 

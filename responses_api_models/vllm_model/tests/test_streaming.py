@@ -17,7 +17,8 @@ from openai import APIError, BadRequestError, OpenAI
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from nemo_gym_tok.testing.tiny_model import IM_END_ID
 from nemo_gym_tok.vllm.server import VLLMServer
-from responses_api_models.vllm_model.streaming import ChatAssembly, final_chunk
+from responses_api_models.vllm_model.chat_assembly import ChatAssembly
+from responses_api_models.vllm_model.chat_events import final_chunk
 from responses_api_models.vllm_model.tests.conftest import adapter
 from responses_api_models.vllm_model.tests.fake_upstream import FakeUpstream
 from tests.conversations import MOVE_TOOL

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from nemo_gym_tok.servers.errors import ApiError
+from nemo_gym_tok.servers.api_errors import ApiError
 from responses_api_models.vllm_model.app import VLLMModelConfig
 from responses_api_models.vllm_model.token_capture import tokenize_request
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Generic, TypeVar
 
-from nemo_gym_tok.servers.errors import ApiError
+from nemo_gym_tok.servers.api_errors import ApiError
 
 State = TypeVar("State")
 

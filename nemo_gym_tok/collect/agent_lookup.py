@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from nemo_gym_tok.collect.errors import HeadError
+from nemo_gym_tok.collect.collect_errors import HeadError
 from nemo_gym_tok.common.remote_errors import error_message
 from nemo_gym_tok.servers.client import AUTH_TOKEN_ENV, auth_headers
 

@@ -1,0 +1,342 @@
+"""P6: `ngt collect` under load: long tool-calling episodes at several concurrencies, hook vs adapter vs no splice.
+
+    .venv/bin/python bench/p6_collect_load.py                     # starts the hooked, then a stock bench vLLM
+    .venv/bin/python bench/p6_collect_load.py --vllm-url URL --stock-url URL
+    .venv/bin/python bench/p6_collect_load.py --quick
+
+The grid_navigation environment with the simple agent and the vllm_model adapter, each its own process as `ngt run`
+starts them, and `ngt collect`'s loop (`nemo_gym_tok.collect.collect`, in this process). Every row is one of the
+environment's example grids with tool_choice: required, so every model call is a tool call and nothing ends the
+episode before the agent's max_steps (--calls model calls per rollout); max_output_tokens --max-tokens; a seed per
+row; the system message carries --opening-ids ids of reference text (the same in every row, so vLLM's prefix cache
+holds it once) to bring the episode to about 16k ids at its end. Three setups, one gym each:
+  hook      the hooked vLLM (`ngt vllm-serve`), adapter `splice: hook`, the agent sends each call's bundle back;
+  adapter   a stock vLLM, adapter `splice: adapter` (its template proven once per scope, no /tokenize per turn);
+  none      the same stock vLLM and adapter, the agent with `send_token_bundles: false`: no bundle goes back, so no
+            prefix reaches the adapter, which asks vLLM to template the whole history every call (re-tokenized,
+            drift-prone: the floor a user without the splice runs). Token ids still come back on every answer.
+All the setups' gyms run at once (and both servers); each gym does a warm-up collection, then the RSS of every gym
+process is read; then, per --concurrency, one collection through each setup in turn (the order rotated per
+concurrency; the same rows and seeds for every setup, tagged per setup and concurrency so that no run finds another's
+history in the prefix cache); then the RSS again.
+Reported per setup and concurrency: rollouts and generated tokens per second (vLLM's /metrics), the vLLM API
+server's CPU per model call (/proc), and the ratios hook / none and adapter / none of rollouts per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import _hops
+from _figures import Figure, Table, command, run_standalone
+from _gym_processes import api_server_pid, cpu_seconds, rss_kib
+from _hops import adapter_instance
+from _metrics import engine_work, http_requests, scrape
+from _server import MODEL, REPO, BenchError, bench_model, note, vllm_server
+from _timing import median, ratio
+from targets import Reading
+
+GRIDS = REPO / "resources_servers" / "grid_navigation" / "data" / "example.jsonl"
+ENVIRONMENT, AGENT = "grid_navigation", "grid_navigation_agent"
+GYM_PROCESSES = ("head", "policy_model", ENVIRONMENT, AGENT)
+SETUPS = ("hook", "adapter", "none")
+SETUP_TEXT = {
+    "hook": "hooked vLLM, splice: hook",
+    "adapter": "stock vLLM, splice: adapter",
+    "none": "stock vLLM, no splice (send_token_bundles: false)",
+}
+FILLER = "Reference note {n}: a wall blocks one cell; the edge of the grid blocks every move beyond it. "
+QUICK = ["--concurrency", "8", "32", "--calls", "6"]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vllm-url", help=f"a hooked vLLM serving the bench model as {MODEL!r} (else one is started)")
+    p.add_argument("--stock-url", help="a stock vLLM serving the bench model (else one is started after the hook's)")
+    p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {', '.join(SETUPS)} (default all)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 64], help="default 8 32 64")
+    p.add_argument("--waves", type=float, default=1.0, help="rollouts per run = waves x concurrency (default 1)")
+    p.add_argument("--calls", type=int, default=20, help="model calls per rollout (the agent's max_steps; default 20)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--opening-ids", type=int, default=14300, help="reference text in the system message, in ids")
+    p.add_argument("--warmup", type=int, default=4, help="warm-up rollouts per setup before the first RSS reading")
+    p.add_argument("--quick", action="store_true", help=f"a short run: {' '.join(QUICK)}")
+    return p
+
+
+def filler(ids: int) -> str:
+    """Reference text of about `ids` ids in the bench model's tokenizer (counted, not guessed)."""
+    if ids <= 0:
+        return ""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(bench_model()))
+    pieces: list[str] = []
+    count = 0  # pieces end in a space, so the text's ids are about the sum of the pieces'
+    while count < ids:
+        pieces.append(FILLER.format(n=len(pieces)))
+        count += len(tokenizer.encode(pieces[-1], add_special_tokens=False))
+    return "".join(pieces)
+
+
+def rows(count: int, first: int, tag: str, max_tokens: int, reference: str) -> list[dict[str, Any]]:
+    grids = [json.loads(line) for line in GRIDS.read_text().splitlines() if line.strip()]
+    made = []
+    for index in range(first, first + count):
+        row = json.loads(json.dumps(grids[index % len(grids)]))
+        params = row["responses_create_params"]
+        if reference:
+            params["input"][0]["content"] += "\n\n" + reference
+        params["input"][-1]["content"] += f" (Game {index}, {tag}.)"  # unique history per run: no cross-run cache hit
+        params["max_output_tokens"] = max_tokens
+        params["seed"] = index
+        made.append(row)
+    return made
+
+
+def instances(setup: str, url: str, calls: int) -> dict[str, Any]:
+    agent = {"model_server": "policy_model", "resources_server": ENVIRONMENT, "max_steps": calls}
+    if setup == "none":
+        agent["send_token_bundles"] = False  # no bundle in the history: no prefix, the whole history re-templated
+    return {
+        "policy_model": adapter_instance(url, splice="hook" if setup == "hook" else "adapter"),
+        ENVIRONMENT: {"resources_servers": {ENVIRONMENT: {}}},
+        AGENT: {"responses_api_agents": {"simple_agent": agent}},
+    }
+
+
+def gym_rss(running: Any) -> dict[str, int]:
+    return {child.name: rss_kib(child.process.pid) for child in running.children if child.name in GYM_PROCESSES}
+
+
+def collect_rows(
+    running: Any, directory: Path, name: str, made: list[dict[str, Any]], concurrency: int
+) -> tuple[int, list[int], int]:
+    """Collects `made`; returns the rollouts done, each one's ids at its end (the last call's prompt + answer) and the
+    model calls whose prompt was spliced (by the hook or the adapter)."""
+    from nemo_gym_tok.collect import collect
+
+    input_path = directory / f"{name}-rows.jsonl"
+    input_path.write_text("".join(json.dumps(row) + "\n" for row in made))
+    summary = asyncio.run(
+        collect(
+            input_path,
+            directory / f"{name}.jsonl",
+            running.urls[AGENT],
+            agent=AGENT,
+            concurrency=concurrency,
+            progress=False,
+            timeout=3600,
+        )
+    )
+    if summary.failed:
+        raise BenchError(f"{summary.failed} rollout(s) of {name} failed: {summary.failures_path}")
+    ends, spliced = [], 0
+    for line in (directory / f"{name}.jsonl").read_text().splitlines():
+        calls = [i for i in json.loads(line)["response"]["output"] if "generation_token_ids" in i]
+        spliced += sum(1 for i in calls if (i.get("prefix_splice") or {}).get("applied"))
+        if calls:
+            last = calls[-1]
+            ends.append(
+                last.get("prompt_prefix_length", 0)
+                + len(last.get("prompt_suffix_token_ids", []))
+                + len(last["generation_token_ids"])
+            )
+    return summary.done_now, ends, spliced
+
+
+def timed_collection(setup: Setup, directory: Path, concurrency: int, made: list[dict[str, Any]]) -> dict[str, float]:
+    """One collection of `made` through `setup`'s gym, with what its vLLM did meanwhile (/metrics, /proc)."""
+    name = f"{setup.name}-c{concurrency}"
+    before, api_before = scrape(setup.url), cpu_seconds(setup.api_pid)
+    wall = time.perf_counter()
+    done, ends, spliced = collect_rows(setup.running, directory, name, made, concurrency)
+    wall = time.perf_counter() - wall
+    after, api_after = scrape(setup.url), cpu_seconds(setup.api_pid)
+    requests = http_requests(before, after)
+    return {
+        "seconds": wall,
+        "rollouts": done,
+        "calls": requests.get("/v1/chat/completions", 0),
+        "vllm_requests": sum(requests.values()),
+        "api_cpu_s": api_after - api_before,
+        "end_ids": median(ends),
+        "spliced_calls": spliced,
+        **{f"requests {handler}": count for handler, count in requests.items()},
+        **engine_work(before, after),
+    }
+
+
+@dataclass
+class Setup:
+    """One setup's running gym, the vLLM it calls, and that vLLM's API server process."""
+
+    name: str
+    url: str
+    running: Any
+    api_pid: int | None
+
+
+def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str | None = None) -> Figure:
+    if args.quick:
+        args = parser().parse_args([*argv, *QUICK])
+    started = time.monotonic()
+    figure = Figure("P6", "ngt collect under load: long tool-calling episodes", command("p6_collect_load.py", argv))
+    wanted = [s.strip() for s in args.setups.split(",") if s.strip()]
+    if unknown := sorted(set(wanted) - set(SETUPS)):
+        raise BenchError(f"--setups: unknown {', '.join(unknown)}; choose from {', '.join(SETUPS)}")
+    reference = filler(args.opening_ids)
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="ngt-bench-p6-") as scratch, contextlib.ExitStack() as stack:
+        directory = Path(scratch)
+        setups: list[Setup] = []
+        stock: str | None = None
+        for name in (s for s in SETUPS if s in wanted):
+            if name != "hook" and stock is None:
+                stock = stack.enter_context(vllm_server(stock_url, hook=False))
+            server = url if name == "hook" else str(stock)
+            if (pid := api_server_pid(server)) is None:
+                note(f"P6: no single vLLM API server process found for {server}: its CPU is not measured")
+            setups.append(Setup(name, server, stack.enter_context(_hops.gym(instances(name, server, args.calls))), pid))
+        for setup in setups:
+            note(f"P6 {setup.name}: warm-up ({args.warmup} rollouts) ...")
+            warm = rows(args.warmup, 0, f"{setup.name} warm-up", args.max_tokens, reference)
+            collect_rows(setup.running, directory, f"{setup.name}-warmup", warm, max(1, min(args.warmup, 8)))
+            results[setup.name] = {"runs": {}, "rss_start_kib": gym_rss(setup.running)}
+        first = args.warmup
+        for index, concurrency in enumerate(args.concurrency):
+            count = max(1, round(args.waves * concurrency))
+            # Setups take turns, the order rotated per concurrency, so drift in the machine's load hits each alike.
+            shift = index % len(setups)
+            for setup in setups[shift:] + setups[:shift]:
+                note(f"P6 {setup.name}: {count} rollouts at concurrency {concurrency} ...")
+                made = rows(count, first, f"{setup.name} c{concurrency}", args.max_tokens, reference)
+                results[setup.name]["runs"][concurrency] = timed_collection(setup, directory, concurrency, made)
+            first += count
+        for setup in setups:
+            results[setup.name]["rss_end_kib"] = gym_rss(setup.running)
+    add_tables(figure, results, args)
+    figure.data = {"setups": results, "readings": readings(results)}
+    figure.seconds = time.monotonic() - started
+    return figure
+
+
+def per_second(run: dict[str, float], key: str) -> float:
+    return ratio(run[key], run["seconds"])
+
+
+def add_tables(figure: Figure, results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+    table = Table(
+        f"{args.calls} model calls per rollout, max_tokens {args.max_tokens}, {args.waves:g} x concurrency rollouts",
+        [
+            "setup",
+            "concurrency",
+            "rollouts",
+            "seconds",
+            "rollouts/s",
+            "generated tok/s",
+            "calls/rollout",
+            "spliced calls",
+            "ids at the end",
+            "prompt ids/call",
+            "generated ids/call",
+            "vLLM requests/call",
+            "API server CPU ms/call",
+            "prefix-cache hits",
+        ],
+    )
+    for setup, result in results.items():
+        for concurrency, r in result["runs"].items():
+            table.add(
+                setup,
+                concurrency,
+                r["rollouts"],
+                r["seconds"],
+                per_second(r, "rollouts"),
+                per_second(r, "generation_tokens"),
+                ratio(r["calls"], r["rollouts"]),
+                f"{ratio(r['spliced_calls'], r['calls']):.0%}",
+                r["end_ids"],
+                ratio(r["prompt_tokens"], r["calls"]),
+                ratio(r["generation_tokens"], r["calls"]),
+                ratio(r["vllm_requests"], r["calls"]),
+                ratio(r["api_cpu_s"] * 1000, r["calls"]),
+                f"{r['cache_hit']:.1%}",
+                digits=2,
+            )
+    figure.tables.append(table)
+    if "none" in results:
+        ratios = Table(
+            "Rollouts per second against no splice (targets: hook >= 1.0, adapter >= 0.95)",
+            ["concurrency", *(f"{s} / none" for s in ("hook", "adapter") if s in results)],
+        )
+        for concurrency, floor in results["none"]["runs"].items():
+            cells = [
+                ratio(per_second(results[s]["runs"][concurrency], "rollouts"), per_second(floor, "rollouts"))
+                for s in ("hook", "adapter")
+                if s in results and concurrency in results[s]["runs"]
+            ]
+            ratios.add(concurrency, *cells, digits=3)
+        figure.tables.append(ratios)
+    memory = Table(
+        "RSS of the gym's processes after the warm-up and at the end, MiB (target: adapter and agent grow < 10%)",
+        ["setup", "process", "start", "end", "growth"],
+    )
+    for setup, result in results.items():
+        for name, start in result["rss_start_kib"].items():
+            end = result["rss_end_kib"].get(name, 0)
+            memory.add(setup, name, start / 1024, end / 1024, f"{ratio(end - start, start):+.1%}")
+    figure.tables.append(memory)
+    figure.notes.append(
+        "Setups: " + "; ".join(f"{s}: {SETUP_TEXT[s]}" for s in results) + ". Generated tokens and prompt ids from "
+        "vLLM's /metrics over each run; ids at the end: the median rollout's last prompt + answer (its record); "
+        "spliced calls: answers whose prefix_splice says applied. API server CPU: user + system time of the process "
+        "serving the URL (/proc), not its engine core or workers. The stock setups share one server, each run's rows "
+        "tagged apart; every row offers tools with tool_choice: required, so every answer is a tool call (a call "
+        "ends where its JSON closes, short of max_tokens)."
+    )
+
+
+def readings(results: dict[str, dict[str, Any]]) -> dict[str, Reading]:
+    """The worst (lowest) ratio over the concurrencies per setup, and the largest RSS growth of adapter and agent."""
+    found: dict[str, Reading] = {}
+    if "none" in results:
+        for setup in ("hook", "adapter"):
+            if setup not in results:
+                continue
+            pairs = [
+                (ratio(per_second(r, "rollouts"), per_second(results["none"]["runs"][c], "rollouts")), c)
+                for c, r in results[setup]["runs"].items()
+                if c in results["none"]["runs"]
+            ]
+            if pairs:
+                value, concurrency = min(pairs)
+                found[f"P6.{setup}_over_none.min"] = Reading(value, f"concurrency {concurrency}")
+    growth = [
+        (ratio(result["rss_end_kib"][name] - start, start), f"{setup} {name}")
+        for setup, result in results.items()
+        for name, start in result["rss_start_kib"].items()
+        if name in ("policy_model", AGENT)
+    ]
+    if growth:
+        value, where = max(growth)
+        found["P6.rss_growth.max"] = Reading(value, where)
+    return found
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    run_standalone(parser, run, argv, with_stock=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""The marked figures of README.md and docs/*.md: extraction, keys, the checker's report, and the repo-sourced ones."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from nemo_gym_tok.cli.main import build_parser
+from nemo_gym_tok.vllm.compat import supported_releases
+from nemo_gym_tok.vllm.internals import PATCHED_METHODS, USED_SYMBOLS
+from nemo_gym_tok.vllm.routes import ROUTE_METHODS, absent_by_design
+from tests.doc_figures import FIGURES, ROOT, Mention, check, docs, extract, pytest_counts, sweep_row
+
+PERFORMANCE = ROOT / "docs" / "performance.md"
+
+
+def md_tables(text: str) -> list[list[dict[str, str]]]:
+    """Every markdown table of `text` as rows keyed by the header's cells."""
+    tables, lines = [], text.splitlines()
+    for index, line in enumerate(lines[:-1]):
+        if line.startswith("|") and re.match(r"^\|( *-+ *\|)+$", lines[index + 1]):
+            header = [cell.strip() for cell in line.strip("|").split("|")]
+            rows = []
+            for body in lines[index + 2 :]:
+                if not body.startswith("|"):
+                    break
+                rows.append(dict(zip(header, (cell.strip() for cell in body.strip("|").split("|")))))
+            tables.append(rows)
+    return tables
+
+
+def _table(*columns: str) -> list[dict[str, str]]:
+    for rows in md_tables(PERFORMANCE.read_text(encoding="utf-8")):
+        if rows and all(column in rows[0] for column in columns):
+            return rows
+    raise AssertionError(f"docs/performance.md has no table with the columns {columns}")
+
+
+def _paired_chat_rows() -> list[dict[str, str]]:
+    return [
+        row
+        for row in _table("size", "hook/token-in paired")
+        if row["request"] == "chat, 1 token" and row["measure"] == "e2e median"
+    ]
+
+
+def _methods_due(version: str) -> int:
+    return sum(1 for method in (*PATCHED_METHODS, *ROUTE_METHODS) if not absent_by_design(method, version))
+
+
+def compat_methods() -> str:
+    counts = {_methods_due(version) for version in supported_releases()[1:]}
+    assert len(counts) == 1, f"the releases after the first differ in the methods they should have: {counts}"
+    return str(counts.pop())
+
+
+def demo_rollouts() -> str:
+    args = build_parser().parse_args(["demo"])
+    config = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text(encoding="utf-8"))
+    agents = [name for name, server in config.items() if isinstance(server, dict) and "responses_api_agents" in server]
+    return str(len(agents) * args.limit * args.repeats)
+
+
+def collected() -> str:
+    """How many tests `make test`'s pytest collects (its testpaths and options, no deselection)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    match = re.search(r"^(\d+) tests? collected in ", result.stdout, re.M)
+    assert result.returncode == 0 and match, f"pytest --collect-only failed:\n{result.stdout[-3000:]}{result.stderr}"
+    return match[1]
+
+
+REPO_SOURCES = {
+    "collected": collected,
+    "compat_methods": compat_methods,
+    "compat_methods_029": lambda: str(_methods_due("0.29.0")),
+    "demo_rollouts": demo_rollouts,
+    "bench_server_16k": lambda: next(
+        row["hook/stock"]
+        for row in _table("size", "hook/stock")
+        if row["size"] == "16k" and row["request"] == "chat, 1 token" and row["measure"] == "server-side median"
+    ),
+    "bench_slope": lambda: re.search(
+        r"slope hook / stock: server-side ([\d.]+)", PERFORMANCE.read_text(encoding="utf-8")
+    )[1],
+    "bench_paired_7k": lambda: next(row["hook/stock paired"] for row in _paired_chat_rows() if row["size"] == "7k"),
+    "bench_token_in_min": lambda: min((row["hook/token-in paired"] for row in _paired_chat_rows()), key=float),
+    "bench_token_in_max": lambda: max((row["hook/token-in paired"] for row in _paired_chat_rows()), key=float),
+    "bench_adapter_cpu": lambda: next(
+        row["CPU ms / call"] for row in _table("process", "CPU ms / call") if row["process"] == "policy_model"
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def mentions() -> list[Mention]:
+    found, problems = extract(docs())
+    assert not problems, "\n".join(problems)
+    return found
+
+
+def test_the_docs_mark_their_figures(mentions: list[Mention]) -> None:
+    assert len(mentions) >= 50, f"only {len(mentions)} marked figures found: {mentions}"
+    keys = {mention.key for mention in mentions}
+    for expected in ("test.collected", "sweep.exact", "vllm-0.29.passed", "nemo-gym.passed", "compat.methods"):
+        assert expected in keys, f"no doc marks fig:{expected}"
+
+
+def test_every_key_is_known_and_quoted_alike(mentions: list[Mention]) -> None:
+    # check() with an empty output dir leaves only the problems of the docs themselves, plus one "no output" per
+    # figure a CI step prints, which only .ci/run can check.
+    problems = [p for p in check(docs(), Path("/nonexistent")) if ": no output of " not in p]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_source_is_declared() -> None:
+    ci_run = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    saved = set(re.findall(r"^step (\S+) ", ci_run, re.M))
+    for key, figure in FIGURES.items():
+        assert figure.step is None or figure.step in saved, (
+            f"fig:{key} reads the output of `{figure.step}`, not a .ci/run step"
+        )
+        assert figure.compute is None or figure.compute in REPO_SOURCES, f"fig:{key}: no function {figure.compute}"
+    assert "tests/doc_figures.py" in ci_run.splitlines()[-1], ".ci/run should check the figures as its last step"
+
+
+def test_repo_sourced_figures_match(mentions: list[Mention]) -> None:
+    values = {name: compute() for name, compute in REPO_SOURCES.items() if name != "collected"}
+    wrong = []
+    for m in mentions:
+        figure = FIGURES.get(m.key)
+        if figure is not None and figure.compute in values and m.figure.replace(",", "") != values[figure.compute]:
+            wrong.append(
+                f"{m.doc}:{m.line}: fig:{m.key} says {m.figure}, {figure.command} gives {values[figure.compute]}"
+            )
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_number_of_tests_is_the_one_collected(mentions: list[Mention]) -> None:
+    count = collected()
+    quoted = [m for m in mentions if m.key == "test.collected"]
+    assert quoted, "no doc quotes fig:test.collected"
+    wrong = [f"{m.doc}:{m.line} says {m.figure}" for m in quoted if m.figure.replace(",", "") != count]
+    assert not wrong, f"pytest collects {count} tests (update the figure with the tests you add): {wrong}"
+
+
+def test_the_compat_table_lists_every_supported_release() -> None:
+    text = (ROOT / "docs" / "vllm-versions.md").read_text(encoding="utf-8")
+    block = re.search(r"<!-- fig-block:vllm-compat -->\n```\n(.*?)\n```", text, re.S)
+    assert block, (
+        "docs/vllm-versions.md should mark the `ngt vllm-compat` output block with <!-- fig-block:vllm-compat -->"
+    )
+    rows = [line.split() for line in block[1].splitlines() if re.match(r"^\d+\.\d+\.\d+ ", line)]
+    assert [row[0] for row in rows] == supported_releases()
+    for version, methods, _, symbols, *_ in rows:
+        due = _methods_due(version)
+        assert methods == f"{due}/{due}", f"{version}: the table says {methods}, the hook wraps {due} there"
+        assert symbols == f"{len(USED_SYMBOLS)}/{len(USED_SYMBOLS)}", f"{version}: the table says {symbols} symbols"
+
+
+# --- the checker on real output shapes -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sweep_output() -> str:
+    """`ngt template-sweep` on the two most downloaded templates: the real output's shape, in seconds."""
+    result = subprocess.run(
+        [sys.executable, "-m", "nemo_gym_tok", "template-sweep", "--limit", "2", "--listed", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_the_sweep_parsers_read_its_output(sweep_output: str) -> None:
+    figures = {key: figure.parse(sweep_output) for key, figure in FIGURES.items() if figure.step == "template-sweep"}
+    assert figures["sweep.templates"] == "2"
+    outcomes = ("exact", "refused", "crash", "wrong", "no-chat-turns")
+    assert sum(int(figures[f"sweep.{outcome}"]) for outcome in outcomes) == 2
+    assert int(figures["sweep.chat-turns"]) == 2 - int(figures["sweep.no-chat-turns"])
+    assert figures["sweep.crashes"] == "0"
+    assert all(figures[f"sweep.{outcome}.downloads"].endswith("%") for outcome in outcomes)
+
+
+def test_a_planted_mismatch_is_reported(tmp_path: Path, sweep_output: str) -> None:
+    exact = sweep_row("exact", "n")(sweep_output)
+    outputs = tmp_path / "ci-output"
+    outputs.mkdir()
+    (outputs / "template-sweep.txt").write_text(sweep_output)
+    doc = tmp_path / "docs" / "hook.md"
+    doc.parent.mkdir()
+    original = (ROOT / "docs" / "hook.md").read_text(encoding="utf-8")
+    assert "<!-- fig:sweep.exact -->" in original
+    planted = re.sub(r"\d[\d,]*<!-- fig:sweep\.exact -->", f"{exact}<!-- fig:sweep.exact -->", original)
+    doc.write_text(planted)
+    sweep_keys = [p for p in check([doc], outputs, tmp_path) if "fig:sweep.exact " in p]
+    assert not sweep_keys, sweep_keys
+    wrong = int(exact) + 1
+    doc.write_text(planted.replace(f"{exact}<!-- fig:sweep.exact -->", f"{wrong}<!-- fig:sweep.exact -->", 1))
+    problems = check([doc], outputs, tmp_path)
+    assert any(f"fig:sweep.exact says {wrong}, `ngt template-sweep` printed {exact}" in p for p in problems), problems
+    (outputs / "template-sweep.txt").unlink()
+    assert any("fig:sweep.exact: no output of `ngt template-sweep`" in p for p in check([doc], outputs, tmp_path))
+
+
+def test_a_planted_test_count_is_reported(tmp_path: Path, mentions: list[Mention]) -> None:
+    quoted = next(m for m in mentions if m.key == "vllm-0.29.passed")
+    passed, deselected = int(quoted.figure), next(m.figure for m in mentions if m.key == "vllm-0.29.deselected")
+    outputs = tmp_path / "ci-output"
+    outputs.mkdir()
+    summary = f"==== {passed + 1} passed, {deselected} deselected in 156.10s (0:02:36) ====\n"
+    (outputs / "test-vllm-0.29.txt").write_text(".venv-vllm-0.29/bin/python -m pytest ...\n" + summary)
+    doc = tmp_path / quoted.doc
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text((ROOT / quoted.doc).read_text(encoding="utf-8"))
+    problems = [p for p in check([doc], outputs, tmp_path) if "fig:vllm-0.29." in p]
+    expected = (
+        f"{quoted.doc}:{quoted.line}: fig:vllm-0.29.passed says {passed}, `make test-vllm-0.29` printed {passed + 1}"
+    )
+    assert problems == [expected], problems
+
+
+def test_a_mark_without_a_figure_and_an_unknown_key_are_reported(tmp_path: Path) -> None:
+    doc = tmp_path / "x.md"
+    doc.write_text("about ten<!-- fig:sweep.exact --> and 12<!-- fig:no.such.key --> and 7<!-- fig:sweep.wrong -->\n")
+    problems = check([doc], tmp_path, tmp_path)
+    assert any("x.md:1: fig:sweep.exact follows no figure" in p for p in problems), problems
+    assert any("fig:no.such.key is not a key" in p for p in problems), problems
+
+
+def test_pytest_summary_parser_reads_real_summaries(tmp_path: Path) -> None:
+    (tmp_path / "test_sample.py").write_text(
+        "import pytest\n\ndef test_a():\n    pass\n\ndef test_b():\n    pass\n\n"
+        "def test_c():\n    pytest.skip('sample')\n\ndef test_d():\n    pass\n"
+    )
+    for quiet in ([], ["-q"]):
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *quiet, "--deselect", "test_sample.py::test_d"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert pytest_counts(result.stdout) == {"passed": 2, "skipped": 1, "deselected": 1}, result.stdout
+    assert pytest_counts("==== 1305 passed, 3 deselected in 610.2s (0:10:10) ====\n") == {
+        "passed": 1305,
+        "deselected": 3,
+    }
+    assert FIGURES["test.collected"].parse("= 30 passed, 2 skipped, 1 failed, 4 deselected in 5.0s =") == "33"
+    with pytest.raises(ValueError, match="no pytest summary"):
+        pytest_counts("All checks passed!\n12 files already formatted\n")
+
+
+def test_the_checker_runs_as_a_command(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "tests/doc_figures.py", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1 and "no output of `make test`" in result.stderr, result.stderr
