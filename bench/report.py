@@ -1,11 +1,11 @@
-"""Runs every bench/ figure (P1 to P5) on one bench server build and regenerates docs/performance.md and .png.
+"""Runs every bench/ figure (P1 to P6) on one bench server build and regenerates docs/performance.md and .png.
 
-    .venv/bin/python bench/report.py            # what `make bench` runs (13 to 15 minutes on 2 cores, estimated)
+    .venv/bin/python bench/report.py            # what `make bench` runs (about 30 minutes on 2 cores, estimated)
     .venv/bin/python bench/report.py --quick    # a short smoke run (fewer calls and repeats; writes the docs too)
 
 Starts the hooked bench vLLM once (the tiny model built with a 32,768-position limit, --max-model-len 32768) and
 keeps it for every figure; a stock vLLM (hook off) joins for the figures that compare against it (P1's adapter
-splice, P3). Each figure's section in the doc names the standalone command that reproduces it.
+splice, P3, P6). Each figure's section in the doc names the standalone command that reproduces it.
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ import p2_preprocess
 import p3_upstream_calls
 import p4_collect
 import p5_request_bytes
+import p6_collect_load
 from _figures import Figure, command, fmt, judged
 from _machine import machine_facts
 from _server import BENCH_ARGS, REPO, vllm_server
 from _timing import median, ratio
 from targets import MISSED, Verdict, text
 
-FULL: dict[str, list[str]] = {"P1": [], "P2": [], "P3": [], "P4": [], "P5": []}
+FULL: dict[str, list[str]] = {"P1": [], "P2": [], "P3": [], "P4": [], "P5": [], "P6": []}
 QUICK: dict[str, list[str]] = {
     "P1": ["--sizes", "1024", "7168", "--repeats", "5", "--splice-repeats", "3", "--histories", "words-0", "tools-2"],
     "P2": [
@@ -50,18 +51,27 @@ QUICK: dict[str, list[str]] = {
     "P3": ["--turns", "4", "--episodes", "2"],
     "P4": ["--rollouts", "32", "--concurrency", "16", "--runs", "1"],
     "P5": ["--turns", "10", "--report", "1", "5", "10"],
+    "P6": ["--quick"],
 }
-MODULES = {"P1": p1_adapter, "P2": p2_preprocess, "P3": p3_upstream_calls, "P4": p4_collect, "P5": p5_request_bytes}
+MODULES = {
+    "P1": p1_adapter,
+    "P2": p2_preprocess,
+    "P3": p3_upstream_calls,
+    "P4": p4_collect,
+    "P5": p5_request_bytes,
+    "P6": p6_collect_load,
+}
 SCRIPTS = {
     "P1": "p1_adapter.py",
     "P2": "p2_preprocess.py",
     "P3": "p3_upstream_calls.py",
     "P4": "p4_collect.py",
     "P5": "p5_request_bytes.py",
+    "P6": "p6_collect_load.py",
 }
-ORDER = ("P2", "P5", "P4", "P1", "P3")
-"""The hooked-only figures first; then the stock server joins for P1 and P3."""
-NEEDS_STOCK = ("P1", "P3")
+ORDER = ("P2", "P5", "P4", "P1", "P3", "P6")
+"""The hooked-only figures first; then the stock server joins for P1, P3 and P6."""
+NEEDS_STOCK = ("P1", "P3", "P6")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -212,7 +222,7 @@ def document(
             *headline,
             "",
         ]
-    for key in ("P1", "P1a", "P2", "P3", "P4", "P5"):
+    for key in ("P1", "P1a", "P2", "P3", "P4", "P5", "P6"):
         figure = figures.get(key)
         if figure is None:
             continue

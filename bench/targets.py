@@ -124,6 +124,32 @@ TARGETS: tuple[Target, ...] = (
         "episodes on one adapter (its one-off requests charged to the spliced turns)",
     ),
     Target(
+        "collection under load, hook / no splice",
+        "P6",
+        "P6.hook_over_none.min",
+        ">=",
+        1.0,
+        "`ngt collect` rollouts per second with the hook over a stock vLLM with no splice (drifting), the lowest over "
+        "the concurrencies",
+    ),
+    Target(
+        "collection under load, adapter splice / no splice",
+        "P6",
+        "P6.adapter_over_none.min",
+        ">=",
+        0.95,
+        "`ngt collect` rollouts per second with splice: adapter on a stock vLLM over the same vLLM with no splice, the "
+        "lowest over the concurrencies",
+    ),
+    Target(
+        "collection under load, adapter and agent memory growth",
+        "P6",
+        "P6.rss_growth.max",
+        "<=",
+        0.10,
+        "the largest growth of the adapter's and the agent's RSS from after the warm-up to the end of the run",
+    ),
+    Target(
         "requests per model call, splice: hook",
         "P3",
         "P3.hook.max_after_first",

@@ -39,8 +39,8 @@ class VLLMModelConfig(BaseServerConfig):
     """Adapter-side splice: the server's --default-chat-template-kwargs."""
     template_proof_max_age_seconds: float = Field(default=300.0, gt=0)
     """Adapter-side splice: the local template is proven to render as the server does (its /tokenize ids) on the
-    first spliced request of each template scope per server, and again after a new connection to that server, a
-    failed call, or this many seconds (template_proof.py)."""
+    first spliced request of each template scope per server, renewed by a short probe after a new connection to that
+    server or a failed call, and proven anew after this many seconds (template_proof.py)."""
     sampling_overrides: dict[str, Any] = Field(default_factory=dict)
     """Fields set on every request sent to vLLM, over what the caller sent (e.g. temperature: 1.0)."""
     forwarded_fields: list[str] | None = None

@@ -36,7 +36,7 @@ from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 from responses_api_models.vllm_model.developer_role import as_server_renders
 from responses_api_models.vllm_model.hub_access import hub_unreachable, offline_advice
 from responses_api_models.vllm_model.local_template import LocalTemplate, ScopedRenderer
-from responses_api_models.vllm_model.template_proof import TemplateProofs
+from responses_api_models.vllm_model.template_proof import Proof, TemplateProofs
 from responses_api_models.vllm_model.upstream import answer_json
 
 NEW_SEGMENT_TELEMETRY = {"applied": False, "template_differed": False, "replaced_tokens": 0, "new_segment": True}
@@ -148,33 +148,36 @@ class AdapterSplicer:
             )
         request = _request_template(template, sent["messages"], body, tokenize_body)
         scope = request.renderer.render_scope
-        relied_on = epoch()
-        proof = self.proofs.current(server, scope, relied_on)
+        proving = _Proving(self.proofs, request, server, scope, post, epoch, strip_token_fields(tokenize_body))
+        proof, renewed = await proving.standing()
         prompt_ids: list[int] | None = None
         if proof is not None:
             # Proven scope: no /tokenize. A local failure the proof cannot explain (the template raising on these
             # messages) asks the server after all, which tells a bad request (its 4xx) from a different template.
             prompt_ids, telemetry = await asyncio.to_thread(_splice, template, request, source, body, None)
         if prompt_ids is None:
-            proof = None
-            template_ids = await _server_template_ids(post, strip_token_fields(tokenize_body))
+            proof, renewed = None, False
+            template_ids = await proving.prove()
             prompt_ids, telemetry = await asyncio.to_thread(_splice, template, request, source, body, template_ids)
-            relied_on = epoch()
-            self.proofs.record(server, scope, relied_on)
+            proving.record()
         assert telemetry is not None
-        telemetry["proof"] = self.proofs.telemetry(proof)
+        telemetry["proof"] = self.proofs.telemetry(proof, renewed=renewed)
         sent["kv_transfer_params"] = {
             **(kv_params if isinstance(kv_params, dict) else {}),
             "prompt_token_ids": prompt_ids,
         }
 
         async def confirm() -> None:
-            if epoch() == relied_on:
+            if epoch() == proving.relied_on:
                 return
-            template_ids = await _server_template_ids(post, strip_token_fields(tokenize_body))
+            standing, _ = await proving.standing()
+            if standing is not None:
+                telemetry["proof"] = self.proofs.telemetry(standing, renewed=True)
+                return
+            template_ids = await proving.prove()
             local_ids = await asyncio.to_thread(lambda: request.renderer.encode(request.render()))
             _check_same_ids(request.renderer, template_ids, local_ids)
-            self.proofs.record(server, scope, epoch())
+            proving.record()
             telemetry["proof"] = self.proofs.telemetry(None)
 
         return SplicedCall(sent, telemetry, confirm)
@@ -216,6 +219,70 @@ class AdapterSplicer:
                     ) from None
                 self._templates[source] = template
         return template
+
+
+PROBE_MESSAGES = ({"role": "user", "content": "ngt template probe: 1 + 1 = 2?"},)
+"""A conversation every chat template renders: the server's ids for it, with a scope's tools and arguments, are
+asked again on a new connection to renew a proof (template_proof.py) for a few dozen ids instead of a history."""
+
+
+@dataclass
+class _Proving:
+    """One request's dealings with its scope's proof on one server: is there one, renew it, prove it anew."""
+
+    proofs: TemplateProofs
+    request: RequestTemplate
+    server: str
+    scope: str
+    post: Post
+    epoch: Callable[[], int]
+    tokenize_body: dict[str, Any]
+    relied_on: int = -1
+    """The connection epoch the request's splice relies on: the proof's (confirm() checks it after the answer)."""
+    _probe_ids: list[int] | None = None
+
+    async def standing(self) -> tuple[Proof | None, bool]:
+        """The proof this request may rely on, and whether it renewed it: current on this epoch, or young enough and
+        renewed by the server giving its probe ids again. (None, False): prove anew."""
+        epoch = self.epoch()
+        proof = self.proofs.current(self.server, self.scope, epoch)
+        if proof is not None:
+            self.relied_on = epoch
+            return proof, False
+        proof = self.proofs.renewable(self.server, self.scope)
+        if proof is None or proof.probe_ids is None:
+            return None, False
+        probe = await _server_template_ids(self.post, self._probe_body(), tolerate_refusal=True)
+        if probe is None or tuple(probe) != proof.probe_ids:
+            return None, False
+        self.relied_on = self.epoch()
+        return self.proofs.renew(self.server, self.scope, proof, self.relied_on), True
+
+    async def prove(self) -> list[int]:
+        """The server's ids for the whole prompt (the caller compares them with the local copy's) and, asked at the
+        same time, for the probe, kept with the proof when the local copy gives the same."""
+        template_ids, probe = await asyncio.gather(
+            _server_template_ids(self.post, self.tokenize_body),
+            _server_template_ids(self.post, self._probe_body(), tolerate_refusal=True),
+        )
+        local_probe = await asyncio.to_thread(self._local_probe_ids)
+        self._probe_ids = probe if probe is not None and probe == local_probe else None
+        return template_ids
+
+    def record(self) -> None:
+        self.relied_on = self.epoch()
+        self.proofs.record(self.server, self.scope, self.relied_on, self._probe_ids)
+
+    def _probe_body(self) -> dict[str, Any]:
+        body = {key: value for key, value in self.tokenize_body.items() if key != "continue_final_message"}
+        return {**body, "messages": list(PROBE_MESSAGES), "add_generation_prompt": True}
+
+    def _local_probe_ids(self) -> list[int] | None:
+        renderer = self.request.renderer
+        try:
+            return renderer.encode(renderer.render(list(PROBE_MESSAGES), add_generation_prompt=True))
+        except Exception:  # noqa: BLE001 - a template that cannot render the probe: proofs are renewed by the request
+            return None
 
 
 def _request_template(
@@ -300,8 +367,14 @@ def _not_the_servers_template(detail: str) -> ApiError:
     )
 
 
-async def _server_template_ids(post: Post, tokenize_body: dict[str, Any]) -> list[int]:
+async def _server_template_ids(
+    post: Post, tokenize_body: dict[str, Any], *, tolerate_refusal: bool = False
+) -> list[int] | None:
+    """The server's /tokenize ids; its 4xx raised as the caller's error, or None with `tolerate_refusal` (a probe
+    the template cannot render)."""
     response = await post("/tokenize", tokenize_body)
+    if response.status_code >= 400 and tolerate_refusal:
+        return None
     if response.status_code >= 400:
         # `post` raises for every 5xx itself; a 4xx is the server refusing the prompt (a bad message, an unknown tool
         # choice): the caller's to fix.

@@ -1,5 +1,5 @@
 """The adapter-side splice proves its local template once per server and scope, then splices without /tokenize; a
-restarted server (a new connection) is proven again. Against the real stock vLLM, through a recording proxy."""
+restarted server (a new connection) is checked again by a probe. Against the real stock vLLM, through proxies."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from fastapi.responses import Response
 from nemo_gym_tok.common.net import free_port
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from nemo_gym_tok.vllm.server import VLLMServer
+from responses_api_models.vllm_model.local_splice import PROBE_MESSAGES
 from responses_api_models.vllm_model.tests.conftest import RecordingProxy, adapter, recording_proxy_app
 from responses_api_models.vllm_model.tests.test_adapter_splice import play
 from tests.conversations import MOVE_TOOL
@@ -48,8 +49,10 @@ def test_one_tokenize_proves_the_scope_for_every_later_turn(adapter_url: str, pr
     spliced = [t for c in conversations for t in c.telemetry[1:]]
     assert len(spliced) == 4 * (TURNS - 1) and all(t["spliced_by"] == "adapter" for t in spliced)
     # One scope (the same tools and template arguments on every turn), one server: proven by the first spliced
-    # turn's /tokenize, and never asked again.
-    assert len(proxy.bodies("/tokenize")) == 1
+    # turn's /tokenize (its prompt, and the scope's probe beside it), and never asked again.
+    asked = proxy.bodies("/tokenize")
+    assert len(asked) == 2
+    assert sorted(body["messages"] == list(PROBE_MESSAGES) for body in asked) == [False, True]
     assert len(proxy.bodies("/v1/chat/completions")) == 4 * TURNS
     proving = [t for t in spliced if t["proof"]["this_request"]]
     assert proving == [first[0].telemetry[1]]
@@ -74,9 +77,17 @@ def test_a_restarted_server_is_proven_again(plain_vllm_server: VLLMServer) -> No
         with serve_in_thread(recording_proxy_app(plain_vllm_server.base_url, after), port=port):
             (second,) = play(adapter_at, range(75, 76), turns=3)
     assert first.contiguous() and second.contiguous()
-    assert len(before.bodies("/tokenize")) == 1 and len(after.bodies("/tokenize")) == 1
-    assert [t["proof"]["this_request"] for t in first.telemetry[1:]] == [True, False]
-    assert [t["proof"]["this_request"] for t in second.telemetry[1:]] == [True, False]
+    assert len(before.bodies("/tokenize")) == 2  # the first proof: the prompt and the probe
+    # After the restart only the probe is asked again (a few dozen ids), and the same ids renew the proof.
+    assert [body["messages"] for body in after.bodies("/tokenize")] == [list(PROBE_MESSAGES)]
+    assert [(t["proof"]["this_request"], t["proof"]["renewed"]) for t in first.telemetry[1:]] == [
+        (True, False),
+        (False, False),
+    ]
+    assert [(t["proof"]["this_request"], t["proof"]["renewed"]) for t in second.telemetry[1:]] == [
+        (False, True),
+        (False, False),
+    ]
 
 
 def different_template_app(target: str) -> FastAPI:
@@ -121,8 +132,11 @@ def test_a_call_over_a_new_connection_is_proven_after_its_answer(plain_vllm_serv
         with serve_in_thread(recording_proxy_app(plain_vllm_server.base_url, again), port=port):
             answer = httpx.post(f"{adapter_at}/v1/chat/completions", json=next_turn, timeout=300)
         assert answer.status_code == 200, answer.text
-        assert answer.json()["choices"][0]["message"]["prefix_splice"]["proof"]["this_request"] is True
-        assert [path for path, _, _ in again.exchanges] == ["/v1/chat/completions", "/tokenize"]
+        assert answer.json()["choices"][0]["message"]["prefix_splice"]["proof"]["renewed"] is True
+        assert [(path, body["messages"] == list(PROBE_MESSAGES)) for path, body, _ in again.exchanges] == [
+            ("/v1/chat/completions", False),
+            ("/tokenize", True),
+        ]
         # Restarted with another template: the same call is answered by vLLM, then refused by the adapter.
         with serve_in_thread(different_template_app(plain_vllm_server.base_url), port=port):
             refused = httpx.post(f"{adapter_at}/v1/chat/completions", json=next_turn, timeout=300)

@@ -17,34 +17,44 @@ def test_a_proof_holds_for_its_server_scope_and_epoch_only() -> None:
     clock = Clock()
     proofs = TemplateProofs(60.0, clock=clock)
     assert proofs.current("a", "s", 0) is None
-    proofs.record("a", "s", 3)
+    proofs.record("a", "s", 3, [1, 2])
     assert proofs.current("a", "s", 3) is not None
     assert proofs.current("b", "s", 3) is None  # another server
     assert proofs.current("a", "t", 3) is None  # another scope
-    assert proofs.current("a", "s", 4) is None  # a new connection since: dropped for good
+    assert proofs.current("a", "s", 4) is None  # a new connection since: not current, but renewable by its probe
+    lapsed = proofs.renewable("a", "s")
+    assert lapsed is not None and lapsed.probe_ids == (1, 2)
+    renewed = proofs.renew("a", "s", lapsed, 4)
+    assert proofs.current("a", "s", 4) == renewed and renewed.proven_at == lapsed.proven_at
     assert proofs.current("a", "s", 3) is None
-    assert proofs.proven == 1
+    assert (proofs.proven, proofs.renewed) == (1, 1)
 
 
 def test_a_proof_lapses_with_age_and_reports_it() -> None:
     clock = Clock()
     proofs = TemplateProofs(60.0, clock=clock)
-    proofs.record("a", "s", 0)
+    proofs.record("a", "s", 0, None)
     clock.now += 59.5
     proof = proofs.current("a", "s", 0)
     assert proof is not None
-    assert proofs.telemetry(proof) == {"by": "server_tokenize", "this_request": False, "age_seconds": 59.5}
+    assert proofs.telemetry(proof) == {
+        "by": "server_tokenize",
+        "this_request": False,
+        "age_seconds": 59.5,
+        "renewed": False,
+    }
     assert proofs.telemetry(None)["this_request"] is True
     clock.now += 1.0
     assert proofs.current("a", "s", 0) is None
+    assert proofs.renewable("a", "s") is None  # too old to renew: the next request proves anew
 
 
 def test_proofs_are_bounded_least_recently_used_first() -> None:
     proofs = TemplateProofs(60.0, max_entries=2, clock=Clock())
-    proofs.record("a", "1", 0)
-    proofs.record("a", "2", 0)
+    proofs.record("a", "1", 0, None)
+    proofs.record("a", "2", 0, None)
     assert proofs.current("a", "1", 0) is not None  # now the most recent
-    proofs.record("a", "3", 0)
+    proofs.record("a", "3", 0, None)
     assert proofs.current("a", "2", 0) is None
     assert proofs.current("a", "1", 0) is not None and proofs.current("a", "3", 0) is not None
 
