@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
 
 import httpx
 import pytest
@@ -38,6 +39,13 @@ def adapter_url(proxy: RecordingProxy, plain_vllm_server: VLLMServer) -> Iterato
     )
 
 
+def splicing_adapter(base_url: str, server: VLLMServer, **fields: Any) -> AbstractContextManager[str]:
+    """The adapter with splice: adapter and token information on, in front of `base_url`, for one `with` block."""
+    return contextmanager(adapter)(
+        base_url, server.served_model_name, return_token_id_information=True, splice="adapter", **fields
+    )
+
+
 def test_one_tokenize_proves_the_scope_for_every_later_turn(adapter_url: str, proxy: RecordingProxy) -> None:
     proxy.exchanges.clear()
     # One after another: concurrent calls open more connections, and each new connection is proven again.
@@ -63,13 +71,7 @@ def test_one_tokenize_proves_the_scope_for_every_later_turn(adapter_url: str, pr
 def test_a_restarted_server_is_proven_again(plain_vllm_server: VLLMServer) -> None:
     port = free_port("127.0.0.1")
     before, after = RecordingProxy(url=""), RecordingProxy(url="")
-    served = contextmanager(adapter)(
-        f"http://127.0.0.1:{port}/v1",
-        plain_vllm_server.served_model_name,
-        return_token_id_information=True,
-        splice="adapter",
-    )
-    with served as adapter_at:
+    with splicing_adapter(f"http://127.0.0.1:{port}/v1", plain_vllm_server) as adapter_at:
         with serve_in_thread(recording_proxy_app(plain_vllm_server.base_url, before), port=port):
             (first,) = play(adapter_at, range(74, 75), turns=3)
         # The first proxy stops (its connections close) and another listens on the same address: what the adapter
@@ -111,13 +113,7 @@ def different_template_app(target: str) -> FastAPI:
 
 def test_a_call_over_a_new_connection_is_proven_after_its_answer(plain_vllm_server: VLLMServer) -> None:
     port = free_port("127.0.0.1")
-    served = contextmanager(adapter)(
-        f"http://127.0.0.1:{port}/v1",
-        plain_vllm_server.served_model_name,
-        return_token_id_information=True,
-        splice="adapter",
-    )
-    with served as adapter_at:
+    with splicing_adapter(f"http://127.0.0.1:{port}/v1", plain_vllm_server) as adapter_at:
         with serve_in_thread(recording_proxy_app(plain_vllm_server.base_url, RecordingProxy(url="")), port=port):
             (conversation,) = play(adapter_at, range(76, 77), turns=2)
         next_turn = {
@@ -149,14 +145,7 @@ def test_without_return_token_ids_the_prompt_ids_are_still_the_spliced_ones(plai
     the adapter answers the ids it sent instead (what generation used), so the conversation stays contiguous."""
     recorded = RecordingProxy(url="")
     with serve_in_thread(recording_proxy_app(plain_vllm_server.base_url, recorded)) as proxy_url:
-        served = contextmanager(adapter)(
-            f"{proxy_url}/v1",
-            plain_vllm_server.served_model_name,
-            return_token_id_information=True,
-            use_return_token_ids=False,
-            splice="adapter",
-        )
-        with served as adapter_at:
+        with splicing_adapter(f"{proxy_url}/v1", plain_vllm_server, use_return_token_ids=False) as adapter_at:
             conversations = play(adapter_at, range(77, 79), turns=4)
     assert all(c.contiguous() for c in conversations)
     for conversation in conversations:
