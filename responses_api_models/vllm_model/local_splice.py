@@ -59,8 +59,8 @@ class SplicedCall:
     telemetry: dict[str, Any] | None
     confirm: Callable[[], Awaitable[None]] | None = None
     """Run once the answer is in: where the call went over a connection opened after the proof it relied on (the
-    server may have restarted in between), it proves the scope again on this request, and refuses the answer (502)
-    when the server no longer renders it as the local copy does."""
+    server may have restarted in between), it renews the proof by its probe or proves the scope again on this
+    request, and refuses the answer (502) when the server no longer renders it as the local copy does."""
 
 
 @dataclass
@@ -168,17 +168,17 @@ class AdapterSplicer:
         }
 
         async def confirm() -> None:
+            # The answer's telemetry stays what the call relied on (a stream sent it in its first chunk already):
+            # this check only decides whether the answer may be given at all.
             if epoch() == proving.relied_on:
                 return
             standing, _ = await proving.standing()
             if standing is not None:
-                telemetry["proof"] = self.proofs.telemetry(standing, renewed=True)
                 return
             template_ids = await proving.prove()
             local_ids = await asyncio.to_thread(lambda: request.renderer.encode(request.render()))
             _check_same_ids(request.renderer, template_ids, local_ids)
             proving.record()
-            telemetry["proof"] = self.proofs.telemetry(None)
 
         return SplicedCall(sent, telemetry, confirm)
 

@@ -128,7 +128,8 @@ def test_a_call_over_a_new_connection_is_proven_after_its_answer(plain_vllm_serv
         with serve_in_thread(recording_proxy_app(plain_vllm_server.base_url, again), port=port):
             answer = httpx.post(f"{adapter_at}/v1/chat/completions", json=next_turn, timeout=300)
         assert answer.status_code == 200, answer.text
-        assert answer.json()["choices"][0]["message"]["prefix_splice"]["proof"]["renewed"] is True
+        # It went out on the old proof (its telemetry says so); the probe after the answer let it through.
+        assert answer.json()["choices"][0]["message"]["prefix_splice"]["proof"]["this_request"] is False
         assert [(path, body["messages"] == list(PROBE_MESSAGES)) for path, body, _ in again.exchanges] == [
             ("/v1/chat/completions", False),
             ("/tokenize", True),
