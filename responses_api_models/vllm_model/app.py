@@ -26,7 +26,7 @@ from nemo_gym_tok.types import ChatCompletionRequest, Response, ResponsesRequest
 from responses_api_models.vllm_model.calls import ChatCall, PreparedCall, parse_body
 from responses_api_models.vllm_model.chat_events import chat_sse
 from responses_api_models.vllm_model.config import VLLMModelConfig
-from responses_api_models.vllm_model.local_splice import AdapterSplicer, served_model_root
+from responses_api_models.vllm_model.local_splice import AdapterSplicer
 from responses_api_models.vllm_model.nemo_gym_capture import NeMoGymTokenStore
 from responses_api_models.vllm_model.request_metadata import apply_metadata
 from responses_api_models.vllm_model.response_fields import request_echo, response_usage
@@ -282,7 +282,7 @@ class VLLMModel(ModelServer):
 
     async def _read_model_files(self, url: str) -> tuple[dict[str, Any] | None, dict[str, str] | None]:
         try:
-            source = self.config.tokenizer or await served_model_root(lambda path: self.upstream.get(url, path))
+            source = await self.splicer.model_source(lambda path: self.upstream.get(url, path))
         except ApiError:
             return None, None
         if not Path(source).is_dir():

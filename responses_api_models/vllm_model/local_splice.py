@@ -182,10 +182,16 @@ class AdapterSplicer:
 
         return SplicedCall(sent, telemetry, confirm)
 
-    async def _template(self, get: Callable[[str], Awaitable[Any]]) -> LocalTemplate:
+    async def model_source(self, get: Callable[[str], Awaitable[Any]]) -> str:
+        """Where the served tokenizer and model files are: `tokenizer`, else the path the server reports (asked once:
+        the provenance of every answer reads it too)."""
         source = self.tokenizer or self._served_root
         if source is None:
             source = self._served_root = await served_model_root(get)
+        return source
+
+    async def _template(self, get: Callable[[str], Awaitable[Any]]) -> LocalTemplate:
+        source = await self.model_source(get)
         template = self._templates.get(source)
         if template is not None:
             return template
