@@ -162,9 +162,9 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
         "/tokenize) charged to the spliced turns, so it is never below the truth; first episode: the same over the "
         "fresh adapter's first conversation alone. Expected: 1 per call with the hook (the chat call; token ids come "
         "back on it; the first call may also ask /v1/models); with splice: adapter, 1 per spliced turn once its "
-        "template is proven: one /tokenize per template scope (template, its arguments, tools) and server, again "
-        f"after a new connection to the server or {DEFAULT_PROOF_MAX_AGE_SECONDS:g} s (proving answers: those whose "
-        "prefix_splice.proof says this_request)."
+        "template is proven: two /tokenize per template scope (template, its arguments, tools) and server (the "
+        "prompt and a short probe), the probe alone again after a new connection to the server, both again after "
+        f"{DEFAULT_PROOF_MAX_AGE_SECONDS:g} s (proving answers: those whose prefix_splice.proof says this_request)."
     )
     figure.data = {"totals": results, "readings": readings}
     figure.seconds = time.monotonic() - started

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from responses_api_models.vllm_model.template_proof import TemplateProofs
 
 
@@ -68,7 +70,7 @@ def test_the_upstream_epoch_moves_with_new_connections_only() -> None:
 
     from nemo_gym_tok.common.net import free_port
     from nemo_gym_tok.servers.inprocess import serve_in_thread
-    from responses_api_models.vllm_model.upstream import VLLMUpstream
+    from responses_api_models.vllm_model.upstream import UpstreamUnavailable, VLLMUpstream
 
     app = FastAPI()
 
@@ -93,10 +95,8 @@ def test_the_upstream_epoch_moves_with_new_connections_only() -> None:
                 first = await calls(upstream, 3)
             with serve_in_thread(app, port=port):
                 second = await calls(upstream, 3)
-            try:
-                await upstream.post(base, "/tokenize", {})  # nothing listens now
-            except Exception:  # noqa: BLE001 - the failure itself is what moves the epoch
-                pass
+            with pytest.raises(UpstreamUnavailable):  # nothing listens now; the failure itself moves the epoch
+                await upstream.post(base, "/tokenize", {})
             return first, second, upstream.epoch(base)
         finally:
             await upstream.aclose()
