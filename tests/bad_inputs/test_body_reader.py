@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import random
 import socket
 from typing import Any
 
@@ -11,7 +13,7 @@ from starlette.requests import Request
 
 from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.servers.base import BaseServerConfig
-from nemo_gym_tok.servers.bodies import DEFAULT_MAX_BODY_BYTES, parse_json_object, read_body
+from nemo_gym_tok.servers.bodies import DEFAULT_MAX_BODY_BYTES, nesting_depth, parse_json_object, read_body
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from resources_servers.number_guess.app import SERVER as NumberGuess
 from tests.bad_inputs.cases import BAD_BODIES, SMALL_LIMIT
@@ -38,6 +40,44 @@ def test_depth_bound_is_128_containers() -> None:
     assert parse_json_object(b'{"a": ' + b"[" * 127 + b"]" * 127 + b"}")
     with pytest.raises(ApiError, match="a: arrays/objects nest more than 128 deep"):
         parse_json_object(b'{"a": ' + b"[" * 128 + b"]" * 128 + b"}")
+
+
+def reference_depth(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + max((reference_depth(child) for child in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((reference_depth(child) for child in value), default=0)
+    return 0
+
+
+def random_document(rng: random.Random, depth: int = 0) -> Any:
+    """Nested arrays and objects whose strings and keys are made of quotes, backslashes, brackets and escapes."""
+    alphabet = ["a", "\\", '"', "[", "]", "{", "}", "\n", "\u00e9", "\\\\", '\\"']
+
+    def text() -> str:
+        return "".join(rng.choice(alphabet) for _ in range(rng.randrange(6)))
+
+    draw = rng.random()
+    if depth > 6 or draw < 0.3:
+        return text() if rng.random() < 0.6 else rng.randrange(100)
+    if draw < 0.65:
+        return [random_document(rng, depth + 1) for _ in range(rng.randrange(4))]
+    return {text(): random_document(rng, depth + 1) for _ in range(rng.randrange(4))}
+
+
+def test_nesting_depth_reads_the_bytes_as_the_parsed_value_nests() -> None:
+    rng = random.Random(7)
+    for _ in range(3000):
+        value = random_document(rng)
+        for raw in (json.dumps(value), json.dumps(value, ensure_ascii=False), json.dumps(value, indent=1)):
+            assert nesting_depth(raw.encode()) == reference_depth(value), raw
+
+
+def test_a_long_history_has_many_brackets_but_is_not_deep() -> None:
+    messages = [{"role": "user", "content": "[{" * 50, "prompt_token_ids": list(range(300))} for _ in range(200)]
+    raw = json.dumps({"messages": messages}).encode()
+    assert raw.count(b"[") > 128 and nesting_depth(raw) == 4  # body, messages, a message, its ids
+    assert parse_json_object(raw)["messages"] == messages
 
 
 def request_streaming(chunks: list[bytes], headers: dict[str, str]) -> tuple[Request, list[int]]:
