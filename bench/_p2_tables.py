@@ -132,7 +132,7 @@ def worst_table(histories: list[History]) -> Table:
 def history_table(histories: list[History]) -> Table:
     table = Table(
         "Every history at every size: 1-token chat end to end (e2e medians, ms) and the ratios",
-        ["history", "size", "ids", "e2e stock", "e2e hook", "e2e token-in", *RATIOS],
+        ["history", "size", "ids", "stock prompt ids", "e2e stock", "e2e hook", "e2e token-in", *RATIOS],
     )
     for history in histories:
         for row in history.sizes:
@@ -141,6 +141,7 @@ def history_table(histories: list[History]) -> Table:
                 history.name,
                 label(row["size"]),
                 row["ids"],
+                row.get("stock_ids"),
                 e2e["stock"],
                 e2e["hook"],
                 e2e["token_in"],
@@ -254,10 +255,11 @@ def add_tables(
         f"Histories ({', '.join(h.name for h in histories)}; kind-seed, bench/_episode.py KINDS): words is plain words "
         "with 1 id in 20 of any kind (the one history of earlier runs), random is text decoded from ids of any kind, "
         "tools ends every assistant turn with a tool call answered by a tool message (the requests carry a tool "
-        "definition), reasoning opens every assistant turn with <think> text the template drops from earlier turns, "
-        "mixed draws one of the four per turn. Each ratio is taken within a history; the median and the worst are over "
-        "the histories at that size, and the targets judge the worst. The growth table and the plot show the first "
-        "history."
+        "definition), reasoning opens every assistant turn with <think> text the template drops from earlier turns "
+        "(stock vLLM then templates a shorter prompt than the spliced one, which keeps the model's own ids of every "
+        "turn: see stock prompt ids), mixed draws one of the four per turn. Each ratio is taken within a history; "
+        "the median and the worst are over the histories at that size, and the targets judge the worst. The growth "
+        "table and the plot show the first history."
     )
     figure.notes.append(
         f"{args.repeats} timed repeats per variant at the size-table calls, {args.episode_repeats} at every "

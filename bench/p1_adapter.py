@@ -9,9 +9,10 @@ message), as 1-token chat completions, interleaved:
                 in front of the hooked vLLM, vs the body the adapter sends vLLM (recorded once through a proxy:
                 the same messages, bundle and token-capture fields) posted to the same vLLM directly;
   adapter mode  the adapter with `splice: adapter` in front of a stock vLLM (NEMO_GYM_TOK_PREFIX_SPLICE=0): its
-                /tokenize, local render and splice, then a token-in chat call; vs direct stock (the same messages
-                without a bundle, same capture fields: stock templating) and vs direct token-in (exactly the adapter's
-                final call, recorded).
+                local render and splice (its template proven once per scope), then a token-in chat call; vs direct
+                stock (the same messages without a bundle, same capture fields: stock templating) and vs direct
+                token-in (the same with the spliced ids). As an episode's next turn: the call before goes through
+                the adapter first, and each round is a request never sent before (" (round N)", as in P2).
 The adapter mode is measured on several histories (--histories, kind-seed: bench/_episode.py KINDS), the hook mode
 on the first. Warm-up first; prefix caching is on, so every repeat of every variant hits the cache alike.
 """
@@ -20,19 +21,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import httpx
 import orjson
-from _episode import DEFAULT_HISTORIES, Call, build_episode, calls_for, nearest_calls, parse_history
+from _episode import DEFAULT_HISTORIES, Call, build_episode, calls_for, nearest_calls, parse_history, tokenize
 from _figures import Figure, Table, command, fmt, run_standalone
 from _hops import RecordingProxy, adapter_instance, gym, passthrough, serve_app
-from _server import JSON_HEADERS, MODEL, BenchError, note, vllm_server
+from _server import JSON_HEADERS, MODEL, BenchError, bench_model, note, vllm_server
 from _timing import interleaved, median, percentile, post_ms, ratio
 from targets import Reading, worst
+from transformers import AutoTokenizer
 
 
 def parser() -> argparse.ArgumentParser:
@@ -76,17 +79,20 @@ def upstream_chat_body(adapter_url: str, proxy: RecordingProxy, body: dict[str, 
     return orjson.loads(proxy.posts("/v1/chat/completions")[-1].body)
 
 
+Body = bytes | Callable[[int], bytes]
+"""A variant's request: the same bytes every time, or made per round (round -1, -2: the warm-ups)."""
+
+
 def timed_rows(
-    calls: list[Call], sizes: Sequence[int], bodies: dict[int, dict[str, tuple[str, bytes]]], repeats: int
+    calls: list[Call], sizes: Sequence[int], bodies: dict[int, dict[str, tuple[str, Body]]], repeats: int
 ) -> list[dict[str, Any]]:
-    """Per call (the one nearest each of `sizes`), its variants (name -> (URL, body)) interleaved; p50/p95 of each."""
+    """Per call (the one nearest each of `sizes`), its variants (name -> (URL, body)) interleaved; p50/p95 of each.
+    A body made per round is made before its request is timed."""
     rows: list[dict[str, Any]] = []
     for call, size in zip(calls, sizes):
         targets = bodies[call.number]
         with httpx.Client(timeout=600) as http:
-            requests = {
-                name: (lambda url=url, body=body: post_ms(http, url, body)) for name, (url, body) in targets.items()
-            }
+            requests = {name: _timed_request(http, url, body) for name, (url, body) in targets.items()}
             times = interleaved(requests, repeats, warmup=2)
         rows.append(
             {
@@ -99,14 +105,52 @@ def timed_rows(
     return rows
 
 
+def _timed_request(http: httpx.Client, url: str, body: Body) -> Callable[[], float]:
+    rounds = itertools.count(-2)
+    if isinstance(body, bytes):
+        return lambda: post_ms(http, url, body)
+    return lambda: post_ms(http, url, body(next(rounds)))
+
+
+def varied_bodies(
+    call: Call, tokenizer: Any, recorded: dict[str, Any], adapter_url: str, stock_url: str
+) -> dict[str, tuple[str, Body]]:
+    """The adapter-mode variants of `call`, each round a request never sent before (its last user message ends in
+    " (round N)", as P2's do): the adapter gets the bundled messages; direct stock the messages alone and direct
+    token-in the messages with the call's spliced ids, both with the capture fields the adapter sent (`recorded`)."""
+    fields = {key: value for key, value in recorded.items() if key not in ("messages", "kv_transfer_params")}
+
+    def adapter(round_: int) -> bytes:
+        return orjson.dumps(call.varied(tokenizer, round_).chat("hook", max_tokens=1))
+
+    def stock(round_: int) -> bytes:
+        return orjson.dumps({**fields, "messages": call.varied(tokenizer, round_).plain})
+
+    def token_in(round_: int) -> bytes:
+        varied = call.varied(tokenizer, round_)
+        return orjson.dumps(
+            {**fields, "messages": varied.plain, "kv_transfer_params": {"prompt_token_ids": varied.prompt_ids}}
+        )
+
+    chat = "/v1/chat/completions"
+    return {
+        "adapter": (f"{adapter_url}{chat}", adapter),
+        "direct stock": (f"{stock_url}{chat}", stock),
+        "direct token-in": (f"{stock_url}{chat}", token_in),
+    }
+
+
 def timed_table(title: str, names: Sequence[str], baselines: Sequence[str], rows: list[dict[str, Any]]) -> Table:
     """p50/p95 of every variant and of the first over each baseline; a history column where rows name one."""
     history = any("history" in row for row in rows)
-    headers = (["history"] if history else []) + ["history ids"] + [f"{n} {q}" for n in names for q in ("p50", "p95")]
+    stock = any("stock ids" in row for row in rows)
+    headers = (["history"] if history else []) + ["history ids"] + (["stock prompt ids"] if stock else [])
+    headers += [f"{n} {q}" for n in names for q in ("p50", "p95")]
     headers += [f"{names[0]}/{b} {q}" for b in baselines for q in ("p50", "p95")]
     table = Table(title, headers)
     for row in rows:
-        cells = ([row["history"]] if history else []) + [row["ids"]] + [row[n][i] for n in names for i in (0, 1)]
+        cells = ([row["history"]] if history else []) + [row["ids"]] + ([row.get("stock ids")] if stock else [])
+        cells += [row[n][i] for n in names for i in (0, 1)]
         cells += [ratio(row[names[0]][i], row[b][i]) for b in baselines for i in (0, 1)]
         table.add(*cells, digits=2)
     return table
@@ -156,6 +200,7 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
         "P1", "Adapter (splice: hook) vs direct vLLM, 1-token chat completion", command("p1_adapter.py", argv)
     )
     episodes: dict[str, list[Call]] = {}
+    previous: dict[tuple[str, int], Call] = {}
 
     def calls_of(history: str) -> list[Call]:
         if history not in episodes:
@@ -163,6 +208,8 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
             note(f"P1: building history {history} on {url} ...")
             episode = build_episode(url, calls_for(max(args.sizes)), kind=kind, seed=seed)
             episodes[history] = nearest_calls(episode, args.sizes)
+            for call in episodes[history]:
+                previous[(history, call.number)] = episode[max(0, call.number - 2)]
         return episodes[history]
 
     calls = calls_of(args.histories[0])
@@ -222,30 +269,41 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
     )
     names = ["adapter", "direct stock", "direct token-in"]
     rows = []
+    tokenizer = AutoTokenizer.from_pretrained(bench_model())
     with vllm_server(stock_url, hook=False) as stock:
+        # What the adapter sends for a call: recorded once per call, after the call before it (as in an episode), for
+        # a varied request never timed; its capture fields go on every direct request, and its ids must be the
+        # varied call's spliced ids (the direct token-in requests send those).
         with recorded_adapter(stock, "adapter") as (recorder, proxy):
-            token_in = {
-                (history, call.number): upstream_chat_body(recorder, proxy, call.chat("hook", max_tokens=1))
-                for history in args.histories
-                for call in calls_of(history)
-            }
-            upstream_per_call = len(proxy.exchanges) / len(token_in)
+            recorded: dict[tuple[str, int], dict[str, Any]] = {}
+            stock_ids: dict[tuple[str, int], int] = {}
+            for history in args.histories:
+                for call in calls_of(history):
+                    upstream_chat_body(recorder, proxy, previous[(history, call.number)].chat("hook", max_tokens=1))
+                    varied = call.varied(tokenizer, -1)
+                    body = upstream_chat_body(recorder, proxy, varied.chat("hook", max_tokens=1))
+                    if body["kv_transfer_params"]["prompt_token_ids"] != varied.prompt_ids:
+                        raise BenchError(f"the adapter's ids for call {call.number} of {history} are not the hook's")
+                    recorded[(history, call.number)] = body
+                    with httpx.Client(base_url=stock, timeout=600) as http:
+                        stock_ids[(history, call.number)] = len(tokenize(http, varied.plain, varied.fields))
+            upstream_per_call = len(proxy.exchanges) / (2 * len(recorded))
         with gym({"policy_model": adapter_instance(stock, splice="adapter")}) as running:
             adapter_url = running.urls["policy_model"]
             for history in args.histories:
                 bodies = {}
                 for call in calls_of(history):
-                    final = token_in[(history, call.number)]
-                    plain = {k: v for k, v in final.items() if k != "kv_transfer_params"}
-                    adapter_body = orjson.dumps(call.chat("hook", max_tokens=1))
-                    bodies[call.number] = {
-                        "adapter": (f"{adapter_url}/v1/chat/completions", adapter_body),
-                        "direct stock": (f"{stock}/v1/chat/completions", orjson.dumps(plain)),
-                        "direct token-in": (f"{stock}/v1/chat/completions", orjson.dumps(final)),
-                    }
+                    # The turn before goes through the adapter first, untimed, as it does in an episode: the adapter
+                    # keeps the prompt it spliced for it, which the timed turn's prefix opens with.
+                    before = previous[(history, call.number)].chat("hook", max_tokens=1)
+                    with httpx.Client(timeout=600) as http:
+                        post_ms(http, f"{adapter_url}/v1/chat/completions", orjson.dumps(before))
+                    bodies[call.number] = varied_bodies(
+                        call, tokenizer, recorded[(history, call.number)], adapter_url, stock
+                    )
                 note(f"P1a: timing the adapter (splice: adapter) vs direct stock vLLM, history {history} ...")
                 timed = timed_rows(calls_of(history), args.sizes, bodies, args.splice_repeats)
-                rows += [{**row, "history": history} for row in timed]
+                rows += [{**row, "history": history, "stock ids": stock_ids[(history, row["call"])]} for row in timed]
     summary, readings = splice_summary(rows)
     adapter_figure.tables += [
         summary,
@@ -261,11 +319,21 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
     adapter_figure.notes.append(
         "splice: adapter proves its copy of the template once per server and template scope (one /tokenize), then "
         "renders and splices locally before its token-in chat call "
-        f"({upstream_per_call:.2f} vLLM requests per call while recording {len(token_in)} calls, the one-off "
-        "/v1/models and proofs included; P3 counts them per turn). direct stock: the same messages without a bundle "
-        "and the same capture fields (vLLM templates the text); direct token-in: exactly the adapter's final call. "
+        f"({upstream_per_call:.2f} vLLM requests per call while recording {2 * len(recorded)} calls, the one-off "
+        "/v1/models and proofs included; P3 counts them per turn). Each timed call comes after the call before it "
+        "(sent once, untimed), as in an episode: the adapter keeps the prompt it spliced for that one, which the "
+        "timed call's prefix opens with. Every round's request is one never sent before (its last user message ends "
+        'in " (round N)", as in P2), for every variant alike. direct stock: the same messages without a bundle '
+        "and the capture fields the adapter sends (vLLM templates the text); direct token-in: the same with the "
+        "call's spliced ids as kv_transfer_params.prompt_token_ids (checked once to be the adapter's own ids). "
         "The stock vLLM runs with NEMO_GYM_TOK_PREFIX_SPLICE=0. Histories: "
         f"{', '.join(args.histories)} (kind-seed, bench/_episode.py KINDS); the targets judge the worst."
+    )
+    adapter_figure.notes.append(
+        "Stock prompt ids: the prompt vLLM templates from the same messages (/tokenize). A template that leaves out "
+        "earlier turns' thinking (Qwen3's, the reasoning history) makes it shorter than the spliced prompt, which "
+        "keeps the model's own ids of every turn: there direct stock computes another, shorter prompt, and direct "
+        "token-in is the like-for-like comparison."
     )
     adapter_figure.notes.append(method.format(repeats=args.splice_repeats) + " Repeats per history and size.")
     adapter_figure.seconds = time.monotonic() - started

@@ -190,6 +190,7 @@ def measure_history(
                 {
                     **row,
                     "size": checkpoints[call.number],
+                    "stock_ids": len(_episode.tokenize(http, call.plain, call.fields)),
                     "tokenize_e2e": {v: t_measured.e2e_median(v) for v in tokenize},
                     "tokenize_server": {v: t_measured.server_median(v) for v in tokenize},
                 }

@@ -16,11 +16,21 @@ holds it once) to bring the episode to about 16k ids at its end. Three setups, o
             prefix reaches the adapter, which asks vLLM to template the whole history every call (re-tokenized,
             drift-prone: the floor a user without the splice runs). Token ids still come back on every answer.
 All the setups' gyms run at once (and both servers); each gym does a warm-up collection, then the RSS of every gym
-process is read; then, per --concurrency, one collection through each setup in turn (the order rotated per
-concurrency; the same rows and seeds for every setup, tagged per setup and concurrency so that no run finds another's
-history in the prefix cache); then the RSS again.
+process is read. Then, per --concurrency from the highest down, one collection through each setup in turn (the order
+rotated per concurrency; the same rows and seeds for every setup, tagged per setup and concurrency so that no run finds
+another's history in the prefix cache), each gym's RSS read after its run; then the RSS once more at the end. A run
+has max(--waves x concurrency, --min-rollouts) rollouts: by default one wave at 32 and 64 (a wave's rollouts all make
+--calls calls, so they run in step and one wave has no ramp to amortize) and three at 8, where one wave is too short
+to time.
 Reported per setup and concurrency: rollouts and generated tokens per second (vLLM's /metrics), the vLLM API
 server's CPU per model call (/proc), and the ratios hook / none and adapter / none of rollouts per second.
+Memory: the target (adapter and agent grow < 10%) is about memory that grows with the work done, so it is judged from
+the RSS after the first run, at the highest concurrency, to the RSS at the end: the first run brings each process to
+the peak of its in-flight work (at 64, 64 histories of 16k ids, their request and answer bodies at once), and glibc's
+malloc keeps most of that freed memory mapped, so the growth from the warm-up measures the peak, not what stays. The
+runs after it add work at a lower peak. (Issue 22: a probe of the agent and the adapter over repeated runs at 32 saw
+their live Python objects and malloc's bytes in use flat run over run while RSS stayed near the first run's, and
+malloc_trim gave a third of it and more back.) RSS cannot see a leak smaller than the freed memory the peak left.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import sys
 import tempfile
 import time
@@ -64,8 +75,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-url", help=f"a hooked vLLM serving the bench model as {MODEL!r} (else one is started)")
     p.add_argument("--stock-url", help="a stock vLLM serving the bench model (else one is started after the hook's)")
     p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {', '.join(SETUPS)} (default all)")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 64], help="default 8 32 64")
-    p.add_argument("--waves", type=float, default=1.0, help="rollouts per run = waves x concurrency (default 1)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32, 64], help="default 8 32 64 (run 64 first)")
+    p.add_argument(
+        "--waves", type=float, default=1.0, help="rollouts per run: at least waves x concurrency (default 1)"
+    )
+    p.add_argument("--min-rollouts", type=int, default=24, help="rollouts per run: at least this many (default 24)")
     p.add_argument("--calls", type=int, default=20, help="model calls per rollout (the agent's max_steps; default 20)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--opening-ids", type=int, default=14300, help="reference text in the system message, in ids")
@@ -113,6 +127,20 @@ def instances(setup: str, url: str, calls: int) -> dict[str, Any]:
         ENVIRONMENT: {"resources_servers": {ENVIRONMENT: {}}},
         AGENT: {"responses_api_agents": {"simple_agent": agent}},
     }
+
+
+def rollouts_per_run(concurrency: int, waves: float, minimum: int) -> int:
+    """Rollouts one timed run collects at `concurrency`: `waves` waves, and at least `minimum` (a low concurrency's
+    wave is over in seconds)."""
+    return max(1, round(waves * concurrency), minimum)
+
+
+def concurrency_order(concurrencies: Sequence[int]) -> list[int]:
+    """The runs' concurrencies, the highest first: its run takes every process to its peak of in-flight memory, so
+    the runs after it show what memory the work leaves behind."""
+    if bad := [c for c in concurrencies if c < 1]:
+        raise BenchError(f"--concurrency must be at least 1, got {bad[0]}")
+    return sorted(set(concurrencies), reverse=True)
 
 
 def gym_rss(running: Any) -> dict[str, int]:
@@ -212,16 +240,17 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
             note(f"P6 {setup.name}: warm-up ({args.warmup} rollouts) ...")
             warm = rows(args.warmup, 0, f"{setup.name} warm-up", args.max_tokens, reference)
             collect_rows(setup.running, directory, f"{setup.name}-warmup", warm, max(1, min(args.warmup, 8)))
-            results[setup.name] = {"runs": {}, "rss_start_kib": gym_rss(setup.running)}
+            results[setup.name] = {"runs": {}, "rss_start_kib": gym_rss(setup.running), "rss_after_kib": {}}
         first = args.warmup
-        for index, concurrency in enumerate(args.concurrency):
-            count = max(1, round(args.waves * concurrency))
+        for index, concurrency in enumerate(concurrency_order(args.concurrency)):
+            count = rollouts_per_run(concurrency, args.waves, args.min_rollouts)
             # Setups take turns, the order rotated per concurrency, so drift in the machine's load hits each alike.
             shift = index % len(setups)
             for setup in setups[shift:] + setups[:shift]:
                 note(f"P6 {setup.name}: {count} rollouts at concurrency {concurrency} ...")
                 made = rows(count, first, f"{setup.name} c{concurrency}", args.max_tokens, reference)
                 results[setup.name]["runs"][concurrency] = timed_collection(setup, directory, concurrency, made)
+                results[setup.name]["rss_after_kib"][concurrency] = gym_rss(setup.running)
             first += count
         for setup in setups:
             results[setup.name]["rss_end_kib"] = gym_rss(setup.running)
@@ -237,7 +266,8 @@ def per_second(run: dict[str, float], key: str) -> float:
 
 def add_tables(figure: Figure, results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
     table = Table(
-        f"{args.calls} model calls per rollout, max_tokens {args.max_tokens}, {args.waves:g} x concurrency rollouts",
+        f"{args.calls} model calls per rollout, max_tokens {args.max_tokens}, max({args.waves:g} x concurrency, "
+        f"{args.min_rollouts}) rollouts per run, the highest concurrency first",
         [
             "setup",
             "concurrency",
@@ -288,15 +318,7 @@ def add_tables(figure: Figure, results: dict[str, dict[str, Any]], args: argpars
             ]
             ratios.add(concurrency, *cells, digits=3)
         figure.tables.append(ratios)
-    memory = Table(
-        "RSS of the gym's processes after the warm-up and at the end, MiB (target: adapter and agent grow < 10%)",
-        ["setup", "process", "start", "end", "growth"],
-    )
-    for setup, result in results.items():
-        for name, start in result["rss_start_kib"].items():
-            end = result["rss_end_kib"].get(name, 0)
-            memory.add(setup, name, start / 1024, end / 1024, f"{ratio(end - start, start):+.1%}")
-    figure.tables.append(memory)
+    figure.tables.append(memory_table(results))
     figure.notes.append(
         "Setups: " + "; ".join(f"{s}: {SETUP_TEXT[s]}" for s in results) + ". Generated tokens and prompt ids from "
         "vLLM's /metrics over each run; ids at the end: the median rollout's last prompt + answer (its record); "
@@ -305,10 +327,62 @@ def add_tables(figure: Figure, results: dict[str, dict[str, Any]], args: argpars
         "tagged apart; every row offers tools with tool_choice: required, so every answer is a tool call (a call "
         "ends where its JSON closes, short of max_tokens)."
     )
+    figure.notes.append(
+        "RSS (/proc VmRSS) of each gym process: start after the warm-up, then after its setup's run at each "
+        "concurrency (the highest first), end after every run. The target judges the adapter (policy_model) and the "
+        "agent from after the highest concurrency's run to the end: that run holds the peak of in-flight work "
+        "(histories, bodies), whose freed memory glibc's malloc keeps mapped, so start -> end is mostly that peak. "
+        "What grows after it grew with the work done (caches, kept state); a leak smaller than the kept free memory "
+        "can hide in it."
+    )
+
+
+def memory_table(results: dict[str, dict[str, Any]]) -> Table:
+    """Every gym process's RSS after the warm-up (start), after each run and at the end; the growth over the run and
+    the growth the target judges (from after the run at the highest concurrency to the end)."""
+    order = sorted({c for result in results.values() for c in result["rss_after_kib"]}, reverse=True)
+    peak = f"after c{order[0]}" if order else "after the first run"
+    memory = Table(
+        f"RSS of the gym's processes, MiB (target: adapter and agent grow < 10% from {peak} to the end)",
+        ["setup", "process", "start", *(f"after c{c}" for c in order), "end", "start -> end", f"{peak} -> end"],
+    )
+    for setup, result in results.items():
+        after = result["rss_after_kib"]
+        for name, start in result["rss_start_kib"].items():
+            end = result["rss_end_kib"].get(name, 0)
+            cells = [after[c].get(name, 0) / 1024 if c in after else float("nan") for c in order]
+            memory.add(
+                setup,
+                name,
+                start / 1024,
+                *cells,
+                end / 1024,
+                f"{ratio(end - start, start):+.1%}",
+                _judged(result, name),
+            )
+    return memory
+
+
+def _judged(result: dict[str, Any], name: str) -> str:
+    growth = rss_growth_after_peak(result, name)
+    return "n/a" if growth is None else f"{growth:+.1%}"
+
+
+def rss_growth_after_peak(result: dict[str, Any], name: str) -> float | None:
+    """Process `name`'s RSS growth from after the run at the highest concurrency to the end of the run; None without
+    a run after that one (one concurrency) or without the readings."""
+    after = result["rss_after_kib"]
+    if len(after) < 2:
+        return None
+    peak, end = after[max(after)].get(name), result["rss_end_kib"].get(name)
+    if not peak or end is None:
+        return None
+    return ratio(end - peak, peak)
 
 
 def readings(results: dict[str, dict[str, Any]]) -> dict[str, Reading]:
-    """The worst (lowest) ratio over the concurrencies per setup, and the largest RSS growth of adapter and agent."""
+    """The worst (lowest) ratio over the concurrencies per setup, and the largest RSS growth of adapter and agent
+    after the run at the highest concurrency (NaN, not measured, with one concurrency)."""
     found: dict[str, Reading] = {}
     if "none" in results:
         for setup in ("hook", "adapter"):
@@ -323,14 +397,15 @@ def readings(results: dict[str, dict[str, Any]]) -> dict[str, Reading]:
                 value, concurrency = min(pairs)
                 found[f"P6.{setup}_over_none.min"] = Reading(value, f"concurrency {concurrency}")
     growth = [
-        (ratio(result["rss_end_kib"][name] - start, start), f"{setup} {name}")
+        (value, f"{setup} {name}, after c{max(result['rss_after_kib'])} -> end")
         for setup, result in results.items()
-        for name, start in result["rss_start_kib"].items()
-        if name in ("policy_model", AGENT)
+        for name in ("policy_model", AGENT)
+        if (value := rss_growth_after_peak(result, name)) is not None
     ]
     if growth:
-        value, where = max(growth)
-        found["P6.rss_growth.max"] = Reading(value, where)
+        found["P6.rss_growth.max"] = Reading(*max(growth))
+    elif results:
+        found["P6.rss_growth.max"] = Reading(math.nan, "one concurrency: no run after the highest one's")
     return found
 
 

@@ -147,7 +147,8 @@ TARGETS: tuple[Target, ...] = (
         "P6.rss_growth.max",
         "<=",
         0.10,
-        "the largest growth of the adapter's and the agent's RSS from after the warm-up to the end of the run",
+        "the largest growth of the adapter's and the agent's RSS from after the run at the highest concurrency (the "
+        "peak of in-flight work) to the end of the run",
     ),
     Target(
         "requests per model call, splice: hook",
