@@ -47,9 +47,9 @@ HARMONY_REFUSAL = (
 )
 DEFAULT_PROOF_MAX_AGE_SECONDS = 300.0
 INLINE_SPLICE_MAX_IDS = 8192
-"""A proven scope's splice of a prefix up to this long (about a millisecond of work) runs on the event loop: the
-hand-offs to a worker thread cost such a call 0.5 to 1 ms (measured side by side at 1k and 7k ids), and the GIL runs
-one of the two at a time anyway. Longer ones go to a thread, so the loop serves other calls between its time slices."""
+"""A proven scope's splice of a prefix up to this long (about a millisecond of work) runs on the event loop: the GIL
+runs it alone either way, and a worker thread would add its hand-offs (a future, two GIL switches) to a short call's
+critical path. Longer ones go to a thread, so the loop serves other calls between its time slices."""
 
 Post = Callable[[str, dict[str, Any]], Awaitable[Any]]
 """POST `path` with a JSON body to the vLLM URL the conversation is on; returns the httpx response."""
