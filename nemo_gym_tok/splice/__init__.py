@@ -30,6 +30,7 @@ from nemo_gym_tok.splice._render import ChatRenderer, HFChatRenderer, added_toke
 from nemo_gym_tok.splice._result import RepairedTurn, SplicedPrompt, SpliceResult
 from nemo_gym_tok.splice._splice import splice_prefix, splice_prompt
 from nemo_gym_tok.splice._structure import Body, Layout
+from nemo_gym_tok.splice._tail import match_chunks, matched_layout
 
 __all__ = [
     "NEW_SEGMENT_KEY",
@@ -61,6 +62,8 @@ __all__ = [
     "detect_profile",
     "find_prefix_source",
     "in_this_package",
+    "match_chunks",
+    "matched_layout",
     "neutralize",
     "raised_in_this_package",
     "splice_prefix",

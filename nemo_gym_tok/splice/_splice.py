@@ -38,11 +38,11 @@ from nemo_gym_tok.splice._structure import Layout
 from nemo_gym_tok.splice._tail import (
     _check_message_placement,
     _check_truncation,
-    _filled_layout,
     _kept_prefix,
     _new_turn_repair,
     _template_tail,
     _with_message_texts,
+    matched_layout,
 )
 from nemo_gym_tok.splice._template_text import _body_finder, _neutral_messages, _remember_prompt, _render
 from nemo_gym_tok.splice._turn_edges import UNCONFIRMED_JUNCTION, check_turn_opening, junction_length, junction_text
@@ -197,9 +197,10 @@ def _splice_by_placement(
     text after the turn's closing, each placeholder replaced by its message's text, must end the server's own
     rendering. That holds where the template writes those messages' text as it is; anything else (a template that
     trims or escapes it, text holding special tokens or placeholders, a silent turn) raises, and the full path
-    decides. Where the server's rendering is the whole placement rendering with every text in place, the proof is
-    complete; otherwise it leaves to `verify` (a server runs it while the engine generates): that the template's
-    rendering of the neutral messages has exactly this tail, as the full path's proof requires.
+    decides. Where the server's rendering is the whole placement rendering with every text in place (any text for
+    reasoning and tool-call arguments inside a body), the proof is complete; otherwise it leaves to `verify` (a
+    server runs it while the engine generates): that the template's rendering of the neutral messages has exactly
+    this tail, as the full path's proof requires.
     """
     a, prefix = source.message_index, source.prefix
     turns = [*earlier, a]
@@ -246,12 +247,12 @@ def _splice_by_placement(
             )
         settle(layout)
 
-    filled = _filled_layout(marked_text, marked_bodies, messages)
-    proven = filled is not None and filled.text == template_text
+    filled = matched_layout(marked_text, marked_bodies, messages, template_text)
+    proven = filled is not None
     if proven:
         # The server's rendering is the placement rendering with every message's own text in place of its
-        # placeholder: it cuts into the same bodies, so the tail follows the last body there. Proven now, nothing
-        # is left to verify.
+        # placeholder (reasoning and tool-call arguments inside a body aside: the model's ids replace them): it cuts
+        # into the same bodies, so the tail follows the last body there. Proven now, nothing is left to verify.
         settle(filled)
     return SplicedPrompt(
         spliced,

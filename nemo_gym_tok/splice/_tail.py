@@ -4,7 +4,6 @@ much of the prefix it keeps, and how the template would have written the new tur
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -47,33 +46,78 @@ def _with_message_texts(text: str, messages: Sequence[Any], added_tokens: Mappin
     return MESSAGE_PLACEHOLDER.sub(lambda match: texts[int(match.group(1))], text)
 
 
-def _filled_layout(text: str, bodies: Sequence[Body], messages: Sequence[Any]) -> Layout | None:
-    """The placement rendering with each message's text in place of its placeholder, cut into the same bodies; None
-    where a placeholder stands for something other than a message's plain text (reasoning, tool-call arguments: the
-    template's rendering of those is not the text itself). Where this is the server's own rendering, character for
-    character, the template wrote every text as it is, and the bodies lie where the placement rendering has them."""
+WILDCARD_KINDS = frozenset(("think", "arg"))
+"""Placeholders that stand for text the template renders through its own filters (`tojson`, trims): inside a body,
+where the model's ids replace whatever the template wrote, the proof lets them match any text."""
 
-    def text_of(match: re.Match[str]) -> str:
-        kind, index = match.group(1), int(match.group(2))
-        content = _get(messages[index], "content") if index < len(messages) and kind in ("msg", "body") else None
-        if not isinstance(content, str):
-            raise LookupError
-        return content
 
+def matched_layout(text: str, bodies: Sequence[Body], messages: Sequence[Any], rendered: str) -> Layout | None:
+    """`rendered` cut into the bodies of the placement rendering `text`, where it is that rendering with each
+    message's text in place of its placeholder; None otherwise.
+
+    Character for character, except that a reasoning or tool-call argument placeholder inside a body (with the
+    quotes around it) matches any text: the template's rendering of those is not the text itself, and the model's
+    ids replace it. Everything outside the bodies, and every message's own text, must match exactly; a placeholder
+    of those kinds outside a body, or a message without text, gives None. Where it matches, the template wrote
+    every text as it is, and the bodies lie where the placement rendering has them."""
     cuts = [0, *(offset for body in bodies for offset in (body.start, body.end)), len(text)]
-    pieces: list[str] = []
-    try:
-        for start, end in zip(cuts, cuts[1:]):
-            pieces.append(ANY_PLACEHOLDER.sub(text_of, text[start:end]))
-    except LookupError:
+    chunks: list[str] = []  # the literal text between wildcards
+    parts: list[str] = []
+    length = 0
+    boundaries: list[tuple[int, int]] = []  # each body's start and end: (chunk, offset in it)
+    for number, (start, end) in enumerate(zip(cuts, cuts[1:])):
+        inside = number % 2 == 1
+        position = start
+        for match in ANY_PLACEHOLDER.finditer(text, start, end):
+            kind, index = match.group(1), int(match.group(2))
+            before, after = match.start(), match.end()
+            if kind in WILDCARD_KINDS:
+                if not inside:
+                    return None
+                if before > position and after < end and text[before - 1] == '"' and text[after] == '"':
+                    before, after = before - 1, after + 1  # a non-string value renders without the quotes
+                parts.append(text[position:before])
+                chunks.append("".join(parts))
+                parts, length = [], 0
+            else:
+                content = _get(messages[index], "content") if index < len(messages) else None
+                if not isinstance(content, str):
+                    return None
+                parts += (text[position:before], content)
+                length += before - position + len(content)
+            position = after
+        parts.append(text[position:end])
+        length += end - position
+        if number < len(cuts) - 2:
+            boundaries.append((len(chunks), length))
+    chunks.append("".join(parts))
+    starts = match_chunks(chunks, rendered)
+    if starts is None:
         return None
-    offsets = [0]
-    for piece in pieces:
-        offsets.append(offsets[-1] + len(piece))
-    filled = tuple(
-        Body(body.message_index, offsets[1 + 2 * number], offsets[2 + 2 * number]) for number, body in enumerate(bodies)
-    )
-    return Layout("".join(pieces), filled)
+    offsets = [starts[chunk] + offset for chunk, offset in boundaries]
+    cut = tuple(Body(body.message_index, offsets[2 * k], offsets[2 * k + 1]) for k, body in enumerate(bodies))
+    return Layout(rendered, cut)
+
+
+def match_chunks(chunks: Sequence[str], rendered: str) -> list[int] | None:
+    """Where each chunk starts in `rendered`, which must be the chunks in order with any text between consecutive
+    ones, the first at its start and the last at its end; None where it is not. Taking each middle chunk's leftmost
+    place is enough to find a match where one exists (every gap matches anything)."""
+    if len(chunks) == 1:
+        return [0] if rendered == chunks[0] else None
+    first, last = chunks[0], chunks[-1]
+    limit = len(rendered) - len(last)
+    if limit < len(first) or not rendered.startswith(first) or not rendered.endswith(last):
+        return None
+    starts, position = [0], len(first)
+    for chunk in chunks[1:-1]:
+        found = rendered.find(chunk, position, limit)
+        if found < 0:
+            return None
+        starts.append(found)
+        position = found + len(chunk)
+    starts.append(limit)
+    return starts
 
 
 def _check_truncation(truncate_prompt_tokens: int | None, spliced: list[int]) -> None:
