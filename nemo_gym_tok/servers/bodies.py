@@ -62,34 +62,33 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     # orjson has refused lone surrogates already; only the depth is left to check, and fewer brackets than the
     # bound (brackets inside strings counted too) cannot nest past it. A long history has more (an object per
     # message), so the depth is read from the bytes at C speed; the walk, which names the field, runs only past it.
-    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and nesting_depth(raw) > MAX_JSON_DEPTH:
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and nesting_depth(raw, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         _refuse_problem(json_value_problem(body, check_strings=False))
     return body
 
 
-def nesting_depth(raw: bytes) -> int:
-    """How deep the arrays and objects of `raw`, a valid JSON document, nest. Cut at its quotes, a piece that ends in
-    an odd run of backslashes ends in an escaped quote, so the string goes on; the pieces outside strings are
-    searched for brackets at C speed, and only those (two per array or object, not one per value) are walked."""
-    outside: list[bytes] = []
-    in_string = False
-    for piece in raw.split(b'"'):
-        if not in_string:
-            outside.append(piece)
-            in_string = True
-        elif not piece.endswith(b"\\") or (len(piece) - len(piece.rstrip(b"\\"))) % 2 == 0:
-            in_string = False
-    depth = deepest = 0
-    for byte in b"".join(outside).translate(None, _NOT_STRUCTURE):
-        if byte in _OPENERS:
-            depth += 1
-            deepest = max(deepest, depth)
-        else:
-            depth -= 1
-    return deepest
+def nesting_depth(raw: bytes, cap: int | None = None) -> int:
+    """How deep the arrays and objects of `raw`, a valid JSON document, nest (counted no further than `cap` + 1).
+
+    All at C speed: every escape is dropped (a backslash and the character after it, inside strings, the only place
+    JSON has them), so every quote left opens or closes a string; the text between quotes is dropped, and of what is
+    left only brackets. Each pass then removes the innermost pairs; the passes it takes to remove them all are the
+    depth."""
+    unescaped = _ESCAPE.sub(b"", raw) if b"\\" in raw else raw
+    structure = b"".join(unescaped.split(b'"')[::2]).translate(_AS_PARENTHESES, _NOT_STRUCTURE)
+    depth = 0
+    while structure and (cap is None or depth <= cap):
+        inner = structure.replace(b"()", b"")
+        if len(inner) == len(structure):
+            raise ValueError("unbalanced brackets: not a valid JSON document")
+        structure, depth = inner, depth + 1
+    return depth
 
 
-_OPENERS = b"[{"
+_ESCAPE = re.compile(rb"\\.", re.DOTALL)
+"""A JSON escape's first two characters (enough to hide an escaped quote or backslash)."""
+_AS_PARENTHESES = bytes.maketrans(b"[{]}", b"(())")
+"""Arrays and objects alike: only how they nest counts."""
 _NOT_STRUCTURE = bytes(byte for byte in range(256) if byte not in b"[]{}")
 """Every byte but brackets: what bytes.translate deletes to leave the structure of the text outside strings."""
 

@@ -73,6 +73,12 @@ def test_nesting_depth_reads_the_bytes_as_the_parsed_value_nests() -> None:
             assert nesting_depth(raw.encode()) == reference_depth(value), raw
 
 
+def test_nesting_depth_stops_counting_past_its_cap() -> None:
+    deep = b"[" * 300 + b"]" * 300
+    assert nesting_depth(deep) == 300
+    assert nesting_depth(deep, 128) == 129 and nesting_depth(b"[[]]", 128) == 2
+
+
 def test_a_long_history_has_many_brackets_but_is_not_deep() -> None:
     messages = [{"role": "user", "content": "[{" * 50, "prompt_token_ids": list(range(300))} for _ in range(200)]
     raw = json.dumps({"messages": messages}).encode()
