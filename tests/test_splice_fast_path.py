@@ -26,6 +26,7 @@ from nemo_gym_tok.testing.chat_templates.sweep import SweepRenderer, failure_kin
 from nemo_gym_tok.testing.chat_templates.tokenizer import end_token_ids, family_tokenizer
 from nemo_gym_tok.testing.tiny_model.tokenizer import ENDOFTEXT_ID, IM_END_ID, build_tokenizer
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
+from tests.splice_counting import CountingRenderer
 from tests.splice_plants import PlantedSplice
 
 
@@ -289,19 +290,6 @@ def test_a_remembered_prompt_proves_only_what_was_spliced(renderer, edit) -> Non
     assert type(with_memo.value) is type(without_memo.value)
     assert str(with_memo.value) == str(without_memo.value)
     assert remembering.render_memo.proven == proven_before
-
-
-class CountingRenderer(HFChatRenderer):
-    """Counts neutral renderings of assistant turns: placeholders for the model's text, everyone else's text real
-    (the placement rendering has placeholders for every text, the server's own rendering none)."""
-
-    neutral_renders = 0
-
-    def render(self, messages, **kwargs):
-        contents = [str(m.get("content")) for m in messages]
-        if any("ngtbody" in c for c in contents) and not any("ngtmsg" in c for c in contents):
-            self.neutral_renders += 1
-        return super().render(messages, **kwargs)
 
 
 # Llama 3's way of writing a message: its text trimmed. A text with spaces around it is not written as it is.

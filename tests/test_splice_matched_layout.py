@@ -23,6 +23,7 @@ from nemo_gym_tok.splice import (
 )
 from nemo_gym_tok.testing.tiny_model.tokenizer import ENDOFTEXT_ID, IM_END_ID, build_tokenizer
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
+from tests.splice_counting import CountingRenderer
 
 
 def matches_by_regex(chunks: list[str], rendered: str) -> bool:
@@ -119,18 +120,6 @@ def test_a_message_without_text_is_not_matched() -> None:
     messages = call_messages()
     messages[2]["content"] = [{"type": "text", "text": "2 notes found"}]
     assert matched_layout(PLACEMENT, BODIES, messages, server_rendering(call_messages())) is None
-
-
-class CountingRenderer(HFChatRenderer):
-    """Counts renderings of the neutral messages (assistant text placeholders, every other text in place)."""
-
-    neutral_renders = 0
-
-    def render(self, messages, **kwargs):
-        contents = [str(message.get("content")) for message in messages]
-        if any("ngtbody" in content for content in contents) and not any("ngtmsg" in c for c in contents):
-            self.neutral_renders += 1
-        return super().render(messages, **kwargs)
 
 
 @pytest.mark.parametrize("limit", [3, "three"], ids=["number", "string"])
