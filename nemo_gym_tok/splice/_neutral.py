@@ -12,6 +12,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import orjson
+
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS, TELEMETRY_FIELDS
 
 PLACEHOLDER = re.compile(r"ngt(?:body|think|arg)(\d+)q")
@@ -53,7 +55,11 @@ def neutralize(
     for index, message in enumerate(messages):
         # Token fields are not template input; left out, the neutral messages are the same whichever call carries
         # the bundle (the render memo relies on that) and carry no id lists into the template.
-        plain = {key: value for key, value in _plain(message).items() if key not in _TOKEN_FIELDS}
+        plain = {
+            key: value
+            for key, value in (message if type(message) is dict else _plain(message)).items()
+            if key not in _TOKEN_FIELDS
+        }
         if index <= up_to and plain.get("role") == "assistant":
             plain = _neutral_assistant(plain, index, index in force_content, drop_call_text)
         elif others and plain.get("role") != "assistant" and isinstance(plain.get("content"), str) and plain["content"]:
@@ -93,12 +99,11 @@ def _neutral_call(call: Any, index: int) -> dict[str, Any]:
     function = _plain(call.get("function") or {})
     arguments = function.get("arguments")
     if isinstance(arguments, str):
-        try:
-            decoded = json.loads(arguments)
-        except ValueError:
-            decoded = None
+        decoded = _json_value(arguments)
         neutral_arguments: Any = (
-            json.dumps(_neutral_arguments(decoded, index)) if isinstance(decoded, dict) else placeholder("arg", index)
+            orjson.dumps(_neutral_arguments(decoded, index)).decode()
+            if isinstance(decoded, dict)
+            else placeholder("arg", index)
         )
     elif isinstance(arguments, Mapping):
         neutral_arguments = _neutral_arguments(arguments, index)
@@ -112,8 +117,20 @@ def _neutral_arguments(arguments: Mapping[str, Any], index: int) -> dict[str, An
     return {str(key): placeholder("arg", index) for key in arguments} or {"ngt": placeholder("arg", index)}
 
 
+def _json_value(text: str) -> Any:
+    """`text` parsed as JSON (orjson, else the stdlib, which takes what orjson refuses: NaN, wide integers), or None."""
+    try:
+        return orjson.loads(text)
+    except ValueError:
+        pass
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
 def _plain(value: Any) -> dict[str, Any]:
-    if isinstance(value, Mapping):
+    if type(value) is dict or isinstance(value, Mapping):
         return dict(value)
     if hasattr(value, "model_dump"):
         return value.model_dump(exclude_none=True)

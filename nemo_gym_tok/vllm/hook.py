@@ -31,6 +31,7 @@ import os
 import time
 from typing import Any
 
+from nemo_gym_tok.common.jinja_sandbox import memoize_attribute_checks
 from nemo_gym_tok.splice import PrefixSource, SplicedPrompt, SpliceError, check_starts_with, splice_prompt
 from nemo_gym_tok.vllm import routes
 from nemo_gym_tok.vllm.chat_rendering import TERMINATOR_ENV as TERMINATOR_ENV
@@ -100,6 +101,7 @@ def install() -> None:
     _wrap(serving_cls, "chat_completion_stream_generator", _stream_generator_with_bundle)
     _wrap(renderer_cls, "_make_request_with_harmony", _harmony_with_splice)
     routes.install(_wrap)  # the other routes that render chat messages: splice with the full check, or refuse
+    memoize_attribute_checks()  # vLLM renders chat templates in transformers' sandbox: the same text, sooner
     logger.info("nemo_gym_tok prefix-splice hook installed (vLLM %s)", vllm.__version__)
 
 

@@ -229,7 +229,7 @@ class VLLMModel(ModelServer):
         if needs_ids:
             body.update(capture_request_fields(body, use_return_token_ids=self.config.use_return_token_ids))
         telemetry: dict[str, Any] | None = None
-        confirm = None
+        confirm = telemetry_ready = None
         if required_prefix is not None and await self.splices_here(url):
             spliced = await self.splicer.prepare(
                 body,
@@ -241,16 +241,23 @@ class VLLMModel(ModelServer):
                 server=url,
                 epoch=lambda: self.upstream.epoch(url),
             )
-            body, telemetry, confirm = spliced.body, spliced.telemetry, spliced.confirm
+            body, telemetry, confirm, telemetry_ready = (
+                spliced.body,
+                spliced.telemetry,
+                spliced.confirm,
+                spliced.telemetry_ready,
+            )
             if needs_ids:
                 body["return_token_ids"] = True  # the prompt ids are the spliced ones, never a /tokenize re-render
-        return PreparedCall(body, caller_body, required_prefix, capture, needs_ids, telemetry, confirm)
+        return PreparedCall(body, caller_body, required_prefix, capture, needs_ids, telemetry, confirm, telemetry_ready)
 
     async def finish(self, call: PreparedCall, result: dict[str, Any], url: str) -> dict[str, Any]:
         """vLLM's chat completion `result` as the caller gets it: splice telemetry, bundles resolved and checked, and
         what the adapter asked for only for itself removed."""
         if call.confirm is not None:
             await call.confirm()
+        if call.telemetry_ready is not None:
+            await call.telemetry_ready()
         if call.telemetry is not None:
             result["prefix_splice"] = {**call.telemetry, "spliced_by": "adapter"}
         elif isinstance(result.get("prefix_splice"), dict):

@@ -76,6 +76,8 @@ class PreparedCall:
     """The adapter's own splice telemetry; None where it did not splice."""
     confirm: Callable[[], Awaitable[None]] | None = None
     """The adapter's splice: what must hold of the server once the answer is in (SplicedCall.confirm)."""
+    telemetry_ready: Callable[[], Awaitable[None]] | None = None
+    """The adapter's splice: await before reading `telemetry` (SplicedCall.telemetry_ready)."""
 
 
 def parse_body(model: type[Model], body: dict[str, Any]) -> Model:

@@ -30,7 +30,7 @@ from nemo_gym_tok.splice import (
     SpliceError,
     check_starts_with,
     find_prefix_source,
-    splice_prefix,
+    splice_prompt,
 )
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 from responses_api_models.vllm_model.developer_role import as_server_renders
@@ -65,6 +65,9 @@ class SplicedCall:
     """Run once the answer is in: where the call went over a connection opened after the proof it relied on (the
     server may have restarted in between), it renews the proof by its probe or proves the scope again on this
     request, and refuses the answer (502) when the server no longer renders it as the local copy does."""
+    telemetry_ready: Callable[[], Awaitable[None]] | None = None
+    """Await before reading `telemetry`: the measurement of the turn the call adds (does the template write it as the
+    model did?) runs on the event loop's next turn, while vLLM works on the request, not before it is sent."""
 
 
 @dataclass
@@ -154,21 +157,23 @@ class AdapterSplicer:
         scope = request.renderer.render_scope
         proving = _Proving(self.proofs, request, server, scope, post, epoch, strip_token_fields(tokenize_body))
         proof, renewed = await proving.standing()
-        prompt_ids: list[int] | None = None
+        spliced: _Spliced | None = None
         if proof is not None:
             # Proven scope: no /tokenize. A local failure the proof cannot explain (the template raising on these
             # messages) asks the server after all, which tells a bad request (its 4xx) from a different template.
             if len(source.prefix) <= INLINE_SPLICE_MAX_IDS:
-                prompt_ids, telemetry = _splice(template, request, source, body, None)
+                spliced = _splice(template, request, source, body, None)
             else:
-                prompt_ids, telemetry = await asyncio.to_thread(_splice, template, request, source, body, None)
-        if prompt_ids is None:
+                spliced = await asyncio.to_thread(_splice, template, request, source, body, None)
+        if spliced is None:
             proof, renewed = None, False
             template_ids = await proving.prove()
-            prompt_ids, telemetry = await asyncio.to_thread(_splice, template, request, source, body, template_ids)
+            spliced = await asyncio.to_thread(_splice, template, request, source, body, template_ids)
+            assert spliced is not None
             proving.record()
-        assert telemetry is not None
+        prompt_ids, telemetry = spliced.prompt_ids, spliced.telemetry
         telemetry["proof"] = self.proofs.telemetry(proof, renewed=renewed)
+        telemetry_ready = None if spliced.measure is None else _measure_soon(spliced.measure, telemetry)
         sent["kv_transfer_params"] = {
             **(kv_params if isinstance(kv_params, dict) else {}),
             "prompt_token_ids": prompt_ids,
@@ -187,7 +192,7 @@ class AdapterSplicer:
             _check_same_ids(request.renderer, template_ids, local_ids)
             proving.record()
 
-        return SplicedCall(sent, telemetry, confirm)
+        return SplicedCall(sent, telemetry, confirm, telemetry_ready)
 
     async def model_source(self, get: Callable[[str], Awaitable[Any]]) -> str:
         """Where the served tokenizer and model files are: `tokenizer`, else the path the server reports (asked once:
@@ -314,17 +319,29 @@ def _request_template(
     )
 
 
+@dataclass
+class _Spliced:
+    """A request's spliced prompt, with its telemetry so far and what completes it."""
+
+    prompt_ids: list[int]
+    telemetry: dict[str, Any]
+    measure: Callable[[], dict[str, Any]] | None = None
+    """The splice's full telemetry, measuring the turn the call adds against the template (it tokenizes that turn's
+    text): nothing the prompt depends on, so it is left for while vLLM works (`_measure_soon`)."""
+
+
 def _splice(
     template: LocalTemplate,
     request: RequestTemplate,
     source: PrefixSource,
     body: Mapping[str, Any],
     template_ids: list[int] | None,
-) -> tuple[list[int] | None, dict[str, Any] | None]:
-    """The spliced prompt ids and the splice telemetry; the CPU-bound part, run off the event loop.
+) -> _Spliced | None:
+    """The spliced prompt ids, proven, and the splice telemetry; the CPU-bound part (a long one runs off the event
+    loop).
 
     `template_ids` are the server's ids for the whole prompt, which the local copy must reproduce (the proof), or
-    None for a proven scope; then (None, None) says the local template failed where the server's answer is needed.
+    None for a proven scope; then None says the local template failed where the server's answer is needed.
     """
     renderer = request.renderer
     try:
@@ -332,18 +349,18 @@ def _splice(
         if source.message_index < 0:
             local_ids = renderer.encode(text) if template_ids is None else template_ids
             check_starts_with(local_ids, source.prefix, renderer.decode)
-            return local_ids, {"applied": False, "template_differed": False, "replaced_tokens": 0}
+            return _Spliced(local_ids, {"applied": False, "template_differed": False, "replaced_tokens": 0})
     except SpliceError as exc:
         raise ApiError(400, str(exc), param=PREFIX_KEY) from None
     except Exception as exc:  # noqa: BLE001 - the server renders it, so a local failure means another template
         if template_ids is None:
-            return None, None
+            return None
         raise _not_the_servers_template(f"the local chat template failed on this request ({exc})") from None
     if template_ids is not None:
         _check_same_ids(renderer, template_ids, renderer.encode(text))
     truncate = body.get("truncate_prompt_tokens")
     try:
-        result = splice_prefix(
+        prompt = splice_prompt(
             renderer,
             template.profile(request.template_kwargs, request.chat_template),
             request.messages,
@@ -352,10 +369,42 @@ def _splice(
             continue_final_message=request.continue_final_message,
             truncate_prompt_tokens=truncate if isinstance(truncate, int) and truncate >= 0 else None,
             template_text=text,
-        )
+        )  # proven before it returns (no deferred verification): only the measurement is left
     except SpliceError as exc:
         raise ApiError(400, str(exc), param=PREFIX_KEY) from None
-    return result.prompt_token_ids, result.telemetry()
+    return _Spliced(prompt.prompt_token_ids, {"applied": True}, lambda: prompt.result().telemetry())
+
+
+def _measure_soon(measure: Callable[[], dict[str, Any]], telemetry: dict[str, Any]) -> Callable[[], Awaitable[None]]:
+    """Run `measure` on the event loop's next turn (once the request is on its way to vLLM, the loop waits for the
+    answer) and merge its telemetry into `telemetry`; returns what to await before reading `telemetry`, which runs it
+    at once if it has not run yet and raises what it raised (a SpliceError as the 400 the splice would answer)."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        if outcome:
+            return
+        try:
+            measured = measure()
+        except SpliceError as exc:
+            outcome.append(ApiError(400, str(exc), param=PREFIX_KEY))
+            return
+        except Exception as exc:  # noqa: BLE001 - raised where the answer waits for it, not lost in a callback
+            outcome.append(exc)
+            return
+        merged = {**measured, **{key: value for key, value in telemetry.items() if key not in measured}}
+        telemetry.clear()
+        telemetry.update(merged)
+        outcome.append(None)
+
+    asyncio.get_running_loop().call_soon(run)
+
+    async def ready() -> None:
+        run()
+        if outcome[0] is not None:
+            raise outcome[0]
+
+    return ready
 
 
 def _check_same_ids(renderer: ScopedRenderer, template_ids: list[int], local_ids: list[int]) -> None:
