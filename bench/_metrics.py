@@ -76,8 +76,11 @@ def counter_delta(before: Metrics, after: Metrics, name: str) -> float:
 def engine_work(before: Metrics, after: Metrics) -> dict[str, float]:
     """What vLLM's engine did between two scrapes: prompt and generated tokens, prefix-cache hit share."""
     queries = counter_delta(before, after, "vllm:prefix_cache_queries_total")
+    hits = counter_delta(before, after, "vllm:prefix_cache_hits_total")
     return {
         "prompt_tokens": counter_delta(before, after, "vllm:prompt_tokens_total"),
         "generation_tokens": counter_delta(before, after, "vllm:generation_tokens_total"),
-        "cache_hit": ratio(counter_delta(before, after, "vllm:prefix_cache_hits_total"), queries),
+        "cache_hit": ratio(hits, queries),
+        "cache_hits": hits,
+        "cache_queries": queries,
     }

@@ -21,7 +21,10 @@ rotated per concurrency; the same rows and seeds for every setup, tagged per set
 another's history in the prefix cache), each gym's RSS read after its run; then the RSS once more at the end. A run
 has max(--waves x concurrency, --min-rollouts) rollouts: by default one wave at 32 and 64 (a wave's rollouts all make
 --calls calls, so they run in step and one wave has no ramp to amortize) and three at 8, where one wave is too short
-to time.
+to time. A run of several waves is collected a wave at a time, the setups taking turns wave by wave (the order
+rotated each round), and its figures are the sums over its waves: the same rollouts as one run of them all, but a
+drift in the machine's load over the minutes the runs take hits every setup alike, as it would not if each setup ran
+its waves back to back.
 Reported per setup and concurrency: rollouts and generated tokens per second (vLLM's /metrics), the vLLM API
 server's CPU per model call (/proc), and the ratios hook / none and adapter / none of rollouts per second.
 Memory: the target (adapter and agent grow < 10%) is about memory that grows with the work done, so it is judged from
@@ -183,6 +186,26 @@ def collect_rows(
     return summary.done_now, ends, spliced
 
 
+def round_sizes(count: int, concurrency: int) -> list[int]:
+    """A run of `count` rollouts at `concurrency` as rounds of one wave each (the last one takes what is left over)."""
+    rounds = max(1, count // max(1, concurrency))
+    return [count // rounds + (1 if k < count % rounds else 0) for k in range(rounds)]
+
+
+def merged_run(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One setup's rounds at one concurrency as one run: every count and time summed, the prefix-cache share over all
+    its queries, the median rollout's ids at the end over all its rollouts."""
+    merged: dict[str, Any] = {}
+    for part in parts:
+        for key, value in part.items():
+            if key not in ("ends", "cache_hit"):
+                merged[key] = merged.get(key, 0) + value
+    merged["end_ids"] = median([end for part in parts for end in part["ends"]])
+    merged["cache_hit"] = ratio(merged["cache_hits"], merged["cache_queries"])
+    merged["rounds"] = len(parts)
+    return merged
+
+
 def timed_collection(setup: Setup, directory: Path, concurrency: int, made: list[dict[str, Any]]) -> dict[str, float]:
     """One collection of `made` through `setup`'s gym, with what its vLLM did meanwhile (/metrics, /proc)."""
     name = f"{setup.name}-c{concurrency}"
@@ -198,7 +221,7 @@ def timed_collection(setup: Setup, directory: Path, concurrency: int, made: list
         "calls": requests.get("/v1/chat/completions", 0),
         "vllm_requests": sum(requests.values()),
         "api_cpu_s": api_after - api_before,
-        "end_ids": median(ends),
+        "ends": ends,
         "spliced_calls": spliced,
         **{f"requests {handler}": count for handler, count in requests.items()},
         **engine_work(before, after),
@@ -242,16 +265,22 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
             collect_rows(setup.running, directory, f"{setup.name}-warmup", warm, max(1, min(args.warmup, 8)))
             results[setup.name] = {"runs": {}, "rss_start_kib": gym_rss(setup.running), "rss_after_kib": {}}
         first = args.warmup
-        for index, concurrency in enumerate(concurrency_order(args.concurrency)):
+        turn = 0
+        for concurrency in concurrency_order(args.concurrency):
             count = rollouts_per_run(concurrency, args.waves, args.min_rollouts)
-            # Setups take turns, the order rotated per concurrency, so drift in the machine's load hits each alike.
-            shift = index % len(setups)
-            for setup in setups[shift:] + setups[:shift]:
-                note(f"P6 {setup.name}: {count} rollouts at concurrency {concurrency} ...")
-                made = rows(count, first, f"{setup.name} c{concurrency}", args.max_tokens, reference)
-                results[setup.name]["runs"][concurrency] = timed_collection(setup, directory, concurrency, made)
+            parts: dict[str, list[dict[str, Any]]] = {setup.name: [] for setup in setups}
+            for size in round_sizes(count, concurrency):
+                # Setups take turns, the order rotated each round, so drift in the machine's load hits each alike.
+                shift = turn % len(setups)
+                turn += 1
+                for setup in setups[shift:] + setups[:shift]:
+                    note(f"P6 {setup.name}: {size} of {count} rollouts at concurrency {concurrency} ...")
+                    made = rows(size, first, f"{setup.name} c{concurrency}", args.max_tokens, reference)
+                    parts[setup.name].append(timed_collection(setup, directory, concurrency, made))
+                first += size
+            for setup in setups:
+                results[setup.name]["runs"][concurrency] = merged_run(parts[setup.name])
                 results[setup.name]["rss_after_kib"][concurrency] = gym_rss(setup.running)
-            first += count
         for setup in setups:
             results[setup.name]["rss_end_kib"] = gym_rss(setup.running)
     add_tables(figure, results, args)
@@ -267,7 +296,8 @@ def per_second(run: dict[str, float], key: str) -> float:
 def add_tables(figure: Figure, results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
     table = Table(
         f"{args.calls} model calls per rollout, max_tokens {args.max_tokens}, max({args.waves:g} x concurrency, "
-        f"{args.min_rollouts}) rollouts per run, the highest concurrency first",
+        f"{args.min_rollouts}) rollouts per run (a run of several waves: one wave per round, the setups in turn, "
+        "the order rotated each round; its figures summed over its rounds), the highest concurrency first",
         [
             "setup",
             "concurrency",

@@ -1,4 +1,5 @@
-"""bench/p6_collect_load.py: what the memory target judges (growth after the peak run), rollouts per run."""
+"""bench/p6_collect_load.py: what the memory target judges (growth after the peak run), rollouts per run, a run's
+rounds and how they add up."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from p6_collect_load import (  # noqa: E402
     AGENT,
     concurrency_order,
     memory_table,
+    merged_run,
     readings,
     rollouts_per_run,
+    round_sizes,
 )
 
 MIB = 1024
@@ -91,3 +94,33 @@ def test_the_highest_concurrency_runs_first_and_repeats_collapse() -> None:
     assert concurrency_order([8, 32, 64, 32]) == [64, 32, 8]
     with pytest.raises(BenchError, match="at least 1"):
         concurrency_order([8, 0])
+
+
+def test_a_run_of_several_waves_is_collected_a_wave_a_round() -> None:
+    assert round_sizes(24, 8) == [8, 8, 8]
+    assert round_sizes(64, 64) == [64]
+    assert round_sizes(32, 32) == [32]
+    assert round_sizes(25, 8) == [9, 8, 8]  # the rollouts left over go to the first rounds: none is lost
+    assert round_sizes(5, 8) == [5]  # less than a wave: one round
+    assert sum(round_sizes(101, 7)) == 101
+
+
+def test_rounds_add_up_to_one_run() -> None:
+    def part(seconds: float, rollouts: int, ends: list[int], hits: int, queries: int) -> dict[str, object]:
+        return {
+            "seconds": seconds,
+            "rollouts": rollouts,
+            "calls": rollouts * 20,
+            "ends": ends,
+            "cache_hit": hits / queries,
+            "cache_hits": hits,
+            "cache_queries": queries,
+            "requests /v1/chat/completions": rollouts * 20,
+        }
+
+    merged = merged_run([part(10.0, 8, [100, 300], 90, 100), part(14.0, 8, [200], 10, 100)])
+    assert merged["seconds"] == 24.0 and merged["rollouts"] == 16 and merged["calls"] == 320
+    assert merged["requests /v1/chat/completions"] == 320
+    assert merged["end_ids"] == 200  # the median over every rollout, not of the rounds' medians
+    assert merged["cache_hit"] == pytest.approx(0.5)  # over all the queries, not the mean of the rounds' shares
+    assert merged["rounds"] == 2
