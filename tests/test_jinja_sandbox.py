@@ -1,20 +1,22 @@
-"""The memo of the Jinja sandbox's attribute verdicts: in place on the installed jinja2, the same verdicts, the same
-renderings, the same refusals."""
+"""The Jinja sandbox's shortcuts (its attribute verdicts memoized, a plain dict's keys looked up at once): in place on
+the installed jinja2, the same verdicts, the same lookups, the same renderings, the same refusals."""
 
 from __future__ import annotations
 
 import collections
+from typing import Any
 
 import pytest
 from jinja2.exceptions import SecurityError
+from jinja2.runtime import Undefined
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from nemo_gym_tok.common import jinja_sandbox
 from nemo_gym_tok.common.jinja_sandbox import memoize_attribute_checks, sandbox_source_digest
 
 
-def _original() -> object:
-    current = ImmutableSandboxedEnvironment.is_safe_attribute
+def _original(name: str = "is_safe_attribute") -> Any:
+    current = getattr(ImmutableSandboxedEnvironment, name)
     return getattr(current, "__wrapped__", current)
 
 
@@ -69,6 +71,7 @@ def test_the_memo_is_in_place_on_the_installed_jinja2() -> None:
     assert memoize_attribute_checks()
     assert memoize_attribute_checks()  # idempotent
     assert getattr(ImmutableSandboxedEnvironment.is_safe_attribute, "__wrapped__", None) is not None
+    assert getattr(ImmutableSandboxedEnvironment.getattr, "__wrapped__", None) is not None
 
 
 def test_every_verdict_is_the_unmemoized_one_asked_twice() -> None:
@@ -105,13 +108,8 @@ def test_templates_render_the_same_text_and_refuse_the_same() -> None:
     )
     messages = [{"role": "user", "content": "abc "}, {"role": "assistant", "content": "xyz", "name": "n"}]
     memoized = template.render(messages=messages)
-    original = _original()
-    current = ImmutableSandboxedEnvironment.is_safe_attribute
-    try:
-        ImmutableSandboxedEnvironment.is_safe_attribute = original  # type: ignore[method-assign]
+    with _without_shortcuts():
         assert template.render(messages=messages) == memoized
-    finally:
-        ImmutableSandboxedEnvironment.is_safe_attribute = current  # type: ignore[method-assign]
     assert memoized == "<user>ABC!-contentrole<assistant>XYZncontentnamerole"
     for _ in range(2):
         with pytest.raises(SecurityError):
@@ -119,3 +117,40 @@ def test_templates_render_the_same_text_and_refuse_the_same() -> None:
         with pytest.raises(SecurityError):
             env.from_string("{{ m.clear() }}").render(m={})
         assert env.from_string("{{ f.__globals__ }}").render(f=_function) == ""
+
+
+class _Dict(dict):  # type: ignore[type-arg] - a dict subclass: its attributes are not a plain dict's
+    extra = "attribute"
+
+
+def test_a_plain_dicts_keys_are_looked_up_as_the_sandbox_does() -> None:
+    memoize_attribute_checks()
+    env = ImmutableSandboxedEnvironment()
+    original = _original("getattr")
+    shadowing = {"items": "key", "content": "text", "get": 1, "tool_calls": [], "__class__": "k", "_private": 2}
+    for obj in (shadowing, {}, {"a": None}, _Dict(content="x", extra="key"), [1], "text"):
+        for name in ("items", "content", "get", "tool_calls", "missing", "__class__", "_private", "extra", "upper"):
+            expected, got = original(env, obj, name), env.getattr(obj, name)
+            if isinstance(expected, Undefined):
+                assert isinstance(got, Undefined) and type(got) is type(expected), (obj, name)
+                assert str(got._undefined_hint) == str(expected._undefined_hint), (obj, name)
+            else:
+                assert got == expected, (obj, name)
+    # The dict's own methods win over a key of that name, and stay unsafe where they modify it.
+    assert env.from_string("{{ m.items() | list }}").render(m={"items": 1}) == "[('items', 1)]"
+    assert env.from_string("{{ m.content }}|{{ m.nothing is defined }}").render(m={"content": "c"}) == "c|False"
+    with pytest.raises(SecurityError):
+        env.from_string("{{ m.pop('a') }}").render(m={"a": 1, "pop": 2})
+
+
+class _without_shortcuts:  # noqa: N801 - used as a context manager
+    def __enter__(self) -> None:
+        self.shortcuts = {
+            name: getattr(ImmutableSandboxedEnvironment, name) for name in ("is_safe_attribute", "getattr")
+        }
+        for name in self.shortcuts:
+            setattr(ImmutableSandboxedEnvironment, name, _original(name))
+
+    def __exit__(self, *exc: object) -> None:
+        for name, method in self.shortcuts.items():
+            setattr(ImmutableSandboxedEnvironment, name, method)

@@ -1,5 +1,5 @@
 """Every official chat template renders every request of its sweep episodes to the same text, or raises the same
-error, with the Jinja sandbox's attribute verdicts memoized (nemo_gym_tok.common.jinja_sandbox) as without."""
+error, with the Jinja sandbox's shortcuts (nemo_gym_tok.common.jinja_sandbox) as without."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from nemo_gym_tok.testing.chat_templates import entry
 from nemo_gym_tok.testing.chat_templates.sweep import sweep_template
 from tests.chat_templates.test_sweep import OFFICIAL
 
+SHORTCUTS = ("is_safe_attribute", "getattr")
+
 
 def _outcome(render: Any) -> tuple[str, str]:
     try:
@@ -25,15 +27,16 @@ def _outcome(render: Any) -> tuple[str, str]:
 @pytest.mark.parametrize("name", [name for names in OFFICIAL.values() for name in names], ids=lambda name: name[:40])
 def test_official_template_renders_alike_with_the_memo(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     assert memoize_attribute_checks()
-    memoized = ImmutableSandboxedEnvironment.is_safe_attribute
-    unmemoized = memoized.__wrapped__  # type: ignore[attr-defined]
+    shortcuts = {name: getattr(ImmutableSandboxedEnvironment, name) for name in SHORTCUTS}
     render = HFChatRenderer.render
     compared: list[str] = []
 
     def render_both(self: HFChatRenderer, messages: Any, **flags: Any) -> str:
-        monkeypatch.setattr(ImmutableSandboxedEnvironment, "is_safe_attribute", unmemoized)
+        for name, method in shortcuts.items():
+            monkeypatch.setattr(ImmutableSandboxedEnvironment, name, method.__wrapped__)
         expected = _outcome(lambda: render(self, messages, **flags))
-        monkeypatch.setattr(ImmutableSandboxedEnvironment, "is_safe_attribute", memoized)
+        for name, method in shortcuts.items():
+            monkeypatch.setattr(ImmutableSandboxedEnvironment, name, method)
         assert _outcome(lambda: render(self, messages, **flags)) == expected
         compared.append(expected[0])
         return render(self, messages, **flags)
