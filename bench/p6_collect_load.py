@@ -206,9 +206,13 @@ def merged_run(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def timed_collection(setup: Setup, directory: Path, concurrency: int, made: list[dict[str, Any]]) -> dict[str, float]:
-    """One collection of `made` through `setup`'s gym, with what its vLLM did meanwhile (/metrics, /proc)."""
-    name = f"{setup.name}-c{concurrency}"
+def timed_collection(
+    setup: Setup, directory: Path, concurrency: int, made: list[dict[str, Any]], round_number: int = 0
+) -> dict[str, Any]:
+    """One collection of `made` (round `round_number` of its run) through `setup`'s gym, with what its vLLM did
+    meanwhile (/metrics, /proc). Each round collects into its own output: a file of an earlier round would be
+    resumed, not collected anew."""
+    name = f"{setup.name}-c{concurrency}-r{round_number}"
     before, api_before = scrape(setup.url), cpu_seconds(setup.api_pid)
     wall = time.perf_counter()
     done, ends, spliced = collect_rows(setup.running, directory, name, made, concurrency)
@@ -269,14 +273,14 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
         for concurrency in concurrency_order(args.concurrency):
             count = rollouts_per_run(concurrency, args.waves, args.min_rollouts)
             parts: dict[str, list[dict[str, Any]]] = {setup.name: [] for setup in setups}
-            for size in round_sizes(count, concurrency):
+            for round_number, size in enumerate(round_sizes(count, concurrency)):
                 # Setups take turns, the order rotated each round, so drift in the machine's load hits each alike.
                 shift = turn % len(setups)
                 turn += 1
                 for setup in setups[shift:] + setups[:shift]:
                     note(f"P6 {setup.name}: {size} of {count} rollouts at concurrency {concurrency} ...")
                     made = rows(size, first, f"{setup.name} c{concurrency}", args.max_tokens, reference)
-                    parts[setup.name].append(timed_collection(setup, directory, concurrency, made))
+                    parts[setup.name].append(timed_collection(setup, directory, concurrency, made, round_number))
                 first += size
             for setup in setups:
                 results[setup.name]["runs"][concurrency] = merged_run(parts[setup.name])
