@@ -141,11 +141,12 @@ def _key(scope: str, messages: Sequence[Any], flags: dict[str, Any]) -> bytes | 
         serialized = orjson.dumps([scope, flags, list(messages)], option=orjson.OPT_SORT_KEYS)
     except TypeError:
         return None
-    return hashlib.blake2b(serialized, digest_size=20).digest()
+    return hashlib.sha256(serialized).digest()
 
 
 def _ids_digest(ids: Sequence[int]) -> bytes:
-    return hashlib.blake2b(orjson.dumps(list(ids)), digest_size=20).digest()
+    # SHA-256: CPUs with the SHA extensions hash it at twice blake2b's speed (a 32k-id prompt is 200 KB of JSON).
+    return hashlib.sha256(orjson.dumps(ids if isinstance(ids, (list, tuple)) else list(ids))).digest()
 
 
 def _put(entries: OrderedDict[bytes, Any], key: bytes, value: Any, max_entries: int) -> None:
