@@ -14,7 +14,8 @@ import argparse
 import contextlib
 import sys
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import p1_adapter
@@ -97,29 +98,52 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     plan = QUICK if args.quick else FULL
     keys = [k for k in ORDER if not args.only or k in args.only]
-    figures: dict[str, Figure] = {}
     load_before = machine_facts()["load"]
     with contextlib.ExitStack() as stack:
         url = stack.enter_context(vllm_server(args.vllm_url))
         facts = machine_facts(url)
         facts["load"] = load_before
-        stock: str | None = None
-        for key in keys:
-            if key in NEEDS_STOCK and stock is None:
-                stock = stack.enter_context(vllm_server(args.stock_url, hook=False))
-            for figure in run_figure(key, url, stock, plan[key]):
-                figures[figure.key] = figure
-                print(figure.text() + "\n", flush=True)
+        servers: dict[str, str] = {}
+
+        def run_one(key: str) -> list[Figure]:
+            if key in NEEDS_STOCK and "stock" not in servers:
+                servers["stock"] = stack.enter_context(vllm_server(args.stock_url, hook=False))
+            return run_figure(key, url, servers.get("stock"), plan[key])
+
+        figures, failed = collect_figures(keys, run_one)
     total = time.monotonic() - started
     print(text(judged(figures.values())) + "\n")
     print(f"report: {len(figures)} figures in {total / 60:.1f} min; command: {command('report.py', sys.argv[1:])}")
+    for key, reason in failed.items():
+        print(f"report: {key} FAILED ({reason}); the other figures are kept")
     if not args.no_docs:
         args.docs.mkdir(parents=True, exist_ok=True)
         plotted = plot(figures.get("P2"), args.docs / "performance.png")
-        (args.docs / "performance.md").write_text(document(figures, facts, total, args, plotted))
+        (args.docs / "performance.md").write_text(document(figures, facts, total, args, plotted, failed))
         written = [args.docs / "performance.md"] + ([args.docs / "performance.png"] if plotted else [])
         print(f"report: wrote {' and '.join(map(str, written))}")
-    return 0
+    return 1 if failed else 0
+
+
+def collect_figures(
+    keys: Sequence[str], run_one: Callable[[str], list[Figure]]
+) -> tuple[dict[str, Figure], dict[str, str]]:
+    """Each key's figures, run in turn by `run_one`, and the keys whose run raised, with why. A figure that fails is
+    reported and left out; the ones after it still run, and the ones before it are kept (a failure in the last
+    figure of a 25-minute run used to lose them all)."""
+    figures: dict[str, Figure] = {}
+    failed: dict[str, str] = {}
+    for key in keys:
+        try:
+            produced = run_one(key)
+        except Exception as exc:  # noqa: BLE001 - reported and counted; the run goes on
+            traceback.print_exc()
+            failed[key] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            continue
+        for figure in produced:
+            figures[figure.key] = figure
+            print(figure.text() + "\n", flush=True)
+    return figures, failed
 
 
 def plot(figure: Figure | None, path: Path) -> bool:
@@ -177,7 +201,12 @@ def plot(figure: Figure | None, path: Path) -> bool:
 
 
 def document(
-    figures: dict[str, Figure], facts: dict[str, str], total: float, args: argparse.Namespace, plotted: bool
+    figures: dict[str, Figure],
+    facts: dict[str, str],
+    total: float,
+    args: argparse.Namespace,
+    plotted: bool,
+    failed: dict[str, str] | None = None,
 ) -> str:
     run_command = "make bench" if not args.quick else command("report.py", ["--quick"])
     lines = [
@@ -198,6 +227,10 @@ def document(
         "| server | `ngt vllm-serve` (hook on) with `" + " ".join(BENCH_ARGS) + "`; a stock vLLM (hook off) with the "
         "same flags for the stock comparisons; prefix caching on (vLLM's default) |",
         f"| run time | {total / 60:.1f} min in all, server start-ups included |",
+        *(
+            f"| failed in this run | {key}: {reason} (its section is left out) |"
+            for key, reason in (failed or {}).items()
+        ),
         "",
         "Method: requests of the variants compared are interleaved (order rotated each round) after untimed warm-up "
         "requests; medians (and p95 where given). Prefix caching is on, so repeated identical prompts hit the cache "
