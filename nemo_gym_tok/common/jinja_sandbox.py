@@ -5,7 +5,7 @@ attribute a template reads (`content.startswith`, `message.tool_calls`, ...) wit
 `isinstance` tests against Python's type machinery and the mutable ABCs each time. Its verdict depends only on the
 object's type and the attribute's name (the value it is handed is not read), so one verdict per (type, name) gives
 the same answers. And a message is a plain dict, on which the sandbox's `getattr` first tries the attribute, raising
-and catching AttributeError, before it looks the key up. On a long history the two are a third of the rendering.
+and catching AttributeError, before it looks the key up. On a long history the two are about half the rendering.
 `memoize_attribute_checks` installs both on the class, in the process that calls it (the adapter and the hooked vLLM
 API server), and only over the jinja2 code they were checked against: any other leaves the sandbox as it is.
 """
