@@ -61,8 +61,10 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
     # orjson has refused lone surrogates already; only the depth is left to check, and fewer brackets than the
     # bound (brackets inside strings counted too) cannot nest past it. A long history has more (an object per
-    # message), so the depth is read from the bytes at C speed; the walk, which names the field, runs only past it.
-    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and nesting_depth(raw, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+    # message; a body past 64 KB is not counted first), so the depth is read from the bytes at C speed; the walk,
+    # which names the field, runs only past it.
+    few_brackets = len(raw) <= 65536 and raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH
+    if not few_brackets and nesting_depth(raw, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         _refuse_problem(json_value_problem(body, check_strings=False))
     return body
 
@@ -71,11 +73,11 @@ def nesting_depth(raw: bytes, cap: int | None = None) -> int:
     """How deep the arrays and objects of `raw`, a valid JSON document, nest (counted no further than `cap` + 1).
 
     All at C speed: every escape is dropped (a backslash and the character after it, inside strings, the only place
-    JSON has them), so every quote left opens or closes a string; the text between quotes is dropped, and of what is
-    left only brackets. Each pass then removes the innermost pairs; the passes it takes to remove them all are the
-    depth."""
+    JSON has them), so every quote left opens or closes a string; of the rest only quotes and brackets are kept (one
+    pass over the body), the text between quotes is dropped, and each pass then removes the innermost pairs; the
+    passes it takes to remove them all are the depth."""
     unescaped = _ESCAPE.sub(b"", raw) if b"\\" in raw else raw
-    structure = b"".join(unescaped.split(b'"')[::2]).translate(_AS_PARENTHESES, _NOT_STRUCTURE)
+    structure = b"".join(unescaped.translate(_AS_PARENTHESES, _NOT_STRUCTURE).split(b'"')[::2])
     depth = 0
     while structure and (cap is None or depth <= cap):
         inner = structure.replace(b"()", b"")
@@ -89,8 +91,8 @@ _ESCAPE = re.compile(rb"\\.", re.DOTALL)
 """A JSON escape's first two characters (enough to hide an escaped quote or backslash)."""
 _AS_PARENTHESES = bytes.maketrans(b"[{]}", b"(())")
 """Arrays and objects alike: only how they nest counts."""
-_NOT_STRUCTURE = bytes(byte for byte in range(256) if byte not in b"[]{}")
-"""Every byte but brackets: what bytes.translate deletes to leave the structure of the text outside strings."""
+_NOT_STRUCTURE = bytes(byte for byte in range(256) if byte not in b'[]{}"')
+"""Every byte but brackets and quotes: what bytes.translate deletes to leave the structure of the text."""
 
 
 def _parse_fast(raw: bytes) -> Any | None:

@@ -5,23 +5,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import orjson  # only the stdlib and orjson here: `ngt collect` and the gym's clients import this module
+import orjson  # only the stdlib, orjson and common/ here: `ngt collect` and the gym's clients import this module
+
+from nemo_gym_tok.common.exact_json import has_wide_integer
+
+__all__ = ["JSON_HEADERS", "JSON_MEDIA_TYPE", "dumps", "has_wide_integer", "loads"]
 
 JSON_MEDIA_TYPE = "application/json"
 JSON_HEADERS = {"content-type": JSON_MEDIA_TYPE}
 """The header of a request whose body is already JSON bytes (httpx sets it itself only for `json=`)."""
-
-_DIGIT_CLASSES = bytes(ord("0") if ord("0") <= byte <= ord("9") else ord(" ") for byte in range(256))
-"""Maps every digit to "0" and every other byte to " ", so a run of digits can be found with one substring search."""
-_WIDE_INTEGER_DIGITS = b"0" * 19
-"""19 digits in a row: possibly an integer outside 64 bits, which orjson reads as a float (10**30 becomes 1e+30) where
-the stdlib keeps Python's exact int. Token ids and counts never come close."""
-
-
-def has_wide_integer(raw: bytes | bytearray) -> bool:
-    """Whether `raw` may hold an integer that orjson would not read exactly (19 digits in a row, in a number or in a
-    string). Two C-speed passes (a regex takes ten times as long on a body of thousands of short numbers)."""
-    return _WIDE_INTEGER_DIGITS in raw.translate(_DIGIT_CLASSES)
 
 
 def loads(raw: str | bytes | bytearray | memoryview) -> Any:

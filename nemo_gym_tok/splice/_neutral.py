@@ -7,13 +7,13 @@ the template's output structural, and marks where each assistant turn's body lie
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import orjson
 
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS, TELEMETRY_FIELDS
 
 PLACEHOLDER = re.compile(r"ngt(?:body|think|arg)(\d+)q")
@@ -118,13 +118,9 @@ def _neutral_arguments(arguments: Mapping[str, Any], index: int) -> dict[str, An
 
 
 def _json_value(text: str) -> Any:
-    """`text` parsed as JSON (orjson, else the stdlib, which takes what orjson refuses: NaN, wide integers), or None."""
+    """`text` parsed as JSON as the server parses it (loads_exact), or None where it is not JSON."""
     try:
-        return orjson.loads(text)
-    except ValueError:
-        pass
-    try:
-        return json.loads(text)
+        return loads_exact(text)
     except ValueError:
         return None
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from nemo_gym_tok.common.exact_json import loads_exact
 
 
 class ChatRenderer(Protocol):
@@ -179,7 +180,7 @@ def _with_object_arguments(call: Any) -> Any:
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments else {}
+            arguments = loads_exact(arguments) if arguments else {}
         except ValueError:
             arguments = {}
     function["arguments"] = arguments if isinstance(arguments, Mapping) else {}
