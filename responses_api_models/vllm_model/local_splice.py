@@ -20,7 +20,6 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nemo_gym_tok.common.remote_errors import error_message
 from nemo_gym_tok.contract.token_sources import first_difference
 from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.splice import (
@@ -36,8 +35,9 @@ from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 from responses_api_models.vllm_model.developer_role import as_server_renders
 from responses_api_models.vllm_model.hub_access import hub_unreachable, offline_advice
 from responses_api_models.vllm_model.local_template import LocalTemplate, ScopedRenderer
-from responses_api_models.vllm_model.template_proof import Proof, TemplateProofs
-from responses_api_models.vllm_model.upstream import answer_json
+from responses_api_models.vllm_model.proving import PROBE_MESSAGES as PROBE_MESSAGES
+from responses_api_models.vllm_model.proving import Post, Proving
+from responses_api_models.vllm_model.template_proof import TemplateProofs
 
 NEW_SEGMENT_TELEMETRY = {"applied": False, "template_differed": False, "replaced_tokens": 0, "new_segment": True}
 HARMONY_REFUSAL = (
@@ -50,9 +50,6 @@ INLINE_SPLICE_MAX_IDS = 8192
 """A proven scope's splice of a prefix up to this long (about a millisecond of work) runs on the event loop: the GIL
 runs it alone either way, and a worker thread would add its hand-offs (a future, two GIL switches) to a short call's
 critical path. Longer ones go to a thread, so the loop serves other calls between its time slices."""
-
-Post = Callable[[str, dict[str, Any]], Awaitable[Any]]
-"""POST `path` with a JSON body to the vLLM URL the conversation is on; returns the httpx response."""
 
 
 @dataclass
@@ -155,7 +152,7 @@ class AdapterSplicer:
             )
         request = _request_template(template, sent["messages"], body, tokenize_body)
         scope = request.renderer.render_scope
-        proving = _Proving(self.proofs, request, server, scope, post, epoch, strip_token_fields(tokenize_body))
+        proving = Proving(self.proofs, request.renderer, server, scope, post, epoch, strip_token_fields(tokenize_body))
         proof, renewed = await proving.standing()
         spliced: _Spliced | None = None
         if proof is not None:
@@ -193,6 +190,19 @@ class AdapterSplicer:
             proving.record()
 
         return SplicedCall(sent, telemetry, confirm, telemetry_ready)
+
+    @property
+    def known_turns_found(self) -> int:
+        """How many measurements of a new turn found its ids tokenized already (learn_turn), over every tokenizer."""
+        return sum(template.known_encodings.found for template in self._templates.values())
+
+    def learn_turn(self, generation_ids: list[int]) -> None:
+        """Tokenize a turn the model just generated for the next turn's measurement (LocalTemplate.learn_turn), with
+        the tokenizer already loaded; nothing before the first splice has loaded it."""
+        source = self.tokenizer or self._served_root
+        template = None if source is None else self._templates.get(source)
+        if template is not None:
+            template.learn_turn(generation_ids)
 
     async def model_source(self, get: Callable[[str], Awaitable[Any]]) -> str:
         """Where the served tokenizer and model files are: `tokenizer`, else the path the server reports (asked once:
@@ -237,70 +247,6 @@ class AdapterSplicer:
                     ) from None
                 self._templates[source] = template
         return template
-
-
-PROBE_MESSAGES = ({"role": "user", "content": "ngt template probe: 1 + 1 = 2?"},)
-"""A conversation every chat template renders: the server's ids for it, with a scope's tools and arguments, are
-asked again on a new connection to renew a proof (template_proof.py) for a few dozen ids instead of a history."""
-
-
-@dataclass
-class _Proving:
-    """One request's dealings with its scope's proof on one server: is there one, renew it, prove it anew."""
-
-    proofs: TemplateProofs
-    request: RequestTemplate
-    server: str
-    scope: str
-    post: Post
-    epoch: Callable[[], int]
-    tokenize_body: dict[str, Any]
-    relied_on: int = -1
-    """The connection epoch the request's splice relies on: the proof's (confirm() checks it after the answer)."""
-    _probe_ids: list[int] | None = None
-
-    async def standing(self) -> tuple[Proof | None, bool]:
-        """The proof this request may rely on, and whether it renewed it: current on this epoch, or young enough and
-        renewed by the server giving its probe ids again. (None, False): prove anew."""
-        epoch = self.epoch()
-        proof = self.proofs.current(self.server, self.scope, epoch)
-        if proof is not None:
-            self.relied_on = epoch
-            return proof, False
-        proof = self.proofs.renewable(self.server, self.scope)
-        if proof is None or proof.probe_ids is None:
-            return None, False
-        probe = await _server_template_ids(self.post, self._probe_body(), tolerate_refusal=True)
-        if probe is None or tuple(probe) != proof.probe_ids:
-            return None, False
-        self.relied_on = self.epoch()
-        return self.proofs.renew(self.server, self.scope, proof, self.relied_on), True
-
-    async def prove(self) -> list[int]:
-        """The server's ids for the whole prompt (the caller compares them with the local copy's) and, asked at the
-        same time, for the probe, kept with the proof when the local copy gives the same."""
-        template_ids, probe = await asyncio.gather(
-            _server_template_ids(self.post, self.tokenize_body),
-            _server_template_ids(self.post, self._probe_body(), tolerate_refusal=True),
-        )
-        local_probe = await asyncio.to_thread(self._local_probe_ids)
-        self._probe_ids = probe if probe is not None and probe == local_probe else None
-        return template_ids
-
-    def record(self) -> None:
-        self.relied_on = self.epoch()
-        self.proofs.record(self.server, self.scope, self.relied_on, self._probe_ids)
-
-    def _probe_body(self) -> dict[str, Any]:
-        body = {key: value for key, value in self.tokenize_body.items() if key != "continue_final_message"}
-        return {**body, "messages": list(PROBE_MESSAGES), "add_generation_prompt": True}
-
-    def _local_probe_ids(self) -> list[int] | None:
-        renderer = self.request.renderer
-        try:
-            return renderer.encode(renderer.render(list(PROBE_MESSAGES), add_generation_prompt=True))
-        except Exception:  # noqa: BLE001 - a template that cannot render the probe: proofs are renewed by the request
-            return None
 
 
 def _request_template(
@@ -427,21 +373,6 @@ def _not_the_servers_template(detail: str) -> ApiError:
         "(splice: hook)",
         error_type="adapter_template_mismatch",
     )
-
-
-async def _server_template_ids(
-    post: Post, tokenize_body: dict[str, Any], *, tolerate_refusal: bool = False
-) -> list[int] | None:
-    """The server's /tokenize ids; its 4xx raised as the caller's error, or None with `tolerate_refusal` (a probe
-    the template cannot render)."""
-    response = await post("/tokenize", tokenize_body)
-    if response.status_code >= 400 and tolerate_refusal:
-        return None
-    if response.status_code >= 400:
-        # `post` raises for every 5xx itself; a 4xx is the server refusing the prompt (a bad message, an unknown tool
-        # choice): the caller's to fix.
-        raise ApiError(response.status_code, error_message(response), error_type="upstream_invalid_request")
-    return [int(token) for token in answer_json(response, "vLLM /tokenize")["tokens"]]
 
 
 async def served_model_root(get: Callable[[str], Awaitable[Any]]) -> str:
