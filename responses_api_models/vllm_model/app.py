@@ -39,7 +39,6 @@ from responses_api_models.vllm_model.token_capture import (
     attach_provenance,
     capture_request_fields,
     drop_unrequested,
-    generated_ids,
     token_in_prompt,
     tokenize_request,
 )
@@ -273,11 +272,6 @@ class VLLMModel(ModelServer):
                 upstream_url=url,
                 exclude_tools_when_tool_choice_none=self.config.exclude_tools_when_tool_choice_none,
             )
-            generated = generated_ids(result)
-            if generated and self._known_to_splice_here(url):
-                # The next turn's splice measures this turn against the template: tokenize its text once the answer
-                # is out (the loop runs this after the current request's work), not on the next request's path.
-                asyncio.get_running_loop().call_soon(self.splicer.learn_turn, generated)
             drop_unrequested(result, call.caller_body, bundle_returned=call.capture)
             if call.capture:
                 defaults, fingerprint = await self._model_files(url)
@@ -318,13 +312,6 @@ class VLLMModel(ModelServer):
         if hooked is None:
             hooked = self._hooked[url] = await self._has_hook(url)
         return not hooked
-
-    def _known_to_splice_here(self, url: str) -> bool:
-        """splices_here(url) where that is known without asking the server (an answer's turn is learned for the next
-        turn's splice only there: learning never costs a request)."""
-        if self.config.splice != "auto":
-            return self.config.splice == "adapter"
-        return self._hooked.get(url) is False
 
     async def _has_hook(self, url: str) -> bool:
         """Ask the server once: the hook answers a /tokenize with an invalid required prefix with a 400 naming it; a

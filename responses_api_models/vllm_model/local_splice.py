@@ -191,19 +191,6 @@ class AdapterSplicer:
 
         return SplicedCall(sent, telemetry, confirm, telemetry_ready)
 
-    @property
-    def known_turns_found(self) -> int:
-        """How many measurements of a new turn found its ids tokenized already (learn_turn), over every tokenizer."""
-        return sum(template.known_encodings.found for template in self._templates.values())
-
-    def learn_turn(self, generation_ids: list[int]) -> None:
-        """Tokenize a turn the model just generated for the next turn's measurement (LocalTemplate.learn_turn), with
-        the tokenizer already loaded; nothing before the first splice has loaded it."""
-        source = self.tokenizer or self._served_root
-        template = None if source is None else self._templates.get(source)
-        if template is not None:
-            template.learn_turn(generation_ids)
-
     async def model_source(self, get: Callable[[str], Awaitable[Any]]) -> str:
         """Where the served tokenizer and model files are: `tokenizer`, else the path the server reports (asked once:
         the provenance of every answer reads it too)."""

@@ -6,50 +6,16 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from nemo_gym_tok.common.jinja_sandbox import memoize_attribute_checks
-from nemo_gym_tok.splice import HFChatRenderer, RenderMemo, TemplateProfile, detect_profile, text_encoder
+from nemo_gym_tok.splice import HFChatRenderer, RenderMemo, TemplateProfile, detect_profile
 
 MAX_SCOPES = 256
 """Renderers and profiles kept: callers choose template arguments and tools freely, so both caches are bounded."""
-MAX_KNOWN_TURNS = 1024
-"""Generated turns whose text is kept tokenized for the next turn's measurement: one per conversation in flight."""
-
-
-class KnownEncodings:
-    """Texts already tokenized, with their ids: bounded, oldest first out, safe to share between threads.
-
-    What goes in is a turn the model just generated (LocalTemplate.learn_turn), tokenized once its answer is out;
-    the next turn's splice measures that turn against the template (it tokenizes the template's text of the turn,
-    which is that text wherever the template writes the model's text as it is) and finds the ids here instead of
-    tokenizing it on its critical path. The ids are the tokenizer's own for the same text: nothing else changes."""
-
-    def __init__(self, max_entries: int = MAX_KNOWN_TURNS) -> None:
-        self._max_entries = max_entries
-        self._ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
-        self._lock = threading.Lock()
-        self.found = 0
-        """Lookups answered from here (each one tokenization off a request's critical path)."""
-
-    def get(self, text: str) -> list[int] | None:
-        known = self._ids.get(text)
-        if known is None:
-            return None
-        self.found += 1
-        return list(known)
-
-    def learn(self, text: str, encode: Callable[[str], list[int]]) -> None:
-        if text in self._ids:
-            return
-        ids = tuple(encode(text))
-        with self._lock:
-            self._ids[text] = ids
-            while len(self._ids) > self._max_entries:
-                self._ids.popitem(last=False)
 
 
 @dataclass
@@ -60,11 +26,6 @@ class ScopedRenderer(HFChatRenderer):
     render_scope: str = ""
     render_memo: RenderMemo | None = None
     piece_cache: dict[str, list[int]] = field(default_factory=dict)
-    known_encodings: KnownEncodings | None = None
-
-    def encode(self, text: str) -> list[int]:
-        known = None if self.known_encodings is None else self.known_encodings.get(text)
-        return known if known is not None else super().encode(text)
 
 
 def scope_key(tools: Any, template_kwargs: Mapping[str, Any], chat_template: str | None) -> str:
@@ -97,9 +58,6 @@ class LocalTemplate:
         self.render_memo = RenderMemo()
         """Shared by every scope (its keys hold the scope): a next turn finds this turn's renderings and prompt."""
         self._piece_cache: dict[str, list[int]] = {}
-        self.known_encodings = KnownEncodings()
-        """Turns the model generated, tokenized after their answer for the next turn's measurement (learn_turn)."""
-        self._encode = text_encoder(tokenizer)
         self._terminator_override = terminator_override
         self._profiles: OrderedDict[str, TemplateProfile] = OrderedDict()
         self._renderers: OrderedDict[str, ScopedRenderer] = OrderedDict()
@@ -164,22 +122,10 @@ class LocalTemplate:
             render_scope=key,
             render_memo=self.render_memo,
             piece_cache=self._piece_cache,
-            known_encodings=self.known_encodings,
         )
         with self._lock:
             _put(self._renderers, key, renderer)
         return renderer
-
-    def learn_turn(self, generation_ids: Sequence[int]) -> None:
-        """Tokenize the text of a turn the model generated (its ids without the end token, which the template's
-        closing takes the place of), to have it ready for the next turn's measurement (KnownEncodings). Blocking:
-        called once the answer is sent, while the caller runs the environment."""
-        ids = list(generation_ids)
-        while ids and ids[-1] in self.end_token_ids:
-            ids.pop()
-        if ids:
-            text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            self.known_encodings.learn(text, self._encode)
 
     def profile(self, template_kwargs: Mapping[str, Any], chat_template: str | None) -> TemplateProfile:
         """The turn structure for one template and template-argument combination (detected without tools)."""

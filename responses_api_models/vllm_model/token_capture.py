@@ -219,17 +219,6 @@ def _distinct_sources(first: PartialBundle | None, later: PartialBundle | None) 
     return [first, replace(later, **agreeing) if agreeing else later]
 
 
-def generated_ids(result: dict[str, Any]) -> list[int] | None:
-    """The ids a one-choice answer generated (its bundle's, else vLLM's return_token_ids), or None."""
-    choices = result.get("choices")
-    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
-        return None
-    message = choices[0].get("message")
-    ids = message.get("generation_token_ids") if isinstance(message, dict) else None
-    ids = ids if ids is not None else choices[0].get("token_ids")
-    return ids if isinstance(ids, list) and all(type(token) is int for token in ids) else None
-
-
 def drop_unrequested(result: dict[str, Any], caller_body: dict[str, Any], *, bundle_returned: bool) -> None:
     """Remove what the adapter asked vLLM for only for its own checks, so the caller gets what it asked for."""
     if not caller_body.get("return_token_ids"):
