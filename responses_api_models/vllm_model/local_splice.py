@@ -35,7 +35,6 @@ from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 from responses_api_models.vllm_model.developer_role import as_server_renders
 from responses_api_models.vllm_model.hub_access import hub_unreachable, offline_advice
 from responses_api_models.vllm_model.local_template import LocalTemplate, ScopedRenderer
-from responses_api_models.vllm_model.proving import PROBE_MESSAGES as PROBE_MESSAGES
 from responses_api_models.vllm_model.proving import Post, Proving
 from responses_api_models.vllm_model.template_proof import TemplateProofs
 
@@ -151,8 +150,7 @@ class AdapterSplicer:
                 param="kv_transfer_params",
             )
         request = _request_template(template, sent["messages"], body, tokenize_body)
-        scope = request.renderer.render_scope
-        proving = Proving(self.proofs, request.renderer, server, scope, post, epoch, strip_token_fields(tokenize_body))
+        proving = Proving(self.proofs, request.renderer, server, post, epoch, strip_token_fields(tokenize_body))
         proof, renewed = await proving.standing()
         spliced: _Spliced | None = None
         if proof is not None:

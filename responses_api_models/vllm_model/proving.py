@@ -31,7 +31,6 @@ class Proving:
     renderer: ScopedRenderer
     """The request's renderer (its scope's), which renders the probe locally."""
     server: str
-    scope: str
     post: Post
     epoch: Callable[[], int]
     tokenize_body: dict[str, Any]
@@ -43,18 +42,18 @@ class Proving:
         """The proof this request may rely on, and whether it renewed it: current on this epoch, or young enough and
         renewed by the server giving its probe ids again. (None, False): prove anew."""
         epoch = self.epoch()
-        proof = self.proofs.current(self.server, self.scope, epoch)
+        proof = self.proofs.current(self.server, self.renderer.render_scope, epoch)
         if proof is not None:
             self.relied_on = epoch
             return proof, False
-        proof = self.proofs.renewable(self.server, self.scope)
+        proof = self.proofs.renewable(self.server, self.renderer.render_scope)
         if proof is None or proof.probe_ids is None:
             return None, False
         probe = await server_template_ids(self.post, self._probe_body(), tolerate_refusal=True)
         if probe is None or tuple(probe) != proof.probe_ids:
             return None, False
         self.relied_on = self.epoch()
-        return self.proofs.renew(self.server, self.scope, proof, self.relied_on), True
+        return self.proofs.renew(self.server, self.renderer.render_scope, proof, self.relied_on), True
 
     async def prove(self) -> list[int]:
         """The server's ids for the whole prompt (the caller compares them with the local copy's) and, asked at the
@@ -69,7 +68,7 @@ class Proving:
 
     def record(self) -> None:
         self.relied_on = self.epoch()
-        self.proofs.record(self.server, self.scope, self.relied_on, self._probe_ids)
+        self.proofs.record(self.server, self.renderer.render_scope, self.relied_on, self._probe_ids)
 
     def _probe_body(self) -> dict[str, Any]:
         body = {key: value for key, value in self.tokenize_body.items() if key != "continue_final_message"}
