@@ -11,6 +11,7 @@ from nemo_gym_tok.testing.tiny_model import build_tiny_model
 from nemo_gym_tok.vllm.hook import ENABLE_ENV
 from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
 from tests.servers import hooked_server
+from tests.weights_support import DEV_MODE_ENV, copy_model_dir
 
 # The fake agent's fixtures (`behaviour`, `agent_url`), shared by the collect tests.
 pytest_plugins = ["tests.fixtures.collect_agent"]
@@ -38,7 +39,7 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         tiny_model_dir,
         served_model_name=SERVED_MODEL_NAME,
         extra_args=(*CPU_SERVING_ARGS, *TEST_BED_ARGS),
-        env={**TEST_BED_ENV, **COHERE_API_ENV},
+        env={**TEST_BED_ENV, **COHERE_API_ENV, DEV_MODE_ENV: "1"},  # loopback: /weight_info, /update_weight_version
         log_path=tmp_path_factory.mktemp("vllm") / "vllm.log",
         reuse_env="NGT_TEST_VLLM_URL",
     ) as server:
@@ -54,10 +55,33 @@ def plain_vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFac
         tiny_model_dir,
         served_model_name=SERVED_MODEL_NAME,
         extra_args=(*CPU_SERVING_ARGS, *TEST_BED_ARGS),
-        env={**TEST_BED_ENV, ENABLE_ENV: "0"},
+        env={**TEST_BED_ENV, ENABLE_ENV: "0", DEV_MODE_ENV: "1"},  # loopback: /weight_info for the adapter
         log_path=tmp_path_factory.mktemp("plain-vllm") / "vllm.log",
         reuse_env="NGT_TEST_PLAIN_VLLM_URL",
         hook=False,
         what="stock vLLM (no plugin): ",
+    ) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def rl_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A private copy of the tiny model: the directory `rl_vllm_server` starts from and rolls back to."""
+    return copy_model_dir(tiny_model_dir, tmp_path_factory.mktemp("rl-model") / "step-0")
+
+
+@pytest.fixture(scope="session")
+def rl_vllm_server(rl_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """A hooked vLLM with vLLM's weight routes (VLLM_SERVER_DEV_MODE=1) on a copy of the tiny model, for the tests
+    that push weights (the RL loop): they change what it serves, so it is not `vllm_server`. A test pushes its own
+    step-0 checkpoint first rather than rely on what another test left. NGT_TEST_RL_VLLM_URL reuses one."""
+    with hooked_server(
+        rl_model_dir,
+        served_model_name=SERVED_MODEL_NAME,
+        extra_args=(*CPU_SERVING_ARGS, *TEST_BED_ARGS),
+        env={**TEST_BED_ENV, DEV_MODE_ENV: "1"},
+        log_path=tmp_path_factory.mktemp("rl-vllm") / "vllm.log",
+        reuse_env="NGT_TEST_RL_VLLM_URL",
+        what="hooked vLLM with weight routes: ",
     ) as server:
         yield server

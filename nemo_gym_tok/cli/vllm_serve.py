@@ -42,7 +42,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             f"{KEEPALIVE_ENV} is {SERVER_KEEPALIVE_SECONDS} (unless already set): an idle connection outlives the "
             "5 s that httpx and the OpenAI SDK keep one, so a client never sends on a connection vLLM is closing. "
             f"Unlike `vllm serve`, it listens on {DEFAULT_HOST} only unless you pass --host (e.g. --host 0.0.0.0 "
-            "for other machines; then also set --api-key or VLLM_API_KEY)."
+            "for other machines; then also set --api-key or VLLM_API_KEY). With VLLM_SERVER_DEV_MODE=1 (vLLM's "
+            "weight routes, which `ngt push-weights` drives) the API key guards those routes too, and it refuses to "
+            "start beyond loopback without one; the worker's in-place reload then also packs a tied output layer "
+            "again on the CPU build (docs/training.md)."
         ),
     )
     parser.add_argument("model", metavar="MODEL", help="model directory or name, as `vllm serve MODEL`")
@@ -77,7 +80,43 @@ def server_env(environ: Mapping[str, str], today: datetime.date | None = None) -
     return env
 
 
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def _flag_value(vllm_args: list[str], flag: str) -> str | None:
+    """The last value given to `flag` (`--flag V` or `--flag=V`) in vLLM's arguments, None if absent."""
+    value = None
+    for index, arg in enumerate(vllm_args):
+        if arg == flag and index + 1 < len(vllm_args):
+            value = vllm_args[index + 1]
+        elif arg.startswith(f"{flag}="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def exposed_weight_routes(vllm_args: list[str], environ: Mapping[str, str]) -> str | None:
+    """Why the server must not start, or None: vLLM's development mode serves the routes that change weights
+    (`/pause`, `/collective_rpc`, `/update_weight_version`, ...), and beyond loopback they need an API key."""
+    if environ.get(DEV_MODE_ENV) != "1":
+        return None
+    host = _flag_value(vllm_args, "--host") or DEFAULT_HOST
+    if host in LOOPBACK_HOSTS or host.startswith("127."):
+        return None
+    if _flag_value(vllm_args, "--api-key") or environ.get("VLLM_API_KEY"):
+        return None
+    return (
+        f"{DEV_MODE_ENV}=1 serves the routes that change weights (/pause, /collective_rpc, /update_weight_version, "
+        f"...), and --host {host} opens them to the network: pass --api-key KEY (or set VLLM_API_KEY), which this "
+        "plugin extends to those routes, or listen on 127.0.0.1"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
+    refusal = exposed_weight_routes(args.vllm_args, os.environ)
+    if refusal is not None:
+        print(f"ngt: {refusal}", file=sys.stderr)
+        return 2
     if not plugin_is_registered():
         print(
             f"ngt: the {PLUGIN_NAME} vLLM plugin is not registered; install this package "

@@ -1,4 +1,5 @@
-"""vLLM general plugin entry point: installs the prefix-splice hook when NEMO_GYM_TOK_PREFIX_SPLICE=1, else nothing."""
+"""vLLM general plugin entry point: the prefix-splice hook when NEMO_GYM_TOK_PREFIX_SPLICE=1, the exact weight reload
+with it or alone (NEMO_GYM_TOK_EXACT_RELOAD=1), else nothing."""
 
 from __future__ import annotations
 
@@ -7,10 +8,19 @@ import os
 
 
 def register() -> None:
-    """Called by vLLM in each of its processes; inert unless the hook is switched on."""
-    if os.environ.get("NEMO_GYM_TOK_PREFIX_SPLICE") != "1":
+    """Called by vLLM in each of its processes; inert unless the hook or the exact reload is switched on."""
+    hook_on = os.environ.get("NEMO_GYM_TOK_PREFIX_SPLICE") == "1"
+    if not hook_on and os.environ.get("NEMO_GYM_TOK_EXACT_RELOAD") != "1":
         return
     _log_through_vllm()
+    # The worker (in the engine process) reloads weights; the wrapper is inert in the API-server processes.
+    from nemo_gym_tok.vllm.exact_reload import install_exact_reload
+    from nemo_gym_tok.vllm.route_auth import guard_weight_routes
+
+    install_exact_reload()
+    guard_weight_routes()  # read by vLLM's API-key middleware in the API-server processes
+    if not hook_on:
+        return
     # Installed in every vLLM process (cheap, idempotent); only the API server ever calls the wrapped methods.
     from nemo_gym_tok.vllm.hook import install
 

@@ -1,0 +1,164 @@
+"""Weight-push error paths a real server cannot be made to produce on cue (a reload failing on one of two servers, a
+rollback failing), against a fake of vLLM's weight routes; the usage checks of `ngt push-weights` and `vllm-serve`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from nemo_gym_tok.cli.main import main as ngt
+from nemo_gym_tok.cli.vllm_serve import exposed_weight_routes
+from nemo_gym_tok.vllm.exact_reload import STATUS_METHOD as WORKER_STATUS_METHOD
+from nemo_gym_tok.weights import (
+    STATUS_METHOD,
+    WeightPushError,
+    check_checkpoint_dir,
+    check_version_label,
+    push_weights,
+    server_root,
+)
+
+
+class FakeVLLM:
+    """vLLM's weight routes for several hosts, each with its weights, version and pause state; `fail` makes one
+    host's route answer 500 (`reload` of a given path, `resume`, ...)."""
+
+    def __init__(self, hosts: list[str], *, exact: bool = True, device: str = "cpu") -> None:
+        self.state = {host: {"version": "v0", "weights": "/w/0", "paused": False} for host in hosts}
+        self.fail: dict[tuple[str, str], str | None] = {}
+        self.calls: list[tuple[str, str, dict]] = []
+        self.exact, self.device = exact, device
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        host, path = f"{request.url.scheme}://{request.url.netloc.decode()}", request.url.path
+        body = json.loads(request.content) if request.content else {}
+        self.calls.append((host, path, {**dict(request.url.params), **body}))
+        state = self.state[host]
+        route = body.get("method", path) if path == "/collective_rpc" else path
+        failing = (host, route) in self.fail
+        if failing and self.fail[(host, route)] in (None, body.get("kwargs", {}).get("weights_path")):
+            return httpx.Response(500, json={"error": f"{route} failed"})
+        if path == "/weight_info":
+            return httpx.Response(200, json={"weight_version": state["version"]})
+        if route == STATUS_METHOD:
+            if not self.exact:
+                return httpx.Response(500, json={"error": "Method not implemented"})
+            weights = {"exact_reload": True, "device": self.device, "weights_path": state["weights"]}
+            return httpx.Response(200, json={"results": [{**weights, "tie_word_embeddings": True}]})
+        if path == "/server_info":
+            config = {"model_config": {"model": state["weights"]}, "device_config": {"device_type": self.device}}
+            return httpx.Response(200, json={"vllm_config": config})
+        if route == "reload_weights":
+            state["weights"] = body["kwargs"]["weights_path"]
+        elif path == "/update_weight_version":
+            state["version"] = body["new_version"]
+        elif path in ("/pause", "/resume"):
+            state["paused"] = path == "/pause"
+        elif path == "/reset_prefix_cache":
+            return httpx.Response(200, json={"success": True})
+        return httpx.Response(200, json={})
+
+
+HOSTS = ["http://a:8000", "http://b:8000"]
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    return tmp_path
+
+
+def push(fake: FakeVLLM, checkpoint: Path, **options: object):
+    with httpx.Client(transport=httpx.MockTransport(fake.handler)) as http:
+        return push_weights([f"{host}/v1" for host in HOSTS], checkpoint, version="v1", http=http, **options)
+
+
+def test_a_reload_failing_on_one_server_puts_every_server_back(checkpoint: Path) -> None:
+    fake = FakeVLLM(HOSTS)
+    fake.fail[("http://b:8000", "reload_weights")] = str(checkpoint)
+    with pytest.raises(WeightPushError, match="could not reload.*http://b:8000") as refused:
+        push(fake, checkpoint)
+    assert refused.value.replicas == ("http://b:8000",) and refused.value.left_paused == ()
+    for state in fake.state.values():
+        assert state == {"version": "v0", "weights": "/w/0", "paused": False}
+
+
+def test_a_server_that_cannot_be_put_back_stays_paused_and_is_named(checkpoint: Path) -> None:
+    fake = FakeVLLM(HOSTS)
+    fake.fail[("http://b:8000", "/update_weight_version")] = None
+    fake.fail[("http://b:8000", "reload_weights")] = "/w/0"  # the rollback's reload
+    with pytest.raises(WeightPushError, match="left paused.*http://b:8000") as refused:
+        push(fake, checkpoint)
+    assert refused.value.left_paused == ("http://b:8000",)
+    assert fake.state["http://a:8000"] == {"version": "v0", "weights": "/w/0", "paused": False}
+    assert fake.state["http://b:8000"]["paused"] is True
+
+
+def test_keep_mode_drops_the_kv_of_frozen_requests_and_wait_mode_does_not(checkpoint: Path) -> None:
+    for mode, expected in (("keep", "true"), ("wait", "false")):
+        fake = FakeVLLM(HOSTS)
+        report = push(fake, checkpoint, pause_mode=mode)
+        assert report.version == "v1" and all(state["version"] == "v1" for state in fake.state.values())
+        pauses = [params["mode"] for _, path, params in fake.calls if path == "/pause"]
+        resets = [params["reset_running_requests"] for _, path, params in fake.calls if path == "/reset_prefix_cache"]
+        assert pauses == [mode, mode] and resets == [expected, expected]
+
+
+def test_a_stock_cpu_server_is_refused_before_anything_changes(checkpoint: Path) -> None:
+    fake = FakeVLLM(HOSTS, exact=False)
+    with pytest.raises(WeightPushError, match="refused before any change.*tied embeddings"):
+        push(fake, checkpoint)
+    assert not [call for call in fake.calls if call[1] in ("/pause", "/update_weight_version")]
+    gpu = FakeVLLM(HOSTS, exact=False, device="cuda")  # vLLM's own reload is right off the CPU build
+    assert push(gpu, checkpoint).version == "v1"
+
+
+def test_a_label_already_served_is_refused(checkpoint: Path) -> None:
+    fake = FakeVLLM(HOSTS)
+    fake.state["http://a:8000"]["version"] = "v1"
+    with pytest.raises(WeightPushError, match="already serves weight version 'v1'"):
+        push(fake, checkpoint)
+
+
+@pytest.mark.parametrize(("status", "message"), [(404, "VLLM_SERVER_DEV_MODE=1"), (401, "requires its API key")])
+def test_a_server_without_the_routes_or_the_key_is_named_with_the_fix(
+    checkpoint: Path, status: int, message: str
+) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, json={"detail": "no"})
+
+    with httpx.Client(transport=httpx.MockTransport(handler)) as http:
+        with pytest.raises(WeightPushError, match=message):
+            push_weights(["http://a:8000"], checkpoint, version="v1", http=http)
+
+
+def test_inputs_are_checked_before_any_server_is_asked(tmp_path: Path, checkpoint: Path) -> None:
+    assert check_version_label(7) == "7"
+    for bad in ("", "two words", True, None):
+        with pytest.raises(ValueError):
+            check_version_label(bad)
+    with pytest.raises(ValueError, match="no config.json"):
+        check_checkpoint_dir(tmp_path / "..")
+    assert check_checkpoint_dir(checkpoint).tie_word_embeddings is True
+    assert check_checkpoint_dir("/on/the/servers/side").tie_word_embeddings is None
+    assert server_root("http://h:8000/v1/") == "http://h:8000"
+    assert ngt(["push-weights", str(checkpoint)]) == 2  # no server named
+    assert ngt(["push-weights", str(checkpoint), "--url", "http://a:1", "--version", "two words"]) == 2
+
+
+def test_both_sides_spell_the_status_method_alike() -> None:
+    assert STATUS_METHOD == WORKER_STATUS_METHOD
+
+
+def test_vllm_serve_refuses_weight_routes_beyond_loopback_without_a_key() -> None:
+    dev = {"VLLM_SERVER_DEV_MODE": "1"}
+    assert exposed_weight_routes(["--host", "0.0.0.0"], dev) is not None
+    assert exposed_weight_routes(["--host=10.0.0.2", "--port", "8000"], dev) is not None
+    assert exposed_weight_routes(["--host", "0.0.0.0", "--api-key", "k"], dev) is None
+    assert exposed_weight_routes(["--host", "0.0.0.0"], {**dev, "VLLM_API_KEY": "k"}) is None
+    assert exposed_weight_routes([], dev) is None  # loopback by default
+    assert exposed_weight_routes(["--host", "0.0.0.0"], {}) is None  # no weight routes served

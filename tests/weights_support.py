@@ -1,0 +1,82 @@
+"""Test harness for weight pushes: checkpoints derived from the tiny model, and log probs served vs recomputed."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+from nemo_gym_tok.testing.tiny_model.build import MARKER_FILE
+
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+# A fixed sequence of ordinary ids (no special tokens) whose prompt log probs are compared: 48 ids as in the issue.
+PROBE_IDS = tuple(range(1000, 1048))
+MODEL_FILES = ("config.json", "model.safetensors")
+
+
+def copy_model_dir(source: Path, dest: Path) -> Path:
+    """A plain copy of a model directory (without the cache's build marker) that a server can be started from."""
+    shutil.copytree(source, dest, ignore=shutil.ignore_patterns(MARKER_FILE, "*.lock"))
+    return dest
+
+
+def _copy_side_files(source: Path, dest: Path) -> None:
+    """Tokenizer and generation config: what `save_pretrained` of a model alone does not write."""
+    for path in source.iterdir():
+        if path.is_file() and path.name not in (*MODEL_FILES, MARKER_FILE) and path.suffix != ".lock":
+            shutil.copy(path, dest / path.name)
+
+
+def perturbed_checkpoint(source: Path, dest: Path, *, seed: int, scale: float = 0.3, untie: bool = False) -> Path:
+    """Every weight of `source` plus seeded noise (`scale` x each tensor's std), saved in float32 to `dest`; with
+    `untie`, the output layer becomes a separate copy of the embedding (an untied model) before the noise."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    if untie:
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if scale:
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * parameter.float().std() * scale)
+    dest.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dest)
+    _copy_side_files(source, dest)
+    return dest
+
+
+def recomputed_log_probs(model_dir: Path, ids: Sequence[int] = PROBE_IDS) -> list[float]:
+    """log p(ids[i+1] | ids[:i+1]) by transformers in float32 on the CPU: what a trainer holding those weights gets."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(torch.tensor([list(ids)])).logits[0].float(), dim=-1)
+    return [log_probs[index, ids[index + 1]].item() for index in range(len(ids) - 1)]
+
+
+def served_log_probs(
+    base_url: str, model: str, ids: Sequence[int] = PROBE_IDS, api_key: str | None = None
+) -> list[float]:
+    """The same log probs as the vLLM server at `base_url` computes them (its prompt log probs)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    body = {"model": model, "prompt": list(ids), "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0}
+    response = httpx.post(f"{base_url}/v1/completions", json=body, headers=headers, timeout=120)
+    response.raise_for_status()
+    positions = response.json()["choices"][0]["prompt_logprobs"]
+    return [float(positions[index + 1][str(ids[index + 1])]["logprob"]) for index in range(len(ids) - 1)]
+
+
+def mean_and_max_gap(served: Sequence[float], recomputed: Sequence[float]) -> tuple[float, float]:
+    gaps = [abs(a - b) for a, b in zip(served, recomputed, strict=True)]
+    return sum(gaps) / len(gaps), max(gaps)
+
+
+def weight_version(base_url: str) -> str:
+    return str(httpx.get(f"{base_url}/weight_info", timeout=30).json()["weight_version"])
