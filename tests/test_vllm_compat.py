@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_gym_tok.vllm import compat, hook, routes
+from nemo_gym_tok.vllm import compat, hook, internals, routes
 
 RENDERER = "vllm.renderers.online_renderer"
 BASE = "vllm.renderers.base"
@@ -115,6 +115,12 @@ def release(
     for module, symbol in hook.USED_SYMBOLS:
         if symbol not in drop:
             files[_module_path(module)].append(f"class {symbol}:\n    pass\n")
+    fields: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for module, class_name, name in internals.USED_FIELDS:  # dataclass fields, as vllm/outputs.py declares them
+        if name not in drop:
+            fields[(module, class_name)].append(f"    {name}: object = None\n")
+    for (module, class_name), lines in fields.items():
+        files[_module_path(module)].append(f"@dataclass\nclass {class_name}:\n" + "".join(lines))
     return {path: "\n\n".join(parts) for path, parts in files.items()}
 
 
@@ -384,7 +390,9 @@ def test_sources_are_read_from_the_wheel_zip(tmp_path: Path) -> None:
             archive.writestr(path, text)
         archive.writestr("vllm/renderers/__init__.py", "")
     report = compat.check_wheel(wheel, "0.33.0")
-    assert report.ok and report.wheel == wheel.name
+    # The hook's part fits; the weight-update path (tests/test_weight_path_compat.py) is absent from this small wheel.
+    assert report.weight_path and report.problems == [f"weight updates: {problem}" for problem in report.weight_path]
+    assert report.wheel == wheel.name
 
 
 def test_a_cached_wheel_is_reused_without_pip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -408,3 +416,35 @@ def test_the_cached_stock_wheels_fit(version: str) -> None:
     report = compat.check_wheel(cached[0], version)
     assert report.problems == []
     assert report.splice_point == compat.SplicePoint(True, True, True, True, True)
+
+
+# --- weight versions (CompletionOutput.weight_versions, vLLM 0.32 on) ---------------------------------------------
+
+
+def test_the_wheel_check_reads_which_releases_have_weight_versions() -> None:
+    sources = compat.ModuleSources.from_files(release())
+    report = compat.check_release(sources, version="0.33.0")
+    assert report.ok and report.weight_versions
+    without = compat.ModuleSources.from_files(release(drop=("weight_versions",)))
+    older = compat.check_release(without, version="0.31.0")
+    assert older.ok and not older.weight_versions  # before 0.32: expected
+    moved = compat.check_release(compat.ModuleSources.from_files(release(drop=("weight_versions",))), version="0.33.0")
+    assert moved.problems == ["missing vllm.outputs.CompletionOutput.weight_versions"]
+    table = compat.format_reports([report, older]).splitlines()
+    assert "weight versions" in table[0]
+    assert table[2].split()[5] == "yes" and table[3].split()[5] == "no"
+    assert table[4] == (
+        "vLLM 0.31.0: no vllm.outputs.CompletionOutput.weight_versions, expected (added in 0.32): the hook's bundles "
+        "carry no weight_version there"
+    )
+
+
+@pytest.mark.parametrize("version", compat.supported_releases())
+def test_the_cached_wheels_say_where_weight_versions_start(version: str) -> None:
+    """From the stock wheels, when `ngt vllm-compat` has cached them: 0.32 is the first release with them."""
+    cached = sorted(compat.wheel_cache_dir().glob(f"vllm-{version}-*.whl"))
+    if not cached:
+        pytest.skip(f"no cached vllm {version} wheel in {compat.wheel_cache_dir()} (run `make vllm-compat`)")
+    report = compat.check_wheel(cached[0], version)
+    assert report.weight_versions == internals.field_expected(internals.WEIGHT_VERSIONS_FIELD, version)
+    assert report.problems == []

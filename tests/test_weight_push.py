@@ -91,6 +91,7 @@ def bundle_version(base_url: str) -> str | None:
 def assert_serves(base_url: str, checkpoint: Path) -> list[float]:
     served = served_log_probs(base_url, MODEL)
     mean, largest = mean_and_max_gap(served, recomputed_log_probs(checkpoint))
+    print(f"served vs {checkpoint.name} recomputed (float32): {mean:.4f} nats mean, {largest:.4f} max")
     assert mean < MATCH_NATS, f"{base_url} serves log probs {mean:.4f} nats mean ({largest:.4f} max) off {checkpoint}"
     return served
 
@@ -103,6 +104,7 @@ def test_served_log_probs_follow_each_push_and_come_back_with_step_0(
     at_step_0 = assert_serves(url, checkpoints["step-0"])
     for step in ("step-1", "step-2"):
         report = push_weights([url], checkpoints[step], version=f"tied-{step}")
+        print(report.format())
         assert report.seconds > 0 and set(report.phases) == {
             "preflight",
             "pause",
@@ -186,7 +188,9 @@ def test_stock_cpu_vllm_serves_a_stale_tied_output_layer_so_a_push_there_is_refu
             replica.reset_prefix_cache(running_requests=False)
             replica.resume()
             served = served_log_probs(url, MODEL)
-            stale, _ = mean_and_max_gap(served, recomputed_log_probs(checkpoints["step-1"]))
+            stale, stale_max = mean_and_max_gap(served, recomputed_log_probs(checkpoints["step-1"]))
+            old, _ = mean_and_max_gap(served, recomputed_log_probs(tiny_model_dir))
+            print(f"stock CPU reload, served vs pushed: {stale:.4f} nats mean ({stale_max:.4f} max), vs old {old:.4f}")
             assert stale > STALE_NATS, (
                 f"vLLM's own reload now serves the pushed tied model ({stale:.4f} nats mean): the CPU build may have "
                 "fixed its stale output layer; nemo_gym_tok.vllm.exact_reload and the push's refusal can be revisited"

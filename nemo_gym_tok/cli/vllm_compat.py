@@ -17,9 +17,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "source with ast, without installing or importing it. Checks what the prefix-splice hook needs: every "
             "method it wraps, the parameters it reads, the vLLM symbols it uses, vLLM's token-in path "
             "(kv_transfer_params['prompt_token_ids'] in preprocess_chat), and how preprocess_chat uses its request "
-            "parser (whether it hands it the prompt ids, which the hook replaces with the spliced ones). Prints one "
-            "row per release, then every problem. Exit status 0 when every release fits, 1 on any incompatibility, "
-            "2 when a wheel cannot be downloaded."
+            "parser (whether it hands it the prompt ids, which the hook replaces with the spliced ones); and the "
+            "weight-update path: the routes `ngt push-weights` drives, the NCCL weight-transfer routes a GPU trainer "
+            "drives (TRL's server mode) with the parameters it passes, the reload the exact reload wraps, the API-key "
+            "guard. Prints one row per release, then every problem. Exit status 0 when every release fits, 1 on any "
+            "incompatibility, 2 when a wheel cannot be downloaded."
         ),
     )
     parser.add_argument(

@@ -4,7 +4,9 @@ Pure (no files): `nemo_gym_export(records, failures)` returns the rows NeMo Gym'
 written for the same rollouts, and what NeMo RL reads:
 
 - each bundled output item carries its whole `prompt_token_ids` (version 2 records store it as prefix length +
-  suffix, which NeMo RL's contiguity check cannot read), with `generation_token_ids` and `generation_log_probs`;
+  suffix, which NeMo RL's contiguity check cannot read), with `generation_token_ids` and `generation_log_probs`, and
+  the bundle's telemetry as recorded (`weight_version`, and `weight_version_spans` where a call spanned versions,
+  included: a trainer reads which weights sampled each call from the row);
 - `_ng_task_index` (one per distinct input row, numbered in input order, or the row's own if it has one),
   `_ng_rollout_index` (the rollout's number within its task: row occurrence x repeats + repeat) and `agent_ref`
   (the row's own, else `{"type": "responses_api_agents", "name": <agent>}`);
@@ -33,7 +35,12 @@ from nemo_gym_tok.records.rollout_record import (
     UnknownSchemaVersionError,
     full_output,
 )
-from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
+from nemo_gym_tok.types.tokens import (
+    BUNDLE_FIELDS,
+    WEIGHT_VERSION_KEY,
+    WEIGHT_VERSION_SPANS_KEY,
+    weight_versions_problem,
+)
 
 TASK_INDEX_KEY = "_ng_task_index"
 ROLLOUT_INDEX_KEY = "_ng_rollout_index"
@@ -203,6 +210,14 @@ def _row(record: dict[str, Any], rollout: RolloutId, numbering: _Numbering, what
                 raise ExportError(
                     f"{what} (row {rollout.row}, repeat {rollout.key.repeat}): output item {position} "
                     f"has a prompt but no {' / '.join(missing)}: NeMo RL needs all three"
+                )
+            generation = item["generation_token_ids"]
+            problem = weight_versions_problem(
+                item.get(WEIGHT_VERSION_KEY), item.get(WEIGHT_VERSION_SPANS_KEY), len(generation)
+            )
+            if problem is not None:
+                raise ExportError(
+                    f"{what} (row {rollout.row}, repeat {rollout.key.repeat}): output item {position}: {problem}"
                 )
     params = record.get("responses_create_params")
     task, rollout_index = numbering.indices(rollout)

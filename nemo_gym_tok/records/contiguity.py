@@ -10,6 +10,7 @@ from typing import Any
 
 from nemo_gym_tok.contract.token_sources import PrefixMismatchError, check_prefix
 from nemo_gym_tok.records.rollout_record import MalformedRecordError, UnknownSchemaVersionError, full_output
+from nemo_gym_tok.types.tokens import WEIGHT_VERSION_KEY, WEIGHT_VERSION_SPANS_KEY, weight_versions_problem
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -23,6 +24,18 @@ class BundledTurn:
     generation_token_ids: list[int]
     generation_log_probs: list[float]
     prefix_splice: dict[str, Any] | None
+    weight_version: str | None = None
+    """The vLLM weight version that sampled the call's first generated id; None: unknown (an older record, a server
+    that could not say)."""
+    weight_version_spans: list[dict[str, Any]] | None = None
+    """[{version, start, end}] over generation_token_ids, present only when the call's ids span several versions."""
+
+    @property
+    def weight_versions(self) -> list[str]:
+        """The versions that sampled this call's ids, in order ([] when unknown)."""
+        if self.weight_version_spans:
+            return [span["version"] for span in self.weight_version_spans]
+        return [self.weight_version] if self.weight_version is not None else []
 
     @property
     def repaired(self) -> bool:
@@ -59,13 +72,20 @@ def bundled_turns(record: dict[str, Any]) -> list[BundledTurn]:
     """The bundled items of `record["response"]["output"]`, in order, with full prompt ids (schema version 1 or 2).
 
     Raises UnknownSchemaVersionError for a record of a version this nemo_gym_tok does not read, and
-    MalformedRecordError for a version 2 record whose prompts cannot be rebuilt (nemo_gym_tok.records.rollout_record).
+    MalformedRecordError for a version 2 record whose prompts cannot be rebuilt (nemo_gym_tok.records.rollout_record)
+    or an item whose weight version fields are malformed. An item without them (written before they existed) reads as
+    unknown.
     """
     output = full_output(record)
     turns = []
     for index, item in enumerate(output):
         if item.get("prompt_token_ids") is None:
             continue
+        version, spans = item.get(WEIGHT_VERSION_KEY), item.get(WEIGHT_VERSION_SPANS_KEY)
+        generation = item.get("generation_token_ids")
+        problem = weight_versions_problem(version, spans, len(generation) if isinstance(generation, list) else None)
+        if problem is not None:
+            raise MalformedRecordError(f"output item {index}: {problem}")
         turns.append(
             BundledTurn(
                 item_index=index,
@@ -73,9 +93,38 @@ def bundled_turns(record: dict[str, Any]) -> list[BundledTurn]:
                 generation_token_ids=list(item["generation_token_ids"]),
                 generation_log_probs=list(item["generation_log_probs"]),
                 prefix_splice=item.get("prefix_splice"),
+                weight_version=version,
+                weight_version_spans=[dict(span) for span in spans] if spans is not None else None,
             )
         )
     return turns
+
+
+def spans_weight_versions(turns: Sequence[BundledTurn]) -> bool:
+    """The episode's ids were sampled by more than one weight version: its turns name different versions, or a turn's
+    ids span several (unknown turns are not counted here: see has_unknown_weight_version)."""
+    return any(turn.weight_version_spans for turn in turns) or len({v for t in turns for v in t.weight_versions}) > 1
+
+
+def has_unknown_weight_version(turns: Sequence[BundledTurn]) -> bool:
+    """A bundled turn of the episode does not say which weight version sampled it."""
+    return any(turn.weight_version is None for turn in turns)
+
+
+def describe_weight_versions(turns: Sequence[BundledTurn]) -> str:
+    """The versions of an episode's turns for a report line, runs of turns with the same versions joined:
+    `turns 0-1 v1, turn 2 v1 -> v2, turn 3 unknown`."""
+    runs: list[tuple[int, int, str]] = []
+    for number, turn in enumerate(turns):
+        versions = " -> ".join(turn.weight_versions) or "unknown"
+        if runs and runs[-1][2] == versions and not turn.weight_version_spans:
+            runs[-1] = (runs[-1][0], number, versions)
+        else:
+            runs.append((number, number, versions))
+    return ", ".join(
+        f"turn {first} {versions}" if first == last else f"turns {first}-{last} {versions}"
+        for first, last, versions in runs
+    )
 
 
 def segments(turns: Sequence[BundledTurn]) -> list[list[BundledTurn]]:
@@ -129,6 +178,12 @@ class ContiguityReport:
     unreadable_records: int = 0
     """Records of a schema_version this nemo_gym_tok does not read, or whose packed prompts cannot be rebuilt."""
     failures: list[str] = field(default_factory=list)
+    spanning_versions: int = 0
+    """Rollouts whose ids were sampled by more than one weight version (a report, not a failure)."""
+    spanning_examples: list[str] = field(default_factory=list)
+    """The first of them, each with its turns' versions."""
+    unknown_versions: int = 0
+    """Rollouts with a bundled turn of unknown weight version (older records, servers that could not say)."""
 
     @property
     def ok(self) -> bool:
@@ -150,6 +205,12 @@ class ContiguityReport:
         if self.unreadable_records:
             lines.append(f"records of an unknown schema_version or malformed: {self.unreadable_records}")
         lines += [f"  {failure}" for failure in self.failures]
+        if self.turns:
+            lines.append(
+                f"rollouts spanning several weight versions: {self.spanning_versions} (off-policy turns, not a "
+                f"contiguity failure); with a turn of unknown weight version: {self.unknown_versions}"
+            )
+            lines += [f"  {example}" for example in self.spanning_examples]
         return "\n".join(lines)
 
 
@@ -178,6 +239,11 @@ def check_file(path: str | Path, decode: Decode | None = None, max_failures: int
             report.multi_turn += len(turns) > 1
             report.repaired_turns += sum(turn.repaired for turn in turns)
             report.new_segments += sum(turn.starts_segment for turn in turns)
+            report.unknown_versions += bool(turns) and has_unknown_weight_version(turns)
+            if spans_weight_versions(turns):
+                report.spanning_versions += 1
+                if len(report.spanning_examples) < max_failures:
+                    report.spanning_examples.append(f"{label}: {describe_weight_versions(turns)}")
             problem = None
             if not turns:
                 report.without_bundles += 1

@@ -28,6 +28,9 @@ LEGEND = {
     "telemetry prefix_splice.repaired_turns), from the first differing id to the last",
     "tok-forced": "underlined: forced by a constrained-decoding grammar (generation_forced_mask 1; its log prob is "
     "0.0 of the masked distribution)",
+    "wv": "before each turn's generated ids: the vLLM weight version that sampled them (v1 \u2192 v2 where a push "
+    "landed during the turn; unknown where the record does not say); a rollout whose ids span several versions is "
+    "marked \u201cspans weight versions\u201d",
 }
 
 
@@ -158,6 +161,7 @@ def page_data(records: Iterable[dict[str, Any]], tokenizer: Tokenizer | None, ti
             "reward": record.get("reward"),
             "sequences": [],
             "error": None,
+            "spans_weight_versions": False,
         }
         try:
             turns = bundled_turns(record)
@@ -169,6 +173,9 @@ def page_data(records: Iterable[dict[str, Any]], tokenizer: Tokenizer | None, ti
             entry["error"] = f"{type(exc).__name__}: {exc}"
             rollouts.append(entry)
             continue
+        entry["spans_weight_versions"] = any(sequence.spans_weight_versions for sequence in sequences) or (
+            len({v for sequence in sequences for v in sequence.weight_versions if v is not None}) > 1
+        )
         for sequence, spans in zip(sequences, repairs):
             kinds = [MODEL if flag else TEMPLATE for flag in sequence.loss_mask]
             for span in spans:
@@ -182,6 +189,10 @@ def page_data(records: Iterable[dict[str, Any]], tokenizer: Tokenizer | None, ti
                     "forced": "".join(map(str, sequence.forced_mask)) if sequence.forced_mask is not None else None,
                     "turns": [list(turn) for turn in sequence.turns],
                     "constrained_by": sequence.constrained_by,
+                    "weight_versions": [
+                        " \u2192 ".join(part["version"] for part in parts) if parts else version
+                        for version, parts in zip(sequence.weight_versions, sequence.weight_version_spans)
+                    ],
                     "repaired": [
                         {
                             "turn": span.turn,
@@ -266,6 +277,10 @@ table.rollouts td, table.rollouts th { border: 1px solid #ccc; padding: .2em .6e
 .repair pre { background: #f6f6f6; padding: .4em; white-space: pre-wrap; word-break: break-all; margin: 0; }
 .ids { font: 11px ui-monospace, monospace; color: #666; word-break: break-all; }
 .error { color: #b00; }
+.wv { font: 11px system-ui, sans-serif; background: #dde6f7; color: #1f3f7f; border-radius: 3px; padding: 0 .3em;
+      margin: 0 .2em; }
+.wv-unknown { background: #eee; color: #777; }
+.spans-versions { color: #9a4d00; font-weight: bold; }
 details.first-prompt summary { font: 13px system-ui, sans-serif; color: #555; cursor: pointer; }
 </style></head>
 <body>
@@ -274,7 +289,7 @@ details.first-prompt summary { font: 13px system-ui, sans-serif; color: #555; cu
 <div id="summary"></div>
 <div id="legend"></div>
 <table class="rollouts"><thead><tr><th>rollout</th><th>reward</th><th>turns (model calls)</th>
-<th>repaired turns</th><th>ids</th></tr></thead><tbody id="index"></tbody></table>
+<th>repaired turns</th><th>ids</th><th>weight versions</th></tr></thead><tbody id="index"></tbody></table>
 <div id="rollouts"></div>
 <script type="application/json" id="ngt-data">__DATA__</script>
 <script>
@@ -308,18 +323,34 @@ data.rollouts.forEach((rollout, n) => {
   const row = el("tr");
   const link = el("a", {href: "#rollout-" + n}, rollout.label);
   const first = el("td"); first.append(link);
+  const versions = [...new Set(rollout.sequences.flatMap(s => s.weight_versions.map(v => v ?? "unknown")))];
+  const versionCell = el("td", {}, versions.join(", "));
+  if (rollout.spans_weight_versions) {
+    versionCell.append(" ", el("span", {class: "spans-versions"}, "spans weight versions"));
+  }
   row.append(first, el("td", {}, String(rollout.reward)), el("td", {}, String(rollout.turns)),
-             el("td", {}, String(spans)), el("td", {}, String(ids)));
+             el("td", {}, String(spans)), el("td", {}, String(ids)), versionCell);
   index.append(row);
   const section = el("section", {class: "rollout", id: "rollout-" + n, "data-turns": rollout.turns,
-                                 "data-repaired": spans});
+                                 "data-repaired": spans,
+                                 "data-spans-versions": rollout.spans_weight_versions ? "1" : "0"});
   section.append(el("h2", {}, rollout.label + " \\u2014 reward " + rollout.reward + ", " + rollout.turns +
                     " turns, " + spans + " repaired"));
+  if (rollout.spans_weight_versions) {
+    section.append(el("p", {class: "spans-versions"}, "spans weight versions: its turns were sampled by " +
+                      "different weights (" + versions.join(", ") + ")"));
+  }
   if (rollout.error) section.append(el("p", {class: "error"}, rollout.error));
   rollout.sequences.forEach((seq, s) => {
     if (rollout.sequences.length > 1) section.append(el("h3", {}, "token segment " + s));
     const strip = el("div", {class: "strip"});
     const starts = new Map(seq.repaired.map(r => [r.start, r]));
+    const turnAt = new Map(seq.turns.map((turn, k) => [turn[0], k]));
+    function versionBadge(k) {
+      const version = seq.weight_versions[k];
+      return el("span", {class: "wv" + (version == null ? " wv-unknown" : ""), "data-turn": k},
+                "turn " + k + ": " + (version ?? "weight version unknown"));
+    }
     // The first prompt (system prompt, tool list) is long and all template: folded so the turns show first.
     const firstPrompt = seq.turns.length ? seq.turns[0][0] : seq.ids.length;
     const folded = el("details", {class: "first-prompt"});
@@ -328,6 +359,7 @@ data.rollouts.forEach((rollout, n) => {
     for (; i < firstPrompt; i++) folded.append(tokenSpan(seq.ids[i], seq.kinds[i], false));
     strip.append(folded);
     while (i < seq.ids.length) {
+      if (turnAt.has(i)) strip.append(versionBadge(turnAt.get(i)));
       const repair = starts.get(i);
       if (repair) {  // one .repaired wrapper per repaired span, holding its ids
         const wrap = el("span", {class: "repaired", "data-turn": repair.turn,

@@ -6,6 +6,9 @@ square of its length. Version 2 writes `prompt_prefix_length` (how many leading 
 previous bundled call's prompt + generation ids) and `prompt_suffix_token_ids` (the rest of the prompt) in its
 place: the full prompt is `(previous prompt + previous generation)[:prompt_prefix_length] + prompt_suffix_token_ids`.
 The encoding is lossless for any record, contiguous or not, so a reader rebuilds exactly what version 1 held.
+Every other field of a bundled item (its telemetry: `token_source`, `prefix_splice`, `sampling`, `weight_version`,
+`weight_version_spans`, ...) is stored as it is in both versions; an item written before a field existed lacks it,
+which readers take as unknown (nemo_gym_tok.records.contiguity.bundled_turns).
 """
 
 from __future__ import annotations

@@ -33,6 +33,20 @@ class TrainingSequence:
     forced_mask: list[int] | None = None
     """1 where `token_ids[i]` was generated in a constrained turn and forced by its grammar (log prob exactly 0.0),
     0 elsewhere (prompt ids included); None when a turn of the sequence has no mask (an older record)."""
+    weight_versions: list[str | None] = field(default_factory=list)
+    """Per turn (as `turns`): the vLLM weight version that sampled its first generated id; None where unknown (an
+    older record, a server that could not say). Never a guess: see docs/training.md#weight-versions."""
+    weight_version_spans: list[list[dict[str, Any]] | None] = field(default_factory=list)
+    """Per turn: None, or where its generated ids span several versions, `[{version, start, end}]` with start and
+    end counted in the turn's generated ids (add `turns[k][0]` for positions in `token_ids`)."""
+
+    @property
+    def spans_weight_versions(self) -> bool:
+        """More than one weight version sampled this sequence's ids (turns with different versions, or a turn whose
+        ids span several): its log probs are not all of one policy. Unknown turns do not count."""
+        known = {v for v in self.weight_versions if v is not None}
+        known |= {span["version"] for spans in self.weight_version_spans if spans for span in spans}
+        return len(known) > 1 or any(self.weight_version_spans)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -88,7 +102,11 @@ def _sequence(turns: list[BundledTurn], reward: float | None, output: list[Any])
     spans: list[tuple[int, int]] = []
     constraints: list[list[str] | None] = []
     forced: list[int] | None = []
+    versions: list[str | None] = []
+    version_spans: list[list[dict[str, Any]] | None] = []
     for turn in turns:
+        versions.append(turn.weight_version)
+        version_spans.append(turn.weight_version_spans)
         # The constraint fields stay on the bundled item as written (version 2 packing leaves them alone), at the
         # same output index as the full-prompt item bundled_turns read.
         item = output[turn.item_index]
@@ -107,4 +125,6 @@ def _sequence(turns: list[BundledTurn], reward: float | None, output: list[Any])
         loss_mask += [1] * len(turn.generation_token_ids)
         log_probs += turn.generation_log_probs
         spans.append((start, len(token_ids)))
-    return TrainingSequence(token_ids, loss_mask, log_probs, spans, reward, constraints, forced)
+    return TrainingSequence(
+        token_ids, loss_mask, log_probs, spans, reward, constraints, forced, versions, version_spans
+    )

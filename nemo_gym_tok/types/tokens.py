@@ -23,8 +23,12 @@ TELEMETRY_FIELDS = (
     "generation_forced_mask",
     "sampling",
     "model_fingerprint",
+    "weight_version",
+    "weight_version_spans",
 )
 """Fields that travel with a bundle: kept on the output item that carries it, left out of what environments get."""
+WEIGHT_VERSION_KEY = "weight_version"
+WEIGHT_VERSION_SPANS_KEY = "weight_version_spans"
 # 1 where the grammar left the sampler one token (nemo_gym_tok.contract.constrained.forced_mask), else 0.
 ForcedFlag = Annotated[int, Strict(), Field(ge=0, le=1)]
 
@@ -37,6 +41,63 @@ class PrefixSplice(BaseModel):
     applied: bool
     template_differed: bool
     replaced_tokens: int
+
+
+class WeightVersionSpan(BaseModel):
+    """Generated ids [start, end) of one call (indexes into its generation_token_ids) were sampled by the weights vLLM
+    labelled `version` (vLLM's own `WeightVersionSpan`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: Annotated[str, Strict()]
+    start: Annotated[int, Strict()]
+    end: Annotated[int, Strict()]
+
+
+def weight_versions_problem(weight_version: Any, spans: Any, generation_length: int | None) -> str | None:
+    """What is wrong with a bundle's `weight_version` and `weight_version_spans` as plain JSON values (None when
+    nothing): the version is a string or None; spans, where present, are {version, start, end} objects with int
+    bounds, 0 <= start < end <= the number of generated ids, each starting where the one before ended, together
+    covering every generated id, and the first one's version is `weight_version`."""
+    if weight_version is not None and not isinstance(weight_version, str):
+        return f"weight_version must be a string or null, got {type(weight_version).__name__}"
+    if spans is None:
+        return None
+    if generation_length is None:
+        return "weight_version_spans without generation_token_ids: the spans index into the generated ids"
+    if not isinstance(spans, list) or not spans:
+        return "weight_version_spans must be a non-empty list of {version, start, end} (or absent)"
+    expected_start = 0
+    for index, span in enumerate(spans):
+        if not isinstance(span, dict) or set(span) != {"version", "start", "end"}:
+            return f"weight_version_spans[{index}] must be an object with exactly version, start and end"
+        version, start, end = span["version"], span["start"], span["end"]
+        if not isinstance(version, str):
+            return f"weight_version_spans[{index}].version must be a string"
+        if type(start) is not int or type(end) is not int:
+            return f"weight_version_spans[{index}]: start and end must be integers"
+        if not 0 <= start < end <= generation_length:
+            return (
+                f"weight_version_spans[{index}] is [{start}, {end}): spans need 0 <= start < end <= "
+                f"{generation_length} (the number of generated ids)"
+            )
+        if start != expected_start:
+            return (
+                f"weight_version_spans[{index}] starts at {start}, where the spans before it end at {expected_start}:"
+                " spans must be contiguous"
+            )
+        expected_start = end
+    if expected_start != generation_length:
+        return (
+            f"weight_version_spans end at {expected_start}, not at {generation_length}: they must cover every "
+            "generated id"
+        )
+    if weight_version != spans[0]["version"]:
+        return (
+            f"weight_version {weight_version!r} is not the first span's version {spans[0]['version']!r} (the "
+            "version that sampled the first generated id)"
+        )
+    return None
 
 
 class TokenBundleMixin(BaseModel):
@@ -60,6 +121,15 @@ class TokenBundleMixin(BaseModel):
     defaults) and `logprobs_mode`: nemo_gym_tok.contract.provenance.effective_sampling."""
     model_fingerprint: dict[str, str] | None = None
     """sha256 of the served tokenizer.json and chat template (`sha256` over both): nemo_gym_tok.contract.provenance."""
+    weight_version: Annotated[str, Strict()] | None = None
+    """The vLLM weight version (its `/weight_info` label, `"default"` until set) that sampled the call's first
+    generated id. None is unknown: a record written before the field, a vLLM without per-output versions (before
+    0.32) and no `/weight_info` route, or a version that changed during a call the adapter could not see into. Never
+    a guess."""
+    weight_version_spans: list[WeightVersionSpan] | None = None
+    """Present only when the call's generated ids span more than one version (weights pushed while it generated):
+    contiguous [start, end) spans over generation_token_ids covering all of them, the first one's version being
+    `weight_version`."""
 
     @model_validator(mode="after")
     def _bundle_is_all_or_none(self) -> TokenBundleMixin:
@@ -78,6 +148,14 @@ class TokenBundleMixin(BaseModel):
                 f"generation_forced_mask ({len(mask)}) and generation_token_ids ({len(generation)}) must have the "
                 "same length"
             )
+        spans = self.weight_version_spans
+        problem = weight_versions_problem(
+            self.weight_version,
+            None if spans is None else [span.model_dump() for span in spans],
+            None if generation is None else len(generation),
+        )
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     @property

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from nemo_gym_tok.contract.constrained import CONSTRAINED_BY_KEY, FORCED_MASK_KEY, constrained_by, forced_mask
+from nemo_gym_tok.vllm.internals import weight_version_fields
 from nemo_gym_tok.vllm.telemetry import _resolved, _telemetry, _TelemetryLater
 
 
@@ -44,8 +45,9 @@ def _full_generator_with_bundle(original: Any) -> Any:
 
 
 def _attach_bundles(response: Any, final: Any, request: Any) -> None:
-    """Each choice's bundle on its message, with what constrained the call: `request` is the one vLLM sampled
-    with, after its tool parser moved any tool grammar into `structured_outputs` (nemo_gym_tok.contract.constrained)."""
+    """Each choice's bundle on its message, with what constrained the call (`request` is the one vLLM sampled
+    with, after its tool parser moved any tool grammar into `structured_outputs`: nemo_gym_tok.contract.constrained)
+    and the weight version(s) that sampled it (vLLM 0.32 on; nothing said before: unknown)."""
     prompt_ids = list(final.prompt_token_ids or [])
     by_index = {output.index: output for output in final.outputs}
     labels = constrained_by(request)
@@ -60,6 +62,8 @@ def _attach_bundles(response: Any, final: Any, request: Any) -> None:
         choice.message.generation_log_probs = log_probs
         setattr(choice.message, CONSTRAINED_BY_KEY, list(labels))
         setattr(choice.message, FORCED_MASK_KEY, forced_mask(labels, log_probs))
+        for key, value in weight_version_fields(output, len(generation_ids)).items():
+            setattr(choice.message, key, value)
 
 
 _SSE_DATA = "data: "
@@ -128,6 +132,8 @@ class _StreamRecord:
         self.generations: dict[int, list[int]] = {}
         self.log_probs: dict[int, list[float]] = {}
         self.without_log_probs: set[int] = set()
+        self.final_outputs: dict[int, Any] = {}
+        """Each completion's last output: vLLM sets its `weight_versions` on that one only."""
 
     async def watch(self, outputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
         async for output in outputs:
@@ -142,6 +148,7 @@ class _StreamRecord:
         for completion in output.outputs:
             new_ids = list(completion.token_ids)
             self.generations.setdefault(completion.index, []).extend(new_ids)
+            self.final_outputs[completion.index] = completion
             if completion.logprobs is None:
                 self.without_log_probs.add(completion.index)
                 continue
@@ -162,6 +169,7 @@ class _StreamRecord:
                     "generation_log_probs": self.log_probs.get(index, []),
                     CONSTRAINED_BY_KEY: list(self.constrained_by),
                     FORCED_MASK_KEY: forced_mask(self.constrained_by, self.log_probs.get(index, [])),
+                    **weight_version_fields(self.final_outputs.get(index), len(ids)),
                 },
                 "logprobs": None,
                 "finish_reason": None,

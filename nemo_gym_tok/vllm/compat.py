@@ -10,7 +10,9 @@ point: the hook hands vLLM's tokenization step (`BaseRenderer.tokenize_prompts_a
 the spliced `prompt_token_ids`, so it needs preprocess_chat to render through `render_chat_async`, that to tokenize
 through `self.tokenize_prompts_async`, that to reach `_tokenize_singleton_prompt_async`, which must tokenize only a
 prompt without `prompt_token_ids`, and preprocess_chat to use its request parser only after rendering (the parser
-then reads the spliced ids, `set_prompt_token_ids` since 0.33).
+then reads the spliced ids, `set_prompt_token_ids` since 0.33). It also reads which releases have the output fields
+the answer wrappers read (USED_FIELDS: `CompletionOutput.weight_versions`, the weight versions a bundle carries):
+from FIELD_SINCE on a missing one is a problem, before it the bundles say weight_version None there.
 It is the static twin of `internals.check_internals()`, which checks the vLLM that is installed. The source reading is
 nemo_gym_tok.vllm.wheel_source, the splice point's analysis nemo_gym_tok.vllm.splice_point.
 """
@@ -26,16 +28,21 @@ from pathlib import Path
 
 from nemo_gym_tok.common.cache_dir import cache_root
 from nemo_gym_tok.vllm.internals import (
+    FIELD_SINCE,
     HARMONY_PARAMETERS,
     PATCHED_METHODS,
     PREPROCESS_CHAT_PARAMETERS,
     SUPPORTED_VLLM,
     TOKENIZE_PROMPTS_PARAMETERS,
+    USED_FIELDS,
     USED_SYMBOLS,
+    WEIGHT_VERSIONS_FIELD,
+    field_expected,
     is_supported_vllm,
 )
 from nemo_gym_tok.vllm.routes import ROUTE_METHODS, absent_by_design
 from nemo_gym_tok.vllm.splice_point import TOKENIZE_METHOD, SplicePoint, _calls, _mentions, splice_point
+from nemo_gym_tok.vllm.weight_path_compat import weight_path_problems
 from nemo_gym_tok.vllm.wheel_source import ModuleSources, _Function, _Reader, parameter_names
 
 # vLLM's token-in path: the function preprocess_chat calls to take forwarded prompt ids instead of rendering.
@@ -70,12 +77,21 @@ class ReleaseReport:
     symbols_found: int = 0
     signatures_ok: bool = True
     token_in: bool = False
+    fields_absent: list[str] = field(default_factory=list)
+    """USED_FIELDS this release does not have (expected before FIELD_SINCE, a problem from it on)."""
+    weight_path: list[str] | None = None
+    """What the release lacks of the weight-update path (nemo_gym_tok.vllm.weight_path_compat); None: not checked."""
     splice_point: SplicePoint | None = None
     problems: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def weight_versions(self) -> bool:
+        """The release reports each generated id's weight version (CompletionOutput.weight_versions)."""
+        return ".".join(WEIGHT_VERSIONS_FIELD) not in self.fields_absent
 
     @property
     def in_supported_range(self) -> bool:
@@ -117,6 +133,11 @@ def check_release(sources: ModuleSources, version: str = "", wheel: str = "") ->
             report.problems.append(f"missing {module_name}.{symbol}")
         else:
             report.symbols_found += 1
+    for used in USED_FIELDS:
+        if not class_has_field(reader, *used):
+            report.fields_absent.append(".".join(used))
+            if field_expected(used, version):
+                report.problems.append(f"missing {'.'.join(used)}")
     preprocess = methods.get("preprocess_chat")
     if isinstance(preprocess, (ast.FunctionDef, ast.AsyncFunctionDef)):
         renderer_module = next(module for module, _, method in PATCHED_METHODS if method == "preprocess_chat")
@@ -131,6 +152,24 @@ def check_release(sources: ModuleSources, version: str = "", wheel: str = "") ->
     )
     report.problems.extend(problem for _, problem in report.splice_point.gaps())
     return report
+
+
+def class_has_field(reader: _Reader, module: str, class_name: str, name: str, hops: int = 0) -> bool:
+    """Whether the class (or a base class) declares `name` with an annotation in its body, as a dataclass field is."""
+    located = reader.class_def(module, class_name, hops)
+    if located is None or hops > 8:
+        return False
+    owner_module, node = located
+    for statement in node.body:
+        if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
+            if statement.target.id == name:
+                return True
+    for base in node.bases:
+        if isinstance(base, ast.Subscript):
+            base = base.value
+        if isinstance(base, ast.Name) and class_has_field(reader, owner_module, base.id, name, hops + 1):
+            return True
+    return False
 
 
 def _token_in_path(reader: _Reader, module: str, preprocess: _Function) -> bool:
@@ -169,14 +208,29 @@ def download_wheel(version: str, directory: Path) -> Path:
 
 
 def check_wheel(wheel: Path, version: str) -> ReleaseReport:
+    """The hook's check and the weight-update path's, on one release's wheel."""
     with zipfile.ZipFile(wheel) as archive:
-        return check_release(ModuleSources.from_zip(archive), version=version, wheel=wheel.name)
+        sources = ModuleSources.from_zip(archive)
+        report = check_release(sources, version=version, wheel=wheel.name)
+        report.weight_path = weight_path_problems(sources)
+    report.problems.extend(f"weight updates: {problem}" for problem in report.weight_path)
+    return report
 
 
 def format_reports(reports: list[ReleaseReport]) -> str:
     """The per-release table, then every problem found, release by release."""
     total_symbols = len(USED_SYMBOLS)
-    header = ("vLLM", "patched methods", "signatures", "used symbols", "token-in path", "splice point", "result")
+    header = (
+        "vLLM",
+        "patched methods",
+        "signatures",
+        "used symbols",
+        "token-in path",
+        "weight versions",
+        "weight updates",
+        "splice point",
+        "result",
+    )
     rows = [header]
     for report in reports:
         gaps = report.splice_point.gaps() if report.splice_point is not None else [("not checked", "")]
@@ -191,6 +245,8 @@ def format_reports(reports: list[ReleaseReport]) -> str:
                 "ok" if report.signatures_ok else "changed",
                 f"{report.symbols_found}/{total_symbols}",
                 "yes" if report.token_in else "no",
+                "yes" if report.weight_versions else "no",
+                "not checked" if report.weight_path is None else "ok" if not report.weight_path else "missing",
                 splice,
                 result,
             )
@@ -203,6 +259,12 @@ def format_reports(reports: list[ReleaseReport]) -> str:
             lines.append(
                 f"vLLM {report.version}: no {method}, expected (added in a later release; its route is not "
                 "guarded here)"
+            )
+        if not report.weight_versions and not any(WEIGHT_VERSIONS_FIELD[2] in p for p in report.problems):
+            since = ".".join(map(str, FIELD_SINCE[WEIGHT_VERSIONS_FIELD]))
+            lines.append(
+                f"vLLM {report.version}: no {'.'.join(WEIGHT_VERSIONS_FIELD)}, expected (added in {since}): the "
+                "hook's bundles carry no weight_version there"
             )
         for problem in report.problems:
             lines.append(f"vLLM {report.version}: {problem}")

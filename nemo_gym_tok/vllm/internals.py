@@ -8,6 +8,7 @@ import inspect
 import re
 from typing import Any
 
+from nemo_gym_tok.types.tokens import weight_versions_problem
 from nemo_gym_tok.vllm import routes
 from nemo_gym_tok.vllm.routes import ROUTE_METHODS
 
@@ -50,6 +51,21 @@ USED_SYMBOLS = (
     ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
     ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionToolsParam"),
 )
+# Dataclass fields of vLLM's outputs the answer wrappers read (chat_responses.py): (module, class, field). Each
+# release from FIELD_SINCE on must have it; before that the bundle says None (unknown) for what it gives.
+OUTPUTS_MODULE = "vllm.outputs"
+WEIGHT_VERSIONS_FIELD = (OUTPUTS_MODULE, "CompletionOutput", "weight_versions")
+"""The generated ids' weight version spans (`list[WeightVersionSpan] | None`, set on the final output only)."""
+USED_FIELDS = (
+    WEIGHT_VERSIONS_FIELD,
+    (OUTPUTS_MODULE, "WeightVersionSpan", "version"),
+    (OUTPUTS_MODULE, "WeightVersionSpan", "start"),
+    (OUTPUTS_MODULE, "WeightVersionSpan", "end"),
+)
+FIELD_SINCE: dict[tuple[str, str, str], tuple[int, int]] = dict.fromkeys(USED_FIELDS, (0, 32))
+"""The first vLLM release, as (major, minor), with each USED_FIELDS field (0.29 to 0.31 have no per-output weight
+versions: `ngt vllm-compat` reads it from each wheel). Absent from that release or a later one, the field moved and
+check_internals() names it; absent from an earlier one, the hook's bundles say weight_version None there."""
 _MARKER = "__nemo_gym_tok_original__"
 
 
@@ -82,7 +98,47 @@ def check_internals() -> list[str]:
     for module_name, symbol in USED_SYMBOLS:
         if _lookup(module_name, symbol) is None:
             missing.append(f"{module_name}.{symbol}")
+    for used in USED_FIELDS:
+        if not has_field(_lookup(*used[:2]), used[2]) and field_expected(used, vllm.__version__):
+            missing.append(".".join(used))
     return missing
+
+
+def field_expected(used: tuple[str, str, str], version: str) -> bool:
+    """Whether vLLM `version` (`0.32.0`, `0.31.1+cpu`) should have the USED_FIELDS field `used` (FIELD_SINCE)."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return match is None or (int(match[1]), int(match[2])) >= FIELD_SINCE.get(used, (0, 0))
+
+
+def has_field(owner: Any, name: str) -> bool:
+    """Whether the class `owner` declares the field `name` (a dataclass field, or an annotation of it or a base)."""
+    if owner is None:
+        return False
+    if name in getattr(owner, "__dataclass_fields__", {}):
+        return True
+    return any(name in vars(klass).get("__annotations__", {}) for klass in getattr(owner, "__mro__", ()))
+
+
+def weight_version_fields(completion: Any, generation_length: int) -> dict[str, Any]:
+    """The bundle's `weight_version` (the first span's version) and, only when the generated ids span more than one
+    version, `weight_version_spans`, from a finished vLLM CompletionOutput's `weight_versions` (WEIGHT_VERSIONS_FIELD)
+    over its `generation_length` generated ids. {} where it has none (a release before 0.32, no generated ids) or its
+    spans do not fit the ids: the bundle then says nothing, i.e. unknown. Spans past the ids (a stop string trims
+    the last ones) are cut at their end, which is where vLLM trims."""
+    spans = getattr(completion, WEIGHT_VERSIONS_FIELD[2], None)
+    if not spans or generation_length <= 0:
+        return {}
+    plain = [{"version": str(span.version), "start": int(span.start), "end": int(span.end)} for span in spans]
+    plain = [span for span in plain if span["start"] < generation_length]
+    if not plain:
+        return {}
+    plain[-1]["end"] = min(plain[-1]["end"], generation_length)
+    if weight_versions_problem(plain[0]["version"], plain, generation_length) is not None:
+        return {}
+    fields: dict[str, Any] = {"weight_version": plain[0]["version"]}
+    if len(plain) > 1:
+        fields["weight_version_spans"] = plain
+    return fields
 
 
 def is_installed() -> bool:

@@ -43,6 +43,7 @@ from responses_api_models.vllm_model.token_capture import (
     tokenize_request,
 )
 from responses_api_models.vllm_model.upstream import VLLMUpstream, answer_json, is_context_overflow
+from responses_api_models.vllm_model.weight_versions import WeightVersionReads
 
 ADAPTER_FIELDS = frozenset({"model", "messages", "stream", "stream_options", "n", PREFIX_KEY, "start_token_segment"})
 """Top-level fields the adapter reads itself (routing, token ids, streaming): allowed whatever `forwarded_fields`
@@ -81,6 +82,7 @@ class VLLMModel(ModelServer):
             proof_max_age_seconds=self.config.template_proof_max_age_seconds,
         )
         self._hooked: dict[str, bool] = {}
+        self.weight_versions = WeightVersionReads(self.upstream.get_small)
         self._provenance: dict[str, tuple[dict[str, Any] | None, dict[str, str] | None]] = {}
         capture_dir = self.config.nemo_gym_token_capture_dir
         self.capture_store = NeMoGymTokenStore(capture_dir) if capture_dir else None
@@ -216,7 +218,21 @@ class VLLMModel(ModelServer):
 
     async def prepare(self, chat: ChatCall, url: str) -> PreparedCall:
         """The body to send vLLM at `url` for `chat`: sampling overrides, token capture fields, and (where the adapter
-        splices) the spliced prompt as token-in ids. Every refusal of the request happens here, before any answer."""
+        splices) the spliced prompt as token-in ids. Every refusal of the request happens here, before any answer.
+        A call that returns its bundle also reads the server's weight version meanwhile (weight_versions.py): done
+        before the call is sent, so no id of the call can be sampled before the label that was read."""
+        reading = self.weight_versions.start(url) if self.config.return_token_id_information else None
+        try:
+            call = await self._prepare(chat, url)
+        except BaseException:
+            if reading is not None:
+                reading.cancel()
+            raise
+        if reading is not None:
+            call.weight_version_before, call.weight_version_read = await reading, True
+        return call
+
+    async def _prepare(self, chat: ChatCall, url: str) -> PreparedCall:
         required_prefix = chat.required_prefix
         capture = self.config.return_token_id_information
         needs_ids = capture or required_prefix is not None
@@ -254,6 +270,19 @@ class VLLMModel(ModelServer):
     async def finish(self, call: PreparedCall, result: dict[str, Any], url: str) -> dict[str, Any]:
         """vLLM's chat completion `result` as the caller gets it: splice telemetry, bundles resolved and checked, and
         what the adapter asked for only for itself removed."""
+        # The second weight version read: the answer is in, so every id of the call was sampled before it.
+        after = None
+        if call.capture and call.weight_version_read and call.weight_version_before is not None:
+            after = asyncio.create_task(self.weight_versions.read(url))
+        try:
+            return await self._finish(call, result, url, after)
+        finally:
+            if after is not None and not after.done():
+                after.cancel()
+
+    async def _finish(
+        self, call: PreparedCall, result: dict[str, Any], url: str, after: asyncio.Task[str | None] | None
+    ) -> dict[str, Any]:
         if call.confirm is not None:
             await call.confirm()
         if call.telemetry_ready is not None:
@@ -276,6 +305,7 @@ class VLLMModel(ModelServer):
             if call.capture:
                 defaults, fingerprint = await self._model_files(url)
                 attach_provenance(result, call.body, defaults, fingerprint)
+                await self.weight_versions.settle(result, url, call.weight_version_before, after)
         return result
 
     async def _model_files(self, url: str) -> tuple[dict[str, Any] | None, dict[str, str] | None]:

@@ -78,6 +78,10 @@ class PreparedCall:
     """The adapter's splice: what must hold of the server once the answer is in (SplicedCall.confirm)."""
     telemetry_ready: Callable[[], Awaitable[None]] | None = None
     """The adapter's splice: await before reading `telemetry` (SplicedCall.telemetry_ready)."""
+    weight_version_read: bool = False
+    """The server's weight version was read before sending (weight_versions.py): read it again after the answer."""
+    weight_version_before: str | None = None
+    """What that read said (None: unknown)."""
 
 
 def parse_body(model: type[Model], body: dict[str, Any]) -> Model:

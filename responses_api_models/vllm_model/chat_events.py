@@ -12,11 +12,20 @@ from nemo_gym_tok.contract.constrained import CONSTRAINED_BY_KEY, FORCED_MASK_KE
 from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.servers.fast_json import dumps
 from nemo_gym_tok.types import BUNDLE_FIELDS
+from nemo_gym_tok.types.tokens import WEIGHT_VERSION_KEY, WEIGHT_VERSION_SPANS_KEY
 from responses_api_models.vllm_model.calls import PreparedCall
 from responses_api_models.vllm_model.chat_assembly import chunk_choice
 from responses_api_models.vllm_model.streaming import SSE_MEDIA_TYPE, ChatStream, is_hook_final_chunk
 
-FINAL_CHUNK_FIELDS = (*BUNDLE_FIELDS, "token_source", "prefix_splice", CONSTRAINED_BY_KEY, FORCED_MASK_KEY)
+FINAL_CHUNK_FIELDS = (
+    *BUNDLE_FIELDS,
+    "token_source",
+    "prefix_splice",
+    CONSTRAINED_BY_KEY,
+    FORCED_MASK_KEY,
+    WEIGHT_VERSION_KEY,
+    WEIGHT_VERSION_SPANS_KEY,
+)
 """What the final chunk's `choices[0].delta` may carry: what `choice.message` carries without streaming."""
 _DONE = "data: [DONE]\n\n"
 

@@ -24,7 +24,7 @@ from nemo_gym_tok.contract.token_sources import (
     resolve_bundle,
 )
 from nemo_gym_tok.servers.api_errors import ApiError
-from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
+from nemo_gym_tok.types.tokens import BUNDLE_FIELDS, WEIGHT_VERSION_KEY, WEIGHT_VERSION_SPANS_KEY
 
 # Fields of a chat request that change the rendered prompt: the /tokenize fallback gets exactly these.
 PROMPT_AFFECTING_FIELDS = (
@@ -130,6 +130,8 @@ async def attach_bundles(
         telemetry = result.get("prefix_splice") if isinstance(result.get("prefix_splice"), dict) else None
         check_required_prefix(bundle.prompt_token_ids, required_prefix, telemetry, upstream_url=upstream_url)
         if return_bundle:
+            # The hook's weight_version and weight_version_spans stay on the message it put them on; the adapter's
+            # WeightVersionReads.settle keeps them where the hook's bundle won, and decides them otherwise.
             message.update(bundle.as_fields())
             message["token_source"] = bundle.source.value
             if isinstance(result.get("prefix_splice"), dict):
@@ -229,5 +231,12 @@ def drop_unrequested(result: dict[str, Any], caller_body: dict[str, Any], *, bun
         if not caller_body.get("logprobs"):
             choice.pop("logprobs", None)
         if not bundle_returned:
-            for field in (*BUNDLE_FIELDS, CONSTRAINED_BY_KEY, FORCED_MASK_KEY):  # the hook adds these with a bundle
+            # the hook adds these with a bundle
+            for field in (
+                *BUNDLE_FIELDS,
+                CONSTRAINED_BY_KEY,
+                FORCED_MASK_KEY,
+                WEIGHT_VERSION_KEY,
+                WEIGHT_VERSION_SPANS_KEY,
+            ):
                 choice.get("message", {}).pop(field, None)

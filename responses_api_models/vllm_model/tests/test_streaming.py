@@ -33,6 +33,7 @@ FINAL_DELTA = {
     "prefix_splice",
     "constrained_by",
     "generation_forced_mask",
+    "weight_version",  # both servers run with VLLM_SERVER_DEV_MODE=1: the hook says it, or the adapter reads it
 }
 
 
