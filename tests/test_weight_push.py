@@ -15,6 +15,7 @@ from nemo_gym_tok.weights import Replica, WeightPushError, push_weights
 from tests.servers import hooked_server
 from tests.weights_support import (
     DEV_MODE_ENV,
+    checkpoint_without,
     copy_model_dir,
     mean_and_max_gap,
     perturbed_checkpoint,
@@ -149,6 +150,7 @@ def test_two_servers_take_a_push_together_or_not_at_all(
     second_replica: VLLMServer,
     checkpoints: dict[str, Path],
     capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
 ) -> None:
     urls = [rl_vllm_server.base_url, second_replica.base_url]
     code = ngt(["push-weights", str(checkpoints["step-1"]), "--version", "both-1", *(f"--url={u}/v1" for u in urls)])
@@ -166,6 +168,16 @@ def test_two_servers_take_a_push_together_or_not_at_all(
     assert code == 1 and dead in error and "refused before any change" in error
     for url in urls:
         assert weight_version(url) == "both-1", "a push that one server refused changes none"
+        assert_serves(url, checkpoints["step-1"])
+
+    # A checkpoint without one tensor: each server loads the others in place, then its worker refuses the reload, and
+    # the push puts both back on step 1's weights and label.
+    partial = checkpoint_without(checkpoints["step-2"], tmp_path / "step-2-partial", "model.norm.weight")
+    with pytest.raises(WeightPushError, match="could not reload.*model.norm.weight") as refused:
+        push_weights(urls, partial, version="both-2")
+    assert set(refused.value.replicas) == set(urls) and refused.value.left_paused == ()
+    for url in urls:
+        assert weight_version(url) == "both-1"
         assert_serves(url, checkpoints["step-1"])
 
 

@@ -80,3 +80,15 @@ def mean_and_max_gap(served: Sequence[float], recomputed: Sequence[float]) -> tu
 
 def weight_version(base_url: str) -> str:
     return str(httpx.get(f"{base_url}/weight_info", timeout=30).json()["weight_version"])
+
+
+def checkpoint_without(source: Path, dest: Path, tensor: str) -> Path:
+    """A copy of the checkpoint `source` whose weights file lacks `tensor`: vLLM's reload loads every other tensor and
+    only logs the missing one."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, dest)
+    weights = load_file(dest / "model.safetensors")
+    del weights[tensor]
+    save_file(weights, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest

@@ -41,15 +41,12 @@ class Replica:
         self._http = http
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key and api_key != "EMPTY" else {}
 
-    def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    def _call(self, method: str, path: str, *, last_on_connection: bool = False, **kwargs: Any) -> httpx.Response:
+        # vLLM's server drops the connection after answering 500 (a worker method it lacks): a call that may get one
+        # closes its connection itself, so the next call never goes out on a connection the server has closed.
+        headers = {**self._headers, "Connection": "close"} if last_on_connection else self._headers
         try:
-            try:
-                response = self._http.request(method, f"{self.url}{path}", headers=self._headers, **kwargs)
-            except (httpx.RemoteProtocolError, httpx.ReadError):
-                if method != "GET":
-                    raise
-                # vLLM's server closes a connection after a 500 (a worker method it lacks); a read is asked again.
-                response = self._http.request(method, f"{self.url}{path}", headers=self._headers, **kwargs)
+            response = self._http.request(method, f"{self.url}{path}", headers=headers, **kwargs)
         except httpx.TimeoutException as exc:
             raise ReplicaError(self.url, f"{method} {path} timed out ({type(exc).__name__})") from exc
         except httpx.TransportError as exc:
@@ -79,7 +76,7 @@ class Replica:
     def reload_status(self) -> dict[str, Any] | None:
         """What the worker-side exact reload reports (nemo_gym_tok.vllm.exact_reload), or None: a vLLM without it."""
         try:
-            response = self._call("POST", "/collective_rpc", json={"method": STATUS_METHOD})
+            response = self._call("POST", "/collective_rpc", json={"method": STATUS_METHOD}, last_on_connection=True)
         except ReplicaError as exc:
             if exc.status != 500:
                 raise
@@ -105,9 +102,8 @@ class Replica:
 
     def reload(self, weights_path: str) -> None:
         """vLLM's in-place reload from a checkpoint directory (a path the server can read)."""
-        self._call(
-            "POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": weights_path}}
-        )
+        body = {"method": "reload_weights", "kwargs": {"weights_path": weights_path}}
+        self._call("POST", "/collective_rpc", json=body, last_on_connection=True)  # a refused reload answers 500
 
     def reset_prefix_cache(self, *, running_requests: bool) -> None:
         """Drop the KV blocks computed with the old weights; `running_requests` also those of frozen requests
