@@ -10,6 +10,8 @@ import pytest
 
 from nemo_gym_tok.cli.main import main as ngt
 from nemo_gym_tok.common.net import free_port
+from nemo_gym_tok.vllm.exact_reload import EXACT_RELOAD_ENV
+from nemo_gym_tok.vllm.hook import ENABLE_ENV
 from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ENV, VLLMServer
 from nemo_gym_tok.weights import Replica, WeightPushError, push_weights
 from tests.servers import hooked_server
@@ -89,8 +91,8 @@ def bundle_version(base_url: str) -> str | None:
     return message.get("weight_version")
 
 
-def assert_serves(base_url: str, checkpoint: Path) -> list[float]:
-    served = served_log_probs(base_url, MODEL)
+def assert_serves(base_url: str, checkpoint: Path, api_key: str | None = None) -> list[float]:
+    served = served_log_probs(base_url, MODEL, api_key=api_key)
     mean, largest = mean_and_max_gap(served, recomputed_log_probs(checkpoint))
     print(f"served vs {checkpoint.name} recomputed (float32): {mean:.4f} nats mean, {largest:.4f} max")
     assert mean < MATCH_NATS, f"{base_url} serves log probs {mean:.4f} nats mean ({largest:.4f} max) off {checkpoint}"
@@ -215,18 +217,21 @@ def test_stock_cpu_vllm_serves_a_stale_tied_output_layer_so_a_push_there_is_refu
     assert_serves(url, tiny_model_dir)
 
 
-def test_weight_routes_refuse_a_caller_without_the_key(
+def test_a_stock_server_with_the_exact_reload_guards_its_weight_routes_and_reloads_right(
     checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """With an API key, vLLM's own guard covers /v1 only; the plugin extends it to every development route."""
+    """vLLM without the splice hook (stock chat templating, `splice: adapter`), with this package's exact reload
+    switched on alone, and an API key: vLLM's own guard covers /v1 only, the plugin extends it to every development
+    route; a push with the key is exact on the tied model."""
     key = "weights-key-123"
     with hooked_server(
         checkpoints["step-0"],
         served_model_name=MODEL,
         extra_args=(*CPU_SERVING_ARGS, "--max-model-len", "512", "--api-key", key),
-        env={DEV_MODE_ENV: "1"},
+        env={DEV_MODE_ENV: "1", ENABLE_ENV: "0", EXACT_RELOAD_ENV: "1"},
         log_path=tmp_path_factory.mktemp("keyed-vllm") / "vllm.log",
-        what="hooked vLLM with an API key: ",
+        hook=False,
+        what="stock vLLM with the exact reload and an API key: ",
     ) as server:
         url = server.base_url
         served = httpx.get(f"{url}/openapi.json", timeout=30).json()["paths"]
@@ -240,3 +245,4 @@ def test_weight_routes_refuse_a_caller_without_the_key(
             push_weights([url], checkpoints["step-1"], version="keyed-1")
         report = push_weights([url], checkpoints["step-1"], version="keyed-1", api_key=key)
         assert report.version == "keyed-1"
+        assert_serves(url, checkpoints["step-1"], api_key=key)
