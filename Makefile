@@ -30,7 +30,7 @@ DESELECT_030 := --deselect tests/test_hook_vllm.py::test_tool_call_conversations
 # only 2 of the stock detection test's 6 histories drift.
 DESELECT_029 := $(DESELECT_030)
 
-.PHONY: setup chromium test lint format test-gpt-oss demo clean test-families template-sweep vllm-compat test-vllm-0.30 \
+.PHONY: setup chromium test lint format test-gpt-oss demo train-demo clean test-families template-sweep vllm-compat test-vllm-0.30 \
 	test-vllm-0.29 bench renderers-venv renderers-oracle clients-venv
 
 setup: $(NGT_STAMP)
@@ -118,6 +118,14 @@ template-sweep: setup
 
 demo: setup
 	$(VENV)/bin/ngt demo
+
+# TRL's GRPOTrainer learning from the gym on the CPU (docs/training.md, "The RL loop with TRL"): the tiny model's
+# training variant on a hooked float32 vLLM with vLLM's weight routes, the non_ascii environment, 30 steps of 8
+# episodes, about 4 minutes; records, metrics.jsonl and train-demo.png in .ngt/train-demo/. TRL and matplotlib are
+# the `train` extra.
+train-demo: setup
+	$(PY) -c "import matplotlib, trl" 2>/dev/null || $(PIP) install --quiet -e '.[train]'
+	$(VENV)/bin/ngt train-demo
 
 # The benchmarks (bench/README.md): every figure on one long-context bench server (the tiny model built with a
 # 32,768-position limit), then docs/performance.md and docs/performance.png regenerated. 9 to 11 minutes on 2 cores.

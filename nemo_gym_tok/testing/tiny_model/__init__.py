@@ -4,6 +4,7 @@ from nemo_gym_tok.testing.tiny_model._cache import file_sha256
 from nemo_gym_tok.testing.tiny_model.build import (
     MODEL_CONFIG,
     SEED,
+    VARIANTS,
     VOCAB_SIZE,
     build_tiny_model,
     cache_root,
@@ -11,6 +12,7 @@ from nemo_gym_tok.testing.tiny_model.build import (
     is_complete,
     spec_hash,
 )
+from nemo_gym_tok.testing.tiny_model.planted import TRAIN_VARIANT, feature_table, text_feature
 from nemo_gym_tok.testing.tiny_model.tokenizer import (
     ENDOFTEXT_ID,
     EOS_TOKEN,
@@ -46,14 +48,18 @@ __all__ = [
     "TOOL_CALL_START_ID",
     "TOOL_RESPONSE_END_ID",
     "TOOL_RESPONSE_START_ID",
+    "TRAIN_VARIANT",
+    "VARIANTS",
     "VOCAB_SIZE",
     "build_tiny_model",
     "build_tokenizer",
     "cache_root",
     "chat_template",
     "default_tiny_model_dir",
+    "feature_table",
     "file_sha256",
     "is_complete",
     "qwen_ranks_file",
     "spec_hash",
+    "text_feature",
 ]

@@ -19,6 +19,7 @@ from nemo_gym_tok.testing.tiny_model._cache import (
 from nemo_gym_tok.testing.tiny_model._cache import (
     is_complete as _is_complete,
 )
+from nemo_gym_tok.testing.tiny_model.planted import PLANTED_SPEC, TRAIN_VARIANT, plant_feature
 from nemo_gym_tok.testing.tiny_model.tokenizer import (
     ENDOFTEXT_ID,
     IM_END_ID,
@@ -40,6 +41,7 @@ __all__ = [
     "MODEL_CONFIG",
     "REQUIRED_FILES",
     "SEED",
+    "VARIANTS",
     "VOCAB_SIZE",
     "build_spec",
     "build_tiny_model",
@@ -55,6 +57,9 @@ logger = logging.getLogger(__name__)
 
 VOCAB_SIZE = 151936  # Qwen's embedding rows: 151,669 used ids padded up, like the real checkpoints
 SEED = 1234
+VARIANTS = (None, TRAIN_VARIANT)
+"""None: the default model. "train": the same weights with one feature planted in the embedding, for learning tests
+(nemo_gym_tok.testing.tiny_model.planted); a separate cache entry, the default's bytes unchanged."""
 
 # Bump when the build code changes what it writes, so stale cache entries are not reused.
 BUILD_FORMAT = 1
@@ -105,15 +110,22 @@ def _limit(max_position_embeddings: int | None) -> int | None:
     return None if max_position_embeddings in (None, MODEL_MAX_LENGTH) else max_position_embeddings
 
 
+def _variant(variant: str | None) -> str | None:
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    return variant
+
+
 @lru_cache(maxsize=8)
-def build_spec(max_position_embeddings: int | None = None) -> dict[str, Any]:
+def build_spec(max_position_embeddings: int | None = None, variant: str | None = None) -> dict[str, Any]:
     """Everything that determines the build's bytes; its hash names the cache dir, so any change rebuilds.
 
     `max_position_embeddings` (default: the test build's 8192) raises the model's position limit, and the
     tokenizer's `model_max_length` with it: a separate build (e.g. 32768 for the long-context benchmarks in bench/),
     otherwise the same weights' shapes, seed, tokenizer and template. The default spec is unchanged by the option.
+    `variant` "train" adds the planted feature's spec (`PLANTED_SPEC`); the default (None) has no such key.
     """
-    return {
+    spec = {
         "build_format": BUILD_FORMAT,
         "seed": SEED,
         "model_config": model_config_for(_limit(max_position_embeddings)),
@@ -122,23 +134,29 @@ def build_spec(max_position_embeddings: int | None = None) -> dict[str, Any]:
         "pattern": QWEN_PAT_STR,
         "chat_template_sha256": hashlib.sha256(chat_template().encode("utf-8")).hexdigest(),
     }
+    if _variant(variant) is not None:
+        spec["planted"] = PLANTED_SPEC
+    return spec
 
 
-def spec_hash(max_position_embeddings: int | None = None) -> str:
+def spec_hash(max_position_embeddings: int | None = None, variant: str | None = None) -> str:
     """Short, stable hash of `build_spec()`."""
-    return hash_spec(build_spec(_limit(max_position_embeddings)))
+    return hash_spec(build_spec(_limit(max_position_embeddings), _variant(variant)))
 
 
-def default_tiny_model_dir(max_position_embeddings: int | None = None) -> Path:
-    """Cache location of the current build spec (it may not be built yet); a raised position limit is its own entry."""
+def default_tiny_model_dir(max_position_embeddings: int | None = None, variant: str | None = None) -> Path:
+    """Cache location of the current build spec (it may not be built yet); a raised position limit and the training
+    variant are entries of their own."""
     limit = _limit(max_position_embeddings)
     name = "qwen3-tiny" if limit is None else f"qwen3-tiny-ctx{limit}"
-    return cache_root() / f"{name}-{spec_hash(limit)}"
+    if _variant(variant) is not None:
+        name += f"-{variant}"
+    return cache_root() / f"{name}-{spec_hash(limit, variant)}"
 
 
-def is_complete(directory: Path, max_position_embeddings: int | None = None) -> bool:
-    """True if `directory` holds a finished build of the current spec (of that position limit)."""
-    return _is_complete(directory, spec_hash(max_position_embeddings), REQUIRED_FILES)
+def is_complete(directory: Path, max_position_embeddings: int | None = None, variant: str | None = None) -> bool:
+    """True if `directory` holds a finished build of the current spec (of that position limit and variant)."""
+    return _is_complete(directory, spec_hash(max_position_embeddings, variant), REQUIRED_FILES)
 
 
 def write_random_qwen3(
@@ -178,7 +196,7 @@ def write_random_qwen3(
         path.chmod(0o644)
 
 
-def _write_build(out: Path, max_position_embeddings: int | None = None) -> None:
+def _write_build(out: Path, max_position_embeddings: int | None = None, variant: str | None = None) -> None:
     """Write model weights, configs and tokenizer into `out` (an existing empty directory)."""
     limit = _limit(max_position_embeddings)
     tokenizer = build_tokenizer()
@@ -195,7 +213,10 @@ def _write_build(out: Path, max_position_embeddings: int | None = None) -> None:
         pad_token_id=ENDOFTEXT_ID,
         bos_token_id=None,
     )
-    write_marker(out, spec_hash(limit), build_spec(limit))
+    if variant == TRAIN_VARIANT:
+        plant_feature(out)  # the same random weights, then the feature written into the embedding
+        (out / "model.safetensors").chmod(0o644)
+    write_marker(out, spec_hash(limit, variant), build_spec(limit, variant))
 
 
 def build_tiny_model(
@@ -203,6 +224,7 @@ def build_tiny_model(
     *,
     force: bool = False,
     max_position_embeddings: int | None = None,
+    variant: str | None = None,
 ) -> Path:
     """Return a directory holding the tiny Qwen3 model (weights, configs, tokenizer), building it if needed.
 
@@ -210,15 +232,16 @@ def build_tiny_model(
     spec is returned immediately unless `force`. Builds go to a temp dir next to `dest` and are renamed into place,
     so a killed build never leaves a directory that looks complete. Same spec -> byte-identical files.
     `max_position_embeddings` (default 8192, the test build) builds a separate model with that position limit
-    (bench/ serves a 32768 one with `--max-model-len 32768`).
+    (bench/ serves a 32768 one with `--max-model-len 32768`). `variant="train"` builds the training variant (the same
+    weights with a feature planted in the embedding: nemo_gym_tok.testing.tiny_model.planted), cached apart.
     Raises FileExistsError if `dest` is a non-empty directory that is not one of our builds.
     """
-    limit = _limit(max_position_embeddings)
-    target = Path(dest).expanduser().absolute() if dest is not None else default_tiny_model_dir(limit)
+    limit, variant = _limit(max_position_embeddings), _variant(variant)
+    target = Path(dest).expanduser().absolute() if dest is not None else default_tiny_model_dir(limit, variant)
     return build_cached(
         target,
         force=force,
-        complete=lambda directory: is_complete(directory, limit),
-        write=lambda out: _write_build(out, limit),
+        complete=lambda directory: is_complete(directory, limit, variant),
+        write=lambda out: _write_build(out, limit, variant),
         what="tiny-model",
     )

@@ -1,0 +1,102 @@
+"""One training step's figures: reward, the exact-ids gap, the text pipeline's, timings; a line and a JSON object."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nemo_gym_tok.train.logprob_gap import KINDS, GapFigures
+from nemo_gym_tok.train.text_pipeline import TextPipelineFigures
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """Measured on the episodes one step collected, at the weights that sampled them (pushed just before)."""
+
+    step: int
+    version: str
+    episodes: int
+    contiguous: int
+    rewards: list[float]
+    sampled_tokens: int
+    exact: dict[str, GapFigures]
+    """Per turn kind (free, constrained, unknown): the sampler's log probs against the learner's along the exact ids."""
+    text: TextPipelineFigures | None
+    """The same episodes' free turns re-rendered from their final messages; None when not measured."""
+    push_seconds: float
+    collect_seconds: float
+    measure_seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def reward_mean(self) -> float:
+        return sum(self.rewards) / len(self.rewards) if self.rewards else math.nan
+
+    def line(self) -> str:
+        """The one line `ngt train-demo` prints per step."""
+        free = self.exact["free"]
+        parts = [
+            f"step {self.step:>2}",
+            f"reward {self.reward_mean:.3f}",
+            f"exact gap free mean {free.mean:.1e} max {free.max:.1e} clip {_percent(free.clip_share)}",
+        ]
+        constrained = self.exact["constrained"]
+        if constrained.tokens:
+            parts.append(f"constrained mean {constrained.mean:.3f}")
+        if self.text is not None:
+            parts.append(
+                f"text: ids differ {_percent(self.text.differing_share)}, gap mean {self.text.gap.mean:.3f} "
+                f"max {self.text.gap.max:.2f}, clip {_percent(self.text.gap.clip_share)}"
+            )
+        parts.append(f"push {self.push_seconds:.2f}s")
+        parts.append(f"contiguous {self.contiguous}/{self.episodes}")
+        return " | ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        """Flat, JSON-safe (NaN becomes null): one line of the metrics JSONL."""
+        row: dict[str, Any] = {
+            "step": self.step,
+            "weight_version": self.version,
+            "episodes": self.episodes,
+            "contiguous": self.contiguous,
+            "reward_mean": self.reward_mean,
+            "rewards": self.rewards,
+            "sampled_tokens": self.sampled_tokens,
+        }
+        for kind in KINDS:
+            row.update(_gap_fields(f"exact_{kind}", self.exact[kind]))
+        if self.text is not None:
+            row["text_positions"] = self.text.positions
+            row["text_differing"] = self.text.differing
+            row["text_differing_share"] = self.text.differing_share
+            row.update(_gap_fields("text", self.text.gap))
+        row.update(
+            push_seconds=self.push_seconds,
+            collect_seconds=self.collect_seconds,
+            measure_seconds=self.measure_seconds,
+            notes=self.notes,
+        )
+        return {key: (None if isinstance(value, float) and math.isnan(value) else value) for key, value in row.items()}
+
+
+def append_metrics(path: Path, metrics: StepMetrics) -> None:
+    """One JSON line per step, appended."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps(metrics.to_json(), allow_nan=False) + "\n")
+
+
+def _gap_fields(prefix: str, figures: GapFigures) -> dict[str, Any]:
+    return {
+        f"{prefix}_tokens": figures.tokens,
+        f"{prefix}_gap_mean": figures.mean,
+        f"{prefix}_gap_max": figures.max,
+        f"{prefix}_clip_share": figures.clip_share,
+    }
+
+
+def _percent(share: float) -> str:
+    return "n/a" if math.isnan(share) else f"{100 * share:.1f}%"

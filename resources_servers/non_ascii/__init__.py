@@ -1,0 +1,1 @@
+"""non_ascii: short multi-turn writing whose reward is the share of the answers' characters beyond ASCII."""
