@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 
 import pytest
 
-from nemo_gym_tok.vllm import hook
+from nemo_gym_tok.vllm import hook, internals
 
 
 def test_every_patched_vllm_symbol_is_where_the_hook_expects_it() -> None:
@@ -60,9 +61,9 @@ def test_supported_range(version: str, supported: bool) -> None:
 
 
 @pytest.fixture
-def every_route_method(monkeypatch: pytest.MonkeyPatch) -> None:
+def every_route_method(monkeypatch: pytest.MonkeyPatch, every_used_field: None) -> None:
     """On a vLLM that predates a route method (0.29: routes.ROUTE_SINCE), a stand-in for it, so that a test posing as
-    a later release finds that release's internals in place."""
+    a later release finds that release's internals in place (the output fields too: every_used_field)."""
     from nemo_gym_tok.vllm import routes
 
     async def stand_in(self: object, request: object, *args: object, **kwargs: object) -> None:
@@ -72,6 +73,20 @@ def every_route_method(monkeypatch: pytest.MonkeyPatch) -> None:
         owner = hook._lookup(module_name, class_name)
         if not hasattr(owner, method):
             monkeypatch.setattr(owner, method, stand_in, raising=False)
+
+
+@pytest.fixture
+def every_used_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a vLLM that predates an output field the answer wrappers read (0.29 to 0.31: internals.FIELD_SINCE), a
+    stand-in annotation for it, so that a test posing as 0.32 or later finds that release's internals in place."""
+    for module_name, class_name, name in internals.USED_FIELDS:
+        module = importlib.import_module(module_name)
+        owner = getattr(module, class_name, None)
+        if owner is None:
+            owner = type(class_name, (), {"__annotations__": {}})
+            monkeypatch.setattr(module, class_name, owner, raising=False)
+        if not internals.has_field(owner, name):
+            monkeypatch.setattr(owner, "__annotations__", {**vars(owner).get("__annotations__", {}), name: object})
 
 
 @pytest.mark.parametrize("version", ["0.29.0", "0.30.0", "0.31.0", "0.33.0"])
@@ -120,7 +135,7 @@ def test_allowed_vllm_outside_the_range_still_needs_its_internals(
     "version, expected", [("0.29.0", True), ("0.29.3+cpu", True), ("0.30.0", False), ("0.33.0", False)]
 )
 def test_a_route_method_is_absent_by_design_only_before_its_first_release(
-    unpatched, monkeypatch: pytest.MonkeyPatch, version: str, expected: bool
+    unpatched, every_used_field, monkeypatch: pytest.MonkeyPatch, version: str, expected: bool
 ) -> None:
     """/v1/responses/render came with vLLM 0.30: on 0.29 there is no route to guard and the hook installs without
     it; on 0.30 and later its method missing means vLLM moved it, and the hook refuses, naming it."""

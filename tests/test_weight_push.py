@@ -126,27 +126,6 @@ def test_served_log_probs_follow_each_push_and_come_back_with_step_0(
     assert mean_and_max_gap(back, at_step_0)[1] < 1e-3, "reloading step 0 must give step 0's log probs back"
 
 
-def test_an_untied_model_follows_its_pushes_and_a_tied_checkpoint_is_refused(
-    checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    with hooked_server(
-        checkpoints["untied-0"],
-        served_model_name=MODEL,
-        extra_args=(*CPU_SERVING_ARGS, "--max-model-len", "1024"),
-        env={DEV_MODE_ENV: "1"},
-        log_path=tmp_path_factory.mktemp("untied-vllm") / "vllm.log",
-        what="hooked vLLM on an untied model: ",
-    ) as server:
-        assert_serves(server.base_url, checkpoints["untied-0"])
-        push_weights([server.base_url], checkpoints["untied-1"], version="untied-1")
-        assert_serves(server.base_url, checkpoints["untied-1"])
-        with pytest.raises(WeightPushError, match="own output layer") as refused:
-            push_weights([server.base_url], checkpoints["step-1"], version="tied-into-untied")
-        assert refused.value.replicas == (server.base_url,)
-        assert weight_version(server.base_url) == "untied-1"
-        assert_serves(server.base_url, checkpoints["untied-1"])
-
-
 def test_two_servers_take_a_push_together_or_not_at_all(
     rl_vllm_server: VLLMServer,
     second_replica: VLLMServer,
@@ -217,15 +196,15 @@ def test_stock_cpu_vllm_serves_a_stale_tied_output_layer_so_a_push_there_is_refu
     assert_serves(url, tiny_model_dir)
 
 
-def test_a_stock_server_with_the_exact_reload_guards_its_weight_routes_and_reloads_right(
+def test_a_stock_server_with_the_exact_reload_and_a_key_guards_its_routes_and_follows_an_untied_model(
     checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """vLLM without the splice hook (stock chat templating, `splice: adapter`), with this package's exact reload
-    switched on alone, and an API key: vLLM's own guard covers /v1 only, the plugin extends it to every development
-    route; a push with the key is exact on the tied model."""
+    switched on alone and an API key, serving an untied model: vLLM's own guard covers /v1 only, the plugin extends
+    it to every development route; keyed pushes follow the untied model, and a tied checkpoint is refused."""
     key = "weights-key-123"
     with hooked_server(
-        checkpoints["step-0"],
+        checkpoints["untied-0"],
         served_model_name=MODEL,
         extra_args=(*CPU_SERVING_ARGS, "--max-model-len", "512", "--api-key", key),
         env={DEV_MODE_ENV: "1", ENABLE_ENV: "0", EXACT_RELOAD_ENV: "1"},
@@ -241,8 +220,13 @@ def test_a_stock_server_with_the_exact_reload_guards_its_weight_routes_and_reloa
             answer = httpx.request(method, f"{url}{path}", timeout=30)
             assert answer.status_code == 401, f"{method} {path} answered {answer.status_code} without the key"
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+        assert_serves(url, checkpoints["untied-0"], api_key=key)
         with pytest.raises(WeightPushError, match="API key"):
-            push_weights([url], checkpoints["step-1"], version="keyed-1")
-        report = push_weights([url], checkpoints["step-1"], version="keyed-1", api_key=key)
-        assert report.version == "keyed-1"
-        assert_serves(url, checkpoints["step-1"], api_key=key)
+            push_weights([url], checkpoints["untied-1"], version="untied-1")
+        report = push_weights([url], checkpoints["untied-1"], version="untied-1", api_key=key)
+        assert report.version == "untied-1"
+        assert_serves(url, checkpoints["untied-1"], api_key=key)
+        with pytest.raises(WeightPushError, match="own output layer") as refused:
+            push_weights([url], checkpoints["step-1"], version="tied-into-untied", api_key=key)
+        assert refused.value.replicas == (url,)
+        assert_serves(url, checkpoints["untied-1"], api_key=key)
