@@ -73,8 +73,10 @@ def checkpoint(tmp_path: Path) -> Path:
 
 
 def push(fake: FakeVLLM, checkpoint: Path, **options: object):
+    """A push to both hosts, the first named twice (its /v1 URL and its root): each server is pushed once."""
+    urls = [f"{HOSTS[0]}/v1", *HOSTS]
     with httpx.Client(transport=httpx.MockTransport(fake.handler)) as http:
-        return push_weights([f"{host}/v1" for host in HOSTS], checkpoint, version="v1", http=http, **options)
+        return push_weights(urls, checkpoint, version="v1", http=http, **options)
 
 
 def test_a_reload_failing_on_one_server_puts_every_server_back(checkpoint: Path) -> None:

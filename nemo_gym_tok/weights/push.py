@@ -14,7 +14,7 @@ from typing import TypeVar
 import httpx
 
 from nemo_gym_tok.weights.checkpoint import Checkpoint, check_checkpoint_dir, check_version_label
-from nemo_gym_tok.weights.replica import PAUSE_MODES, PauseMode, Replica, ReplicaError
+from nemo_gym_tok.weights.replica import PAUSE_MODES, PauseMode, Replica, ReplicaError, server_root
 
 T = TypeVar("T")
 EXACT_RELOAD_HINT = (
@@ -85,7 +85,8 @@ def push_weights(
     checkpoint = check_checkpoint_dir(checkpoint_dir)
     started, phases = time.perf_counter(), {}
     with httpx.Client(timeout=timeout) if http is None else contextlib.nullcontext(http) as client:
-        replicas = [Replica(url, client, api_key) for url in dict.fromkeys(urls)]
+        # One server named twice (its root and its /v1 URL, say) is pushed once.
+        replicas = [Replica(url, client, api_key) for url in dict.fromkeys(server_root(url) for url in urls)]
         with _timed(phases, "preflight"):
             states = _each(replicas, lambda replica: _preflight(replica, checkpoint, version))
         pushing = _Push(replicas, states, pause_mode)
