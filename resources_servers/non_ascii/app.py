@@ -12,6 +12,7 @@ from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.servers.base import BaseServerConfig, ResourcesServer
 from nemo_gym_tok.servers.client import ServerClient
 from nemo_gym_tok.servers.episode_store import EpisodeStore
+from nemo_gym_tok.servers.step_items import last_assistant_text, step_output
 
 REPLY = "{percent}% beyond ASCII. Another line."
 LAST_REPLY = "{percent}% beyond ASCII. Done."
@@ -57,10 +58,8 @@ class NonAscii(ResourcesServer):
         writing = self.writings.get(session_id)
         if writing.over:
             raise ApiError(400, f"the episode of session {session_id!r} is over; call /verify")
-        output = body.get("output")
-        if not isinstance(output, list):
-            raise ApiError(400, "step needs output: the list of the episode's items so far", param="output")
-        counts = character_counts(_last_assistant_text(output))
+        output = step_output(body)
+        counts = character_counts(last_assistant_text(output))
         writing.counts.append(counts)
         writing.over = len(writing.counts) >= self.config.turns
         percent = round(100 * share(*counts))
@@ -78,21 +77,6 @@ class NonAscii(ResourcesServer):
             "shares": [share(*counts) for counts in writing.counts],
             "characters": characters,
         }
-
-
-def _last_assistant_text(items: list[Any]) -> str:
-    """Text of the assistant message answering the last user turn; empty when that turn has none (reasoning only)."""
-    for item in reversed(items):
-        if not isinstance(item, dict) or item.get("type", "message") != "message":
-            continue
-        if item.get("role") == "user":
-            return ""  # an older answer was judged in its own round already
-        if item.get("role") == "assistant":
-            content = item.get("content")
-            if isinstance(content, list):  # parts: {"type": "output_text", "text": ...}
-                return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-            return content if isinstance(content, str) else ""
-    return ""
 
 
 SERVER = NonAscii

@@ -13,6 +13,7 @@ from nemo_gym_tok.servers.base import BaseServerConfig, ResourcesServer
 from nemo_gym_tok.servers.client import ServerClient
 from nemo_gym_tok.servers.episode_store import EpisodeStore
 from nemo_gym_tok.servers.openapi import SeedSessionRequest
+from nemo_gym_tok.servers.step_items import last_assistant_text, step_output
 
 LOWEST, HIGHEST = 1, 100
 NO_NUMBER = f"I could not find a number in your answer; guess a number from {LOWEST} to {HIGHEST}."
@@ -63,10 +64,8 @@ class NumberGuess(ResourcesServer):
         game = self.games.get(session_id)
         if game.over:
             raise ApiError(400, f"the game of session {session_id!r} is over; call /verify")
-        output = body.get("output")
-        if not isinstance(output, list):
-            raise ApiError(400, "step needs output: the list of the episode's items so far", param="output")
-        guess = _first_integer(_last_assistant_text(output))
+        output = step_output(body)
+        guess = _first_integer(last_assistant_text(output))
         game.guesses.append(guess)
         game.solved = guess == game.secret
         if guess is None:
@@ -84,21 +83,6 @@ class NumberGuess(ResourcesServer):
         game = self.games.end(session_id)
         # The row's fields (secret included) are in the rollout record already; only what the game adds goes here.
         return {"reward": 1.0 if game.solved else 0.0, "guesses": game.guesses, "rounds": len(game.guesses)}
-
-
-def _last_assistant_text(items: list[Any]) -> str:
-    """Text of the assistant message answering the last user turn; empty when that turn has none (reasoning only)."""
-    for item in reversed(items):
-        if not isinstance(item, dict) or item.get("type", "message") != "message":
-            continue
-        if item.get("role") == "user":
-            return ""  # stop here: an older answer was judged in its own round already
-        if item.get("role") == "assistant":
-            content = item.get("content")
-            if isinstance(content, list):  # parts: {"type": "output_text", "text": ...}
-                return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-            return content if isinstance(content, str) else ""
-    return ""
 
 
 def _first_integer(text: str) -> int | None:
