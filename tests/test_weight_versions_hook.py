@@ -16,6 +16,7 @@ import pytest
 
 from nemo_gym_tok.vllm import chat_responses, internals
 from nemo_gym_tok.vllm.server import VLLMServer
+from tests.weights_support import set_weight_version, weight_version
 
 # --- reading CompletionOutput.weight_versions -----------------------------------------------------------------------
 
@@ -124,25 +125,14 @@ def test_a_moved_field_is_named_from_its_first_release_on(monkeypatch: pytest.Mo
 # --- the real hooked vLLM --------------------------------------------------------------------------------------------
 
 
-def current_version(server: VLLMServer) -> str:
-    answer = httpx.get(f"{server.base_url}/weight_info", timeout=30)
-    assert answer.status_code == 200, "the test servers run with VLLM_SERVER_DEV_MODE=1 (conftest.py)"
-    return answer.json()["weight_version"]
-
-
-def set_version(server: VLLMServer, version: str) -> None:
-    answer = httpx.post(f"{server.base_url}/update_weight_version", json={"new_version": version}, timeout=30)
-    assert answer.status_code == 200, answer.text
-
-
 @contextlib.contextmanager
 def labelled(server: VLLMServer) -> Iterator[str]:
     """The server's current label; whatever a test sets, the label it had is put back (other tests share it)."""
-    original = current_version(server)
+    original = weight_version(server.base_url)
     try:
         yield original
     finally:
-        set_version(server, original)
+        set_weight_version(server.base_url, original)
 
 
 def chat_body(server: VLLMServer, **options: Any) -> dict[str, Any]:
@@ -188,7 +178,7 @@ def test_hooked_bundles_carry_the_servers_weight_version(vllm_server: VLLMServer
         assert message["weight_version"] == original  # "default" on a fresh server
         assert "weight_version_spans" not in message
         assert streamed_final_delta(vllm_server)["weight_version"] == original
-        set_version(vllm_server, "wv-hook-test-1")
+        set_weight_version(vllm_server.base_url, "wv-hook-test-1")
         assert whole(vllm_server)["weight_version"] == "wv-hook-test-1"
         assert streamed_final_delta(vllm_server)["weight_version"] == "wv-hook-test-1"
     assert whole(vllm_server)["weight_version"] == original  # put back for the other tests
@@ -200,7 +190,7 @@ def test_a_label_set_while_a_call_generates_splits_its_ids_into_spans(vllm_serve
     with labelled(vllm_server) as original:
         delta = streamed_final_delta(
             vllm_server,
-            on_first_chunk=lambda: set_version(vllm_server, "wv-hook-test-2"),
+            on_first_chunk=lambda: set_weight_version(vllm_server.base_url, "wv-hook-test-2"),
             max_tokens=400,
             ignore_eos=True,
         )

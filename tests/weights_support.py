@@ -79,7 +79,16 @@ def mean_and_max_gap(served: Sequence[float], recomputed: Sequence[float]) -> tu
 
 
 def weight_version(base_url: str) -> str:
-    return str(httpx.get(f"{base_url}/weight_info", timeout=30).json()["weight_version"])
+    """vLLM's current weight version label (its `/weight_info`, served with VLLM_SERVER_DEV_MODE=1)."""
+    answer = httpx.get(f"{base_url}/weight_info", timeout=30)
+    assert answer.status_code == 200, "the test servers run with VLLM_SERVER_DEV_MODE=1 (conftest.py)"
+    return str(answer.json()["weight_version"])
+
+
+def set_weight_version(base_url: str, version: str) -> None:
+    """Set vLLM's label alone (its `/update_weight_version`), without a weight push."""
+    answer = httpx.post(f"{base_url}/update_weight_version", json={"new_version": version}, timeout=30)
+    assert answer.status_code == 200, answer.text
 
 
 def checkpoint_without(source: Path, dest: Path, tensor: str) -> Path:

@@ -18,6 +18,7 @@ from openai import OpenAI
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from nemo_gym_tok.vllm.server import VLLMServer
 from responses_api_models.vllm_model.tests.conftest import adapter
+from tests.weights_support import set_weight_version, weight_version
 
 PROMPT = [11, 12, 13]
 GENERATED = [21, 22]
@@ -168,17 +169,6 @@ def sdk(url: str) -> OpenAI:
     return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-def weight_info(server: VLLMServer) -> str:
-    answer = httpx.get(f"{server.base_url}/weight_info", timeout=30)
-    assert answer.status_code == 200, "the test servers run with VLLM_SERVER_DEV_MODE=1 (conftest.py)"
-    return answer.json()["weight_version"]
-
-
-def set_label(server: VLLMServer, version: str) -> None:
-    answer = httpx.post(f"{server.base_url}/update_weight_version", json={"new_version": version}, timeout=30)
-    assert answer.status_code == 200, answer.text
-
-
 @pytest.fixture(scope="module")
 def adapter_splicing_on_stock(plain_vllm_server: VLLMServer) -> Iterator[str]:
     yield from adapter(
@@ -192,13 +182,13 @@ def adapter_splicing_on_stock(plain_vllm_server: VLLMServer) -> Iterator[str]:
 def test_the_adapter_reads_the_stock_servers_version(
     adapter_splicing_on_stock: str, plain_vllm_server: VLLMServer
 ) -> None:
-    original = weight_info(plain_vllm_server)
+    original = weight_version(plain_vllm_server.base_url)
     client = sdk(adapter_splicing_on_stock)
     try:
         first = client.responses.create(model="m", input=[USER], max_output_tokens=4, extra_body={"seed": 1})
         item = first.output[-1].model_dump()
         assert item["token_source"] == "return_token_ids" and item["weight_version"] == original
-        set_label(plain_vllm_server, "wv-adapter-test")
+        set_weight_version(plain_vllm_server.base_url, "wv-adapter-test")
         history = [USER, *(entry.model_dump(exclude_none=True) for entry in first.output)]
         history.append({"role": "user", "content": "And three more."})
         second = client.responses.create(model="m", input=history, max_output_tokens=4, extra_body={"seed": 2})
@@ -211,11 +201,11 @@ def test_the_adapter_reads_the_stock_servers_version(
         final = [chunk.model_dump() for chunk in streamed][-1]
         assert final["choices"][0]["delta"]["weight_version"] == "wv-adapter-test"
     finally:
-        set_label(plain_vllm_server, original)
+        set_weight_version(plain_vllm_server.base_url, original)
 
 
 def test_the_hooked_servers_version_comes_with_its_bundle(vllm_server: VLLMServer) -> None:
-    original = weight_info(vllm_server)
+    original = weight_version(vllm_server.base_url)
     for url in adapter(vllm_server.base_url, vllm_server.served_model_name, return_token_id_information=True):
         message = sdk(url).chat.completions.create(model="m", messages=[USER], max_tokens=4, seed=4).choices[0].message
         assert message.token_source == "message"
