@@ -16,7 +16,7 @@ import pytest
 
 from nemo_gym_tok.vllm import chat_responses, internals
 from nemo_gym_tok.vllm.server import VLLMServer
-from tests.weights_support import set_weight_version, weight_version
+from tests.weights_support import pause_keeping_requests, resume, set_weight_version, weight_version
 
 # --- reading CompletionOutput.weight_versions -----------------------------------------------------------------------
 
@@ -153,8 +153,8 @@ def whole(server: VLLMServer, **options: Any) -> dict[str, Any]:
 
 
 def streamed_final_delta(server: VLLMServer, on_first_chunk: Any = None, **options: Any) -> dict[str, Any]:
-    """The hook's final chunk's delta (the bundle) of a streamed call; `on_first_chunk()` runs once vLLM's first
-    chunk is in, while the engine still generates."""
+    """The hook's final chunk's delta (the bundle) of a streamed call; `on_first_chunk()` runs once the first
+    generated text is in (not at the role's chunk, which can come before the engine has run a step)."""
     body = chat_body(server, stream=True, stream_options={"include_usage": True}, **options)
     final: dict[str, Any] = {}
     with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=300) as answer:
@@ -162,10 +162,11 @@ def streamed_final_delta(server: VLLMServer, on_first_chunk: Any = None, **optio
         for line in answer.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            if on_first_chunk is not None:
+            choices = json.loads(line[6:]).get("choices") or []
+            if on_first_chunk is not None and any((choice.get("delta") or {}).get("content") for choice in choices):
                 on_first_chunk()
                 on_first_chunk = None
-            for choice in json.loads(line[6:]).get("choices") or []:
+            for choice in choices:
                 if "generation_token_ids" in (choice.get("delta") or {}):
                     final = choice["delta"]
     assert final, "no bundle in the stream's final chunk"
@@ -185,18 +186,32 @@ def test_hooked_bundles_carry_the_servers_weight_version(vllm_server: VLLMServer
 
 
 def test_a_label_set_while_a_call_generates_splits_its_ids_into_spans(vllm_server: VLLMServer) -> None:
-    """A push landing mid-call (here only the label changes: vLLM records the label each step ran under). The
-    streamed call is long (ignore_eos), so the engine is still generating when its first chunk arrives."""
-    with labelled(vllm_server) as original:
-        delta = streamed_final_delta(
-            vllm_server,
-            on_first_chunk=lambda: set_weight_version(vllm_server.base_url, "wv-hook-test-2"),
-            max_tokens=400,
-            ignore_eos=True,
-        )
-    generated = len(delta["generation_token_ids"])
+    """A push landing mid-call (here only the label changes: vLLM records the label each step ran under). As a push
+    does, the engine is frozen with the call in it (pause mode `keep`) before the label changes. The change is asked
+    for once the call's first text is in, but vLLM can take seconds to act on a pause while it generates on 2 busy
+    cores: a call that ended under its first label before the change proves nothing, and is tried again longer."""
+
+    def relabel_mid_call() -> None:
+        pause_keeping_requests(vllm_server.base_url)
+        try:
+            set_weight_version(vllm_server.base_url, "wv-hook-test-2")
+        finally:
+            resume(vllm_server.base_url)
+
+    for max_tokens in (400, 1200, 3000):
+        with labelled(vllm_server) as original:
+            delta = streamed_final_delta(
+                vllm_server, on_first_chunk=relabel_mid_call, max_tokens=max_tokens, ignore_eos=True
+            )
+        generated = len(delta["generation_token_ids"])
+        assert generated == max_tokens
+        assert delta["weight_version"] == original  # its first text came before the change: never the new label
+        if "weight_version_spans" in delta:
+            break
+        print(f"\nhook: the label changed after the {max_tokens}-id call ended; trying a longer one")
+    else:
+        raise AssertionError("no call was still generating when its label changed (vLLM never acted on the pause)")
     spans = delta["weight_version_spans"]
-    assert delta["weight_version"] == original == spans[0]["version"]
-    assert spans[-1]["version"] == "wv-hook-test-2" and len(spans) == 2
+    assert [span["version"] for span in spans] == [original, "wv-hook-test-2"]
     assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == generated
     print(f"\nhook: {generated} ids, label changed after id {spans[0]['end']}")

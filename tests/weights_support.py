@@ -91,6 +91,17 @@ def set_weight_version(base_url: str, version: str) -> None:
     assert answer.status_code == 200, answer.text
 
 
+def pause_keeping_requests(base_url: str) -> None:
+    """Freeze the engine with its calls in it (vLLM's `/pause?mode=keep`), as a push does."""
+    answer = httpx.post(f"{base_url}/pause", params={"mode": "keep", "clear_cache": "false"}, timeout=60)
+    assert answer.status_code == 200, answer.text
+
+
+def resume(base_url: str) -> None:
+    answer = httpx.post(f"{base_url}/resume", timeout=60)
+    assert answer.status_code == 200, answer.text
+
+
 def checkpoint_without(source: Path, dest: Path, tensor: str) -> Path:
     """A copy of the checkpoint `source` whose weights file lacks `tensor`: vLLM's reload loads every other tensor and
     only logs the missing one."""
