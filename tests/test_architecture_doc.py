@@ -157,6 +157,11 @@ def _files_under(prefix: str) -> list[str]:
             "not the splice core, not nemo_gym_tok/vllm/",
         ),
         (
+            "nemo_gym_tok/router/",
+            lambda m: m.split(".")[0] == "vllm" or m.startswith(("nemo_gym_tok.splice", "nemo_gym_tok.vllm")),
+            "not vllm, not the splice core, not nemo_gym_tok/vllm/",
+        ),
+        (
             "resources_servers/",
             lambda m: (
                 m.split(".")[0] in LIBRARY_ROOTS and not m.startswith(("nemo_gym_tok.servers", "resources_servers"))

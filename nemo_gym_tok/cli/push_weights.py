@@ -20,7 +20,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="load a checkpoint directory into every vLLM server of a config, all or none, under a weight version",
         description=(
             "Through vLLM's own weight routes (served with VLLM_SERVER_DEV_MODE=1), on every vLLM server the "
-            "config's model adapters name (their base_url, every URL of a list) and every --url: ask each one first "
+            "config's model adapters name (their base_url, or every worker of their router) and every --url (a "
+            "vllm-router's URL stands for every worker it lists): ask each one first "
             "(routes served, key accepted, an exact reload, a new version), then pause all, reload DIR in place, "
             "reset the prefix caches, set the weight version, resume. A server that fails is named, and every server "
             "is put back on the weights and version it had; one that cannot be put back stays paused. Bundles "
@@ -65,6 +66,9 @@ def vllm_targets(config_paths: list[str], overrides: list[str]) -> tuple[list[st
         fields: dict[str, Any] = instance.fields
         base_url = fields.get("base_url")
         urls.extend([base_url] if isinstance(base_url, str) else list(base_url or []))
+        router = fields.get("router")  # the workers of a router `ngt run` starts (a running router is asked)
+        if isinstance(router, dict) and isinstance(router.get("worker_urls"), list):
+            urls.extend(str(url) for url in router["worker_urls"])
         key = fields.get("api_key")
         if api_key is None and isinstance(key, str) and key and key != "EMPTY":
             api_key = key

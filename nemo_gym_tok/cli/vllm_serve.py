@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping
 
 from nemo_gym_tok.servers.http_pool import SERVER_KEEPALIVE_SECONDS
 from nemo_gym_tok.vllm.hook import ENABLE_ENV
+from nemo_gym_tok.vllm.replica_identity import REPLICA_ENV, replica_name
 
 PLUGIN_GROUP = "vllm.general_plugins"
 PLUGIN_NAME = "nemo_gym_tok_prefix_splice"
@@ -125,8 +126,11 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     command = vllm_command(args.model, args.vllm_args)
+    env = server_env(os.environ)
+    # Named from the command line here, where it is whole: every bundle says which replica served it.
+    env.setdefault(REPLICA_ENV, replica_name(args.vllm_args, {}))
     # exec, so signals and the exit status are vLLM's own.
-    os.execve(sys.executable, command, server_env(os.environ))
+    os.execve(sys.executable, command, env)
     return 0  # not reached
 
 

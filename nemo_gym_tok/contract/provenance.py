@@ -82,11 +82,30 @@ def model_fingerprint(model_dir: str | Path) -> dict[str, str]:
 
     Raises OSError when `model_dir` has no tokenizer.json (a tokenizer of another format is not fingerprinted).
     """
-    tokenizer = hashlib.sha256((Path(model_dir) / "tokenizer.json").read_bytes()).hexdigest()
-    template_text = chat_template_text(model_dir)
-    template = hashlib.sha256((template_text or "").encode("utf-8")).hexdigest()
+    return fingerprint_of((Path(model_dir) / "tokenizer.json").read_bytes(), chat_template_text(model_dir))
+
+
+def fingerprint_of(tokenizer_json: bytes, chat_template: str | dict[str, Any] | None) -> dict[str, str]:
+    """The fingerprint of a tokenizer.json's bytes and a chat template's text: what `model_fingerprint` reads from a
+    directory, and what the vLLM hook computes from the tokenizer and template the server actually serves (a
+    `--chat-template` override included), so the two compare. A tokenizer's named templates (a dict) are hashed as
+    sorted JSON, as tokenizer_config.json holds them."""
+    if isinstance(chat_template, dict):
+        chat_template = json.dumps(chat_template, sort_keys=True)
+    tokenizer = hashlib.sha256(tokenizer_json).hexdigest()
+    template = hashlib.sha256((chat_template or "").encode("utf-8")).hexdigest()
     combined = hashlib.sha256(f"{tokenizer}:{template}".encode("ascii")).hexdigest()
     return {"sha256": combined, "tokenizer_sha256": tokenizer, "chat_template_sha256": template}
+
+
+def fingerprint_difference(expected: Mapping[str, str], found: Mapping[str, str]) -> str:
+    """What differs between two fingerprints, in words ("the chat template", "the tokenizer", or both)."""
+    parts = [
+        what
+        for key, what in (("tokenizer_sha256", "the tokenizer"), ("chat_template_sha256", "the chat template"))
+        if expected.get(key) != found.get(key)
+    ]
+    return " and ".join(parts) or "the combined sha256"
 
 
 def record_fingerprints(record: Mapping[str, Any]) -> set[str]:

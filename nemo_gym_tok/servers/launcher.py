@@ -16,9 +16,11 @@ from typing import Any
 import httpx
 
 from nemo_gym_tok.config import GymConfig, ServerInstance
+from nemo_gym_tok.router import RouterProcess, RouterStartError
 from nemo_gym_tok.servers.auth import AUTH_TOKEN_ENV, auth_headers, auth_token_of
 from nemo_gym_tok.servers.nemo_gym_servers import NeMoGymStartError, is_nemo_gym_instance, start_nemo_gym_server
 from nemo_gym_tok.servers.registry import validate_instance
+from nemo_gym_tok.servers.routers import RouterConfigError, exited_router, start_routers, stop_routers
 from nemo_gym_tok.servers.serve import SPEC_ENV, spec_for
 from nemo_gym_tok.servers.supervision import (
     CrashHistory,
@@ -80,6 +82,8 @@ class Gym:
         self.nemo_gym_children: dict[str, subprocess.Popen[bytes]] = {}
         """NeMo Gym servers started from their package (an instance with `nemo_gym_python`), by instance name: not
         restarted (their state is NeMo Gym's), stopped with the rest."""
+        self.routers: dict[str, RouterProcess] = {}
+        """The vllm-routers started for model adapters with a `router` field, by instance name (servers/routers.py)."""
         self._listeners: dict[str, socket.socket] = {}
         self._probe: httpx.Client | None = None
 
@@ -94,6 +98,11 @@ class Gym:
         external = external_urls(self.config)
         launched = {name: inst for name, inst in self.config.instances.items() if name not in external}
         nemo_gym = {name: inst for name, inst in launched.items() if is_nemo_gym_instance(inst)}
+        try:
+            # First: an adapter behind a router is configured with the router's URL, known once it runs.
+            self.routers = start_routers(self.config, ready_timeout=self.ready_timeout)
+        except (RouterConfigError, RouterStartError) as exc:
+            raise LaunchError(str(exc)) from None
         for name, instance in launched.items():
             if name not in nemo_gym:
                 validate_instance(instance)  # fail on config errors before any process starts
@@ -196,6 +205,9 @@ class Gym:
         allows within its window), or None while everything is running or coming back.
         """
         now = time.monotonic()
+        router_gone = exited_router(self.routers)
+        if router_gone is not None:
+            return f"{router_gone} (ngt run does not restart routers)"
         for name, process in self.nemo_gym_children.items():
             if process.poll() is not None:
                 return f"NeMo Gym server {name!r} {describe_exit(process.returncode)} (ngt run does not restart those)"
@@ -257,6 +269,8 @@ class Gym:
                 process.wait()
         self.children.clear()
         self.nemo_gym_children.clear()
+        stop_routers(self.routers)  # after the adapters, which call through them
+        self.routers = {}
         for listener in self._listeners.values():
             listener.close()
         self._listeners = {}

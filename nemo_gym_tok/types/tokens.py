@@ -25,10 +25,12 @@ TELEMETRY_FIELDS = (
     "model_fingerprint",
     "weight_version",
     "weight_version_spans",
+    "replica",
 )
 """Fields that travel with a bundle: kept on the output item that carries it, left out of what environments get."""
 WEIGHT_VERSION_KEY = "weight_version"
 WEIGHT_VERSION_SPANS_KEY = "weight_version_spans"
+REPLICA_KEY = "replica"
 # 1 where the grammar left the sampler one token (nemo_gym_tok.contract.constrained.forced_mask), else 0.
 ForcedFlag = Annotated[int, Strict(), Field(ge=0, le=1)]
 
@@ -126,6 +128,9 @@ class TokenBundleMixin(BaseModel):
     generated id. None is unknown: a record written before the field, a vLLM without per-output versions (before
     0.32) and no `/weight_info` route, or a version that changed during a call the adapter could not see into. Never
     a guess."""
+    replica: str | None = None
+    """Which vLLM server sampled the call, as the hooked server names itself (`http://host:port`, or its
+    $NEMO_GYM_TOK_REPLICA): behind a router, the worker the router chose. None where unknown (a stock vLLM)."""
     weight_version_spans: list[WeightVersionSpan] | None = None
     """Present only when the call's generated ids span more than one version (weights pushed while it generated):
     contiguous [start, end) spans over generation_token_ids covering all of them, the first one's version being

@@ -9,6 +9,7 @@ from typing import Any
 
 from nemo_gym_tok.contract.constrained import CONSTRAINED_BY_KEY, FORCED_MASK_KEY, constrained_by, forced_mask
 from nemo_gym_tok.vllm.internals import weight_version_fields
+from nemo_gym_tok.vllm.replica_identity import served_by_fields
 from nemo_gym_tok.vllm.telemetry import _resolved, _telemetry, _TelemetryLater
 
 
@@ -47,7 +48,8 @@ def _full_generator_with_bundle(original: Any) -> Any:
 def _attach_bundles(response: Any, final: Any, request: Any) -> None:
     """Each choice's bundle on its message, with what constrained the call (`request` is the one vLLM sampled
     with, after its tool parser moved any tool grammar into `structured_outputs`: nemo_gym_tok.contract.constrained)
-    and the weight version(s) that sampled it (vLLM 0.32 on; nothing said before: unknown)."""
+    and the weight version(s) that sampled it (vLLM 0.32 on; nothing said before: unknown), and which replica served
+    it with what tokenizer and template (replica_identity.py)."""
     prompt_ids = list(final.prompt_token_ids or [])
     by_index = {output.index: output for output in final.outputs}
     labels = constrained_by(request)
@@ -62,7 +64,7 @@ def _attach_bundles(response: Any, final: Any, request: Any) -> None:
         choice.message.generation_log_probs = log_probs
         setattr(choice.message, CONSTRAINED_BY_KEY, list(labels))
         setattr(choice.message, FORCED_MASK_KEY, forced_mask(labels, log_probs))
-        for key, value in weight_version_fields(output, len(generation_ids)).items():
+        for key, value in {**weight_version_fields(output, len(generation_ids)), **served_by_fields()}.items():
             setattr(choice.message, key, value)
 
 
@@ -170,6 +172,7 @@ class _StreamRecord:
                     CONSTRAINED_BY_KEY: list(self.constrained_by),
                     FORCED_MASK_KEY: forced_mask(self.constrained_by, self.log_probs.get(index, [])),
                     **weight_version_fields(self.final_outputs.get(index), len(ids)),
+                    **served_by_fields(),
                 },
                 "logprobs": None,
                 "finish_reason": None,

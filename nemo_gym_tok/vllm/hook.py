@@ -33,7 +33,7 @@ from typing import Any
 
 from nemo_gym_tok.common.jinja_sandbox import memoize_attribute_checks
 from nemo_gym_tok.splice import PrefixSource, SplicedPrompt, SpliceError, check_starts_with, splice_prompt
-from nemo_gym_tok.vllm import routes
+from nemo_gym_tok.vllm import replica_identity, routes
 from nemo_gym_tok.vllm.chat_rendering import TERMINATOR_ENV as TERMINATOR_ENV
 from nemo_gym_tok.vllm.chat_rendering import _plain_message, _profile_for, _RequestRenderer
 from nemo_gym_tok.vllm.chat_responses import _full_generator_with_bundle, _stream_generator_with_bundle
@@ -110,6 +110,7 @@ def _warmup_with_profile(original: Any) -> Any:
 
     def warmup(self: Any) -> None:
         original(self)
+        replica_identity.learn(self)
         try:
             if getattr(self, "use_harmony", False):
                 profile = _harmony_profile(self)

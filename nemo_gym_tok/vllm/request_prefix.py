@@ -8,8 +8,16 @@ import inspect
 from collections.abc import Iterator
 from typing import Any
 
+from nemo_gym_tok.contract.router_marks import came_through_vllm_router
 from nemo_gym_tok.splice import NEW_SEGMENT_KEY, PREFIX_KEY, PrefixSource, SpliceError, find_prefix_source
 
+ROUTER_STRIPPED_HISTORY = (
+    "this request came through vllm-router, which drops every field it does not know from chat messages (the token "
+    "bundle's prompt_token_ids, generation_token_ids and generation_log_probs, and reasoning_content): its assistant "
+    f"turns cannot be proven to be the model's own ids. Send the previous call's prompt and generated ids as the "
+    f"top-level {PREFIX_KEY} (the router keeps top-level fields) and reasoning as `reasoning`, or "
+    f"{NEW_SEGMENT_KEY}: true to take the template's ids on purpose (docs/clients.md, through a router)"
+)
 _NEW_SEGMENT = {"applied": False, "template_differed": False, "replaced_tokens": 0, "new_segment": True}
 
 
@@ -30,7 +38,28 @@ def _as_400() -> Iterator[None]:
 def _read_prefix(online: Any, request: Any, messages: list[Any]) -> tuple[PrefixSource | None, bool]:
     """The request's prefix (validated ids) and whether it asks for a new token segment."""
     source = find_prefix_source(messages, getattr(request, PREFIX_KEY, None), online.model_config.get_vocab_size())
-    return source, _new_segment_requested(request)
+    new_segment = _new_segment_requested(request)
+    if source is None and not new_segment:
+        _refuse_history_a_router_stripped(request, messages)
+    return source, new_segment
+
+
+def _refuse_history_a_router_stripped(request: Any, messages: list[Any]) -> None:
+    """vllm-router re-serializes chat messages and drops every field it does not know, the token bundle among them.
+    A request that came through it (its own default fields say so), asks for token ids and holds an assistant turn,
+    but carries no prefix, may have lost its bundles on the way: its history would be re-tokenized from text, the
+    drift this project exists to prevent. Refused with what survives the router instead."""
+    if not came_through_vllm_router((getattr(request, "model_extra", None) or {}).keys()):
+        return
+    if not getattr(request, "return_token_ids", False):
+        return
+    if not any(_role(message) == "assistant" for message in messages):
+        return
+    raise SpliceError(ROUTER_STRIPPED_HISTORY)
+
+
+def _role(message: Any) -> Any:
+    return message.get("role") if isinstance(message, dict) else getattr(message, "role", None)
 
 
 @functools.lru_cache(maxsize=4)

@@ -13,6 +13,7 @@ from typing import TypeVar
 
 import httpx
 
+from nemo_gym_tok.router import is_vllm_router, list_workers
 from nemo_gym_tok.weights.checkpoint import Checkpoint, check_checkpoint_dir, check_version_label
 from nemo_gym_tok.weights.replica import PAUSE_MODES, PauseMode, Replica, ReplicaError, server_root
 
@@ -75,7 +76,8 @@ def push_weights(
     then all pause (`pause_mode`), reload, drop their prefix caches, take the label and resume. A server that fails
     at any step is named in the WeightPushError, after every server was put back on the weights and label it had.
     `checkpoint_dir` is a path the servers can read (a Hugging Face directory: config.json and safetensors).
-    `http` is the client to call them with (default: a new one with `timeout`).
+    `http` is the client to call them with (default: a new one with `timeout`). A URL where vllm-router answers
+    stands for every worker it lists: a fleet behind a router moves to the new weights together or not at all.
     """
     if pause_mode not in PAUSE_MODES:
         raise ValueError(f"pause_mode must be one of {', '.join(PAUSE_MODES)}, got {pause_mode!r}")
@@ -85,8 +87,9 @@ def push_weights(
     checkpoint = check_checkpoint_dir(checkpoint_dir)
     started, phases = time.perf_counter(), {}
     with httpx.Client(timeout=timeout) if http is None else contextlib.nullcontext(http) as client:
-        # One server named twice (its root and its /v1 URL, say) is pushed once.
-        replicas = [Replica(url, client, api_key) for url in dict.fromkeys(server_root(url) for url in urls)]
+        # One server named twice (its root and its /v1 URL, say, or by itself and by its router) is pushed once.
+        servers = dict.fromkeys(server for url in urls for server in _servers_at(server_root(url), client))
+        replicas = [Replica(url, client, api_key) for url in servers]
         with _timed(phases, "preflight"):
             states = _each(replicas, lambda replica: _preflight(replica, checkpoint, version))
         pushing = _Push(replicas, states, pause_mode)
@@ -226,3 +229,10 @@ def _timed(phases: dict[str, float], name: str) -> Iterator[None]:
         yield
     finally:
         phases[name] = time.perf_counter() - started
+
+
+def _servers_at(url: str, client: httpx.Client) -> list[str]:
+    """The vLLM servers `url` names: the workers of the vllm-router there, else the server itself."""
+    if not is_vllm_router(url, client):
+        return [url]
+    return [server_root(worker) for worker in list_workers(url, http=client)]

@@ -23,16 +23,18 @@ from nemo_gym_tok.servers.json_response import JSONBytesResponse
 from nemo_gym_tok.servers.openapi import json_body
 from nemo_gym_tok.splice import PREFIX_KEY, TERMINATOR_ENV
 from nemo_gym_tok.types import ChatCompletionRequest, Response, ResponsesRequest
+from responses_api_models.vllm_model.behind_router import RouterView, crossing_body, detect_router, server_label
 from responses_api_models.vllm_model.calls import ChatCall, PreparedCall, parse_body
 from responses_api_models.vllm_model.chat_events import chat_sse
 from responses_api_models.vllm_model.config import VLLMModelConfig
+from responses_api_models.vllm_model.fleet import FleetFingerprint
 from responses_api_models.vllm_model.local_splice import AdapterSplicer
 from responses_api_models.vllm_model.nemo_gym_capture import NeMoGymTokenStore
 from responses_api_models.vllm_model.request_metadata import apply_metadata
 from responses_api_models.vllm_model.response_fields import request_echo, response_usage
 from responses_api_models.vllm_model.responses_events import responses_sse
 from responses_api_models.vllm_model.rollout_paths import RolloutPathMiddleware, rollout_of
-from responses_api_models.vllm_model.sessions import SessionRouter
+from responses_api_models.vllm_model.session_key import conversation_key
 from responses_api_models.vllm_model.streaming import open_chat_stream
 from responses_api_models.vllm_model.token_capture import (
     attach_bundles,
@@ -42,7 +44,7 @@ from responses_api_models.vllm_model.token_capture import (
     token_in_prompt,
     tokenize_request,
 )
-from responses_api_models.vllm_model.upstream import VLLMUpstream, answer_json, is_context_overflow
+from responses_api_models.vllm_model.upstream import VLLMUpstream, answer_json, conversation, is_context_overflow
 from responses_api_models.vllm_model.weight_versions import WeightVersionReads
 
 ADAPTER_FIELDS = frozenset({"model", "messages", "stream", "stream_options", "n", PREFIX_KEY, "start_token_segment"})
@@ -59,12 +61,7 @@ class VLLMModel(ModelServer):
     config: VLLMModelConfig
 
     def setup_routes(self, app: FastAPI) -> None:
-        self.router = SessionRouter(
-            self.config.base_urls,
-            probe=lambda url: self.upstream.healthy(url),
-            health_check_interval=self.config.health_check_interval_seconds,
-        )
-        app.add_api_route("/routing", self.router.report, methods=["GET"])
+        self.base_url = str(self.config.base_url)
         self.upstream = VLLMUpstream(
             api_key=self.config.api_key,
             timeout=self.config.http_timeout(),
@@ -82,6 +79,8 @@ class VLLMModel(ModelServer):
             proof_max_age_seconds=self.config.template_proof_max_age_seconds,
         )
         self._hooked: dict[str, bool] = {}
+        self._routers: dict[str, RouterView | None] = {}
+        self.fleet = FleetFingerprint()
         self.weight_versions = WeightVersionReads(self.upstream.get_small)
         self._provenance: dict[str, tuple[dict[str, Any] | None, dict[str, str] | None]] = {}
         capture_dir = self.config.nemo_gym_token_capture_dir
@@ -93,11 +92,11 @@ class VLLMModel(ModelServer):
             body = await json_object(request)
             self._check_forwarded(body)
             chat = ChatCall.validated(self._with_metadata(body))
-            key = self.router.key_for(request, body)
+            conversation.set(conversation_key(request, body))
             self._check_capture(request, chat)
             if chat.stream:
-                return await self.router.call(key, lambda url: self.stream(chat, url))
-            result = await self.router.call(key, lambda url: self.complete(chat, url))
+                return await self.stream(chat, self.base_url)
+            result = await self.complete(chat, self.base_url)
             await self._capture(request, result, chat)
             return JSONBytesResponse(result)
 
@@ -115,12 +114,12 @@ class VLLMModel(ModelServer):
             # Validated as a chat body too: the conversion can give a message that an item allowed and a chat message
             # does not (a bundle on a user message), and the 400 must come before vLLM is called.
             chat = ChatCall.validated(self._with_metadata(chat_body))
-            key = self.router.key_for(request, raw)
+            conversation.set(conversation_key(request, raw))
             self._check_capture(request, chat)
             echo = request_echo(responses_request)
             if chat.stream:  # `stream` is not a Responses-only field: the chat body carries it
-                return await self.router.call(key, lambda url: self.stream(chat, url, as_responses=echo))
-            result = await self.router.call(key, lambda url: self.complete(chat, url))
+                return await self.stream(chat, self.base_url, as_responses=echo)
+            result = await self.complete(chat, self.base_url)
             response = _chat_result_to_response(result, self.config.model, echo).model_dump(exclude_none=True)
             await self._capture(request, response, chat)
             return JSONBytesResponse(response)
@@ -193,7 +192,8 @@ class VLLMModel(ModelServer):
                 param=error_param(response),  # e.g. the hook's field
                 error_type="upstream_invalid_request",
             )
-        return await self.finish(call, answer_json(response, f"vLLM at {url}"), url)
+        what = "vllm-router" if await self.router_at(url) else "vLLM"
+        return await self.finish(call, answer_json(response, f"{what} at {url}"), url)
 
     async def stream(
         self, chat: ChatCall, url: str, *, as_responses: dict[str, Any] | None = None
@@ -207,6 +207,7 @@ class VLLMModel(ModelServer):
             url,
             post=lambda body: self.upstream.open_stream(url, "/v1/chat/completions", body),
             prompt_ids=lambda: self._prompt_ids(call, url),
+            server=server_label(url, await self.router_at(url)),
             finish=lambda result: self.finish(call, result, url),
             overflow=lambda reason: _context_overflow_result(self.config.model, reason),
         )
@@ -246,7 +247,17 @@ class VLLMModel(ModelServer):
             body.update(capture_request_fields(body, use_return_token_ids=self.config.use_return_token_ids))
         telemetry: dict[str, Any] | None = None
         confirm = telemetry_ready = None
+        router = await self.router_at(url)
         if required_prefix is not None and await self.splices_here(url):
+            if router is not None:
+                raise ApiError(
+                    502,
+                    f"the adapter's own splice (splice: {self.config.splice}) cannot run behind vllm-router at "
+                    f"{url}: it proves its local chat template against the server it calls, and the router decides "
+                    "which worker that is. Serve the workers with the hook (`ngt vllm-serve`) and set splice: hook "
+                    "(docs/scaling.md)",
+                    error_type="adapter_splice_behind_router",
+                )
             spliced = await self.splicer.prepare(
                 body,
                 post=lambda path, payload: self.upstream.post(url, path, payload),
@@ -265,6 +276,8 @@ class VLLMModel(ModelServer):
             )
             if needs_ids:
                 body["return_token_ids"] = True  # the prompt ids are the spliced ones, never a /tokenize re-render
+        elif router is not None:
+            body = crossing_body(body, required_prefix)
         return PreparedCall(body, caller_body, required_prefix, capture, needs_ids, telemetry, confirm, telemetry_ready)
 
     async def finish(self, call: PreparedCall, result: dict[str, Any], url: str) -> dict[str, Any]:
@@ -299,8 +312,10 @@ class VLLMModel(ModelServer):
                 return_bundle=call.capture,
                 tokenize=lambda tokenize_body: self._tokenize(url, tokenize_body),
                 upstream_url=url,
+                server=server_label(url, await self.router_at(url), result),
                 exclude_tools_when_tool_choice_none=self.config.exclude_tools_when_tool_choice_none,
             )
+            self.fleet.check(result)
             drop_unrequested(result, call.caller_body, bundle_returned=call.capture)
             if call.capture:
                 defaults, fingerprint = await self._model_files(url)
@@ -334,6 +349,15 @@ class VLLMModel(ModelServer):
             fingerprint = None
         return defaults, fingerprint
 
+    async def router_at(self, url: str) -> RouterView | None:
+        """The vllm-router at `url`, or None for a vLLM; asked once per URL (behind_router.py). Behind a router, a 5xx
+        is tried once more (VLLMUpstream.retry_server_error_once)."""
+        if url not in self._routers:
+            router = self._routers[url] = await detect_router(self.upstream.get_small, url)
+            if router is not None:
+                self.upstream.retry_server_error_once = True
+        return self._routers[url]
+
     async def splices_here(self, url: str) -> bool:
         """Whether the adapter splices for `url` (splice: adapter, or auto on a server without the hook)."""
         if self.config.splice != "auto":
@@ -359,7 +383,6 @@ class VLLMModel(ModelServer):
         )
 
     async def aclose(self) -> None:
-        await self.router.aclose()
         await self.upstream.aclose()
         await super().aclose()
 

@@ -8,10 +8,23 @@ from pydantic import Field, field_validator, model_validator
 
 from nemo_gym_tok.servers.base import BaseServerConfig
 
+MULTI_URL_REFUSAL = (
+    "base_url lists {count} vLLM servers: the adapter does not route between replicas itself; vLLM's own router does. "
+    "Put them under `router: {{worker_urls: [...]}}` on this adapter (`ngt run` starts vllm-router in front of them, "
+    "each conversation kept on one replica by consistent hashing of its session), or point base_url at a "
+    "vllm-router that already runs (docs/scaling.md)"
+)
+
 
 class VLLMModelConfig(BaseServerConfig):
-    base_url: str | list[str]
-    """vLLM server URL(s), with or without `/v1`; each conversation sticks to one."""
+    base_url: str | None = None
+    """The vLLM server's URL, with or without `/v1`, or a vllm-router's in front of several (detected by its
+    `/list_workers`): every call then carries its conversation's `x-session-id`, which the router keeps on one
+    replica. A list of URLs is refused with how to route them (MULTI_URL_REFUSAL)."""
+    router: dict[str, Any] | None = None
+    """vllm-router to start in front of several vLLM servers: `worker_urls` (required), `policy` (default
+    consistent_hash), `host`, `port` (0: a free one) and the tuning values of nemo_gym_tok.router.RouterSpec. `ngt run`
+    starts it before this adapter, points base_url at it, and stops it with the gym."""
     model: str
     """The model name vLLM serves (its --served-model-name)."""
     api_key: str = "EMPTY"
@@ -50,18 +63,29 @@ class VLLMModelConfig(BaseServerConfig):
     """Attempts per vLLM call while vLLM is unreachable or answers 429, 502, 503 or 504 (upstream.RETRYABLE_STATUSES);
     any other 5xx is the request's own error and is not retried."""
     retry_backoff_seconds: float = 0.5
-    health_check_interval_seconds: float = Field(default=5.0, gt=0)
-    """How often a URL marked unhealthy (unreachable, or 5xx on every attempt) is probed with GET /health."""
     nemo_gym_token_capture_dir: str | None = None
     """NeMo Gym's `token_id_capture.dir`: calls on its training-capture paths are recorded there in its file store's
     layout (nemo_gym_capture.py). Unset, such calls are served with their bundles only."""
 
-    @field_validator("base_url")
+    @field_validator("base_url", mode="before")
     @classmethod
-    def _at_least_one_url(cls, value: str | list[str]) -> str | list[str]:
-        if isinstance(value, list) and not value:
-            raise ValueError("give at least one vLLM base URL")
+    def _one_url(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            if len(value) == 1:
+                return value[0]
+            raise ValueError(MULTI_URL_REFUSAL.format(count=len(value)) if value else "give the vLLM server's URL")
         return value
+
+    @model_validator(mode="after")
+    def _somewhere_to_call(self) -> VLLMModelConfig:
+        if self.base_url is None:
+            raise ValueError(
+                "router: {worker_urls: [...]} is started by `ngt run`, which then points base_url at it; started "
+                "another way, set base_url to the vLLM server or to a running vllm-router"
+                if self.router is not None
+                else "set base_url to the vLLM server's URL (or to a vllm-router in front of several)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _tokenize_cannot_render_harmony(self) -> VLLMModelConfig:
@@ -80,7 +104,3 @@ class VLLMModelConfig(BaseServerConfig):
                 "return_token_id_information: true"
             )
         return self
-
-    @property
-    def base_urls(self) -> list[str]:
-        return [self.base_url] if isinstance(self.base_url, str) else list(self.base_url)

@@ -104,6 +104,7 @@ async def open_chat_stream(
     *,
     post: Callable[[dict[str, Any]], Awaitable[httpx.Response]],
     prompt_ids: Callable[[], Awaitable[list[int]]],
+    server: str,
     finish: Finish,
     overflow: Callable[[str], dict[str, Any]],
 ) -> ChatStream:
@@ -111,9 +112,9 @@ async def open_chat_stream(
     refuses the request (vLLM's 4xx, an error chunk first, a prompt that does not start with the required prefix),
     before the caller gets a byte.
 
-    `post` sends the body (UpstreamUnavailable when vLLM is down, so the router can fail over); `prompt_ids` gets
-    the prompt's ids where vLLM does not send them (/tokenize); `finish` is the adapter's finishing of a completion;
-    `overflow` makes the answer to a history that no longer fits.
+    `post` sends the body; `prompt_ids` gets the prompt's ids where vLLM does not send them (/tokenize); `server`
+    names who serves the call in a refusal (behind_router.server_label); `finish` is the adapter's finishing of a
+    completion; `overflow` makes the answer to a history that no longer fits.
     """
     response = await post(stream_request_body(call))
     try:
@@ -136,7 +137,7 @@ async def open_chat_stream(
             # vLLM sends the prompt ids in the first chunk (return_token_ids); the hook's telemetry is there too.
             prompt = first.get("prompt_token_ids")
             prompt = list(prompt) if prompt is not None else await prompt_ids()
-            check_required_prefix(prompt, call.required_prefix, telemetry, upstream_url=url)
+            check_required_prefix(prompt, call.required_prefix, telemetry, server=server)
     except BaseException:
         await response.aclose()
         raise

@@ -24,7 +24,7 @@ from nemo_gym_tok.contract.token_sources import (
     resolve_bundle,
 )
 from nemo_gym_tok.servers.api_errors import ApiError
-from nemo_gym_tok.types.tokens import BUNDLE_FIELDS, WEIGHT_VERSION_KEY, WEIGHT_VERSION_SPANS_KEY
+from nemo_gym_tok.types.tokens import BUNDLE_FIELDS, REPLICA_KEY, WEIGHT_VERSION_KEY, WEIGHT_VERSION_SPANS_KEY
 
 # Fields of a chat request that change the rendered prompt: the /tokenize fallback gets exactly these.
 PROMPT_AFFECTING_FIELDS = (
@@ -105,9 +105,12 @@ async def attach_bundles(
     return_bundle: bool,
     tokenize: Tokenize,
     upstream_url: str,
+    server: str | None = None,
     exclude_tools_when_tool_choice_none: bool = False,
 ) -> None:
-    """Resolve each choice's bundle from vLLM's sources, check the prefix, and (if asked) put it on the message."""
+    """Resolve each choice's bundle from vLLM's sources, check the prefix, and (if asked) put it on the message.
+    `server` names who served the call in the refusal of an unspliced prefix (behind_router.server_label; by
+    default the vLLM server at `upstream_url`)."""
     tokenized: list[int] | None = None
     for choice in result.get("choices", []):
         message = choice.setdefault("message", {})
@@ -128,7 +131,9 @@ async def attach_bundles(
         except TokenSourceError as exc:
             raise ApiError(502, f"vLLM at {upstream_url} reported inconsistent token ids: {exc}") from None
         telemetry = result.get("prefix_splice") if isinstance(result.get("prefix_splice"), dict) else None
-        check_required_prefix(bundle.prompt_token_ids, required_prefix, telemetry, upstream_url=upstream_url)
+        check_required_prefix(
+            bundle.prompt_token_ids, required_prefix, telemetry, server=server or f"the vLLM server at {upstream_url}"
+        )
         if return_bundle:
             # The hook's weight_version and weight_version_spans stay on the message it put them on; the adapter's
             # WeightVersionReads.settle keeps them where the hook's bundle won, and decides them otherwise.
@@ -165,12 +170,14 @@ def attach_provenance(
         message = choice.get("message")
         if isinstance(message, dict) and message.get("generation_token_ids") is not None:
             message[SAMPLING_KEY] = dict(sampling)
-            if fingerprint is not None:
+            if fingerprint is not None and message.get(FINGERPRINT_KEY) is None:
+                # A hooked server's own fingerprint (what it actually served) wins over the adapter's read of the
+                # model directory.
                 message[FINGERPRINT_KEY] = dict(fingerprint)
 
 
 def check_required_prefix(
-    prompt_ids: list[int], required_prefix: list[int] | None, telemetry: dict[str, Any] | None, *, upstream_url: str
+    prompt_ids: list[int], required_prefix: list[int] | None, telemetry: dict[str, Any] | None, *, server: str
 ) -> None:
     """Raise the 502 `prefix_not_spliced` unless the prompt vLLM used starts with the required prefix (no prefix, or
     a new token segment, checks nothing). `telemetry` is the call's `prefix_splice`, if any."""
@@ -186,7 +193,7 @@ def check_required_prefix(
     except PrefixMismatchError as exc:
         raise ApiError(
             502,
-            f"the vLLM server at {upstream_url} is not splicing the required prefix into the prompt ({exc}). "
+            f"{server} is not splicing the required prefix into the prompt ({exc}). "
             "Its template re-tokenized the history, so these ids would drift from what the model produced. "
             "Serve with `ngt vllm-serve` (or set NEMO_GYM_TOK_PREFIX_SPLICE=1 with the plugin installed).",
             error_type="prefix_not_spliced",
@@ -238,5 +245,7 @@ def drop_unrequested(result: dict[str, Any], caller_body: dict[str, Any], *, bun
                 FORCED_MASK_KEY,
                 WEIGHT_VERSION_KEY,
                 WEIGHT_VERSION_SPANS_KEY,
+                REPLICA_KEY,
+                FINGERPRINT_KEY,
             ):
                 choice.get("message", {}).pop(field, None)

@@ -9,6 +9,7 @@ caller as an httpx.Response, so nothing downstream knows which client read it.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import re
 from typing import Any
 from urllib.parse import urlsplit
@@ -19,6 +20,7 @@ from tenacity import AsyncRetrying, RetryError, retry_if_exception, stop_after_a
 
 from nemo_gym_tok.common.remote_errors import error_message
 from nemo_gym_tok.servers.api_errors import ApiError
+from nemo_gym_tok.servers.client import SESSION_HEADER
 from nemo_gym_tok.servers.fast_json import JSON_HEADERS, dumps, loads
 from nemo_gym_tok.servers.http_pool import aiohttp_session, call_timeout, pool_limits, post_read_whole
 
@@ -33,6 +35,18 @@ Any other 5xx comes from vLLM handling this very request (e.g. a JSON schema its
 the same request would fail the same way again, so it is not retried."""
 
 
+conversation: contextvars.ContextVar[str | None] = contextvars.ContextVar("vllm_conversation", default=None)
+"""The conversation key of the call being served (session_key.py), sent on every request it makes to vLLM as the
+`x-session-id` header vllm-router keeps a conversation on one replica by. A context variable: every upstream request
+of one call (the chat call, the /tokenize fallback, the template proof, the weight-version reads) carries it without
+each signature naming it, and concurrent calls each see their own."""
+
+
+def _session_headers() -> dict[str, str]:
+    key = conversation.get()
+    return {SESSION_HEADER: key} if key else {}
+
+
 class UpstreamStatusError(Exception):
     """vLLM answered a retryable status (RETRYABLE_STATUSES); retried, then reported."""
 
@@ -43,7 +57,7 @@ class UpstreamStatusError(Exception):
 
 class UpstreamUnavailable(ApiError):
     """The vLLM at `url` is at fault, not the request (unreachable: 503; 502/503/504 on every attempt, or a 5xx while
-    its /health fails: 502), so the router marks it unhealthy and may send the same request to another URL."""
+    its /health fails: 502)."""
 
     def __init__(self, status: int, message: str, url: str) -> None:
         super().__init__(status, message)
@@ -94,6 +108,10 @@ class VLLMUpstream:
         self._max_attempts = max_attempts
         self._backoff_seconds = backoff_seconds
         self._epochs: dict[str, int] = {}
+        self.retry_server_error_once = False
+        """Set behind vllm-router: any 5xx is tried once more. The router answers 500 for a call its worker dropped
+        (killed mid-call) before its breaker moves the conversation; a second try then reaches a live worker, and it
+        is safe because every call carries its exact prefix (vLLM's own 5xx on one server is never retried)."""
 
     def epoch(self, base_url: str) -> int:
         """How many connections this client opened to the server at `base_url`, plus its failed calls to it. A
@@ -123,7 +141,7 @@ class VLLMUpstream:
             timeout = aiohttp.ClientTimeout(total=min(self._timeout.read or SMALL_GET_SECONDS, SMALL_GET_SECONDS))
             self._gets = aiohttp_session(self._limits, timeout, self._headers)
         try:
-            async with self._gets.get(f"{root_url(base_url)}{path}") as answer:
+            async with self._gets.get(f"{root_url(base_url)}{path}", headers=_session_headers()) as answer:
                 return answer.status, await answer.read()
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return None
@@ -138,7 +156,9 @@ class VLLMUpstream:
     ) -> httpx.Response:
         url = f"{root_url(base_url)}{path}"
         # Written once, by orjson, for every attempt: the body carries the history's ids.
-        content, headers = (None, None) if body is None else (dumps(body), JSON_HEADERS)
+        content = None if body is None else dumps(body)
+        headers = {**(JSON_HEADERS if body is not None else {}), **_session_headers()}
+        server_errors_left = 1 if self.retry_server_error_once else 0
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self._max_attempts),
             wait=wait_exponential(multiplier=self._backoff_seconds, max=10),
@@ -158,7 +178,7 @@ class VLLMUpstream:
                             )
                             response = await self._http.send(request, stream=True)
                         elif method == "POST":
-                            response = await self._post(url, content or b"")
+                            response = await self._post(url, content or b"", headers)
                         else:
                             response = await self._http.request(method, url, content=content, headers=headers)
                     except _TRANSPORT_ERRORS:
@@ -171,6 +191,9 @@ class VLLMUpstream:
                             await response.aread()
                             await response.aclose()
                         if response.status_code not in RETRYABLE_STATUSES:
+                            if server_errors_left > 0 and attempt.retry_state.attempt_number < self._max_attempts:
+                                server_errors_left -= 1
+                                raise UpstreamStatusError(response)
                             raise await self._status_error(base_url, url, response)
                         raise UpstreamStatusError(response)
                     return response
@@ -192,7 +215,7 @@ class VLLMUpstream:
             ) from None
         raise AssertionError("unreachable")
 
-    async def _post(self, url: str, content: bytes) -> httpx.Response:
+    async def _post(self, url: str, content: bytes, headers: dict[str, str]) -> httpx.Response:
         """POST a JSON body over aiohttp and read the answer whole (see the module docstring)."""
         if self._posts is None:  # made on first use: an aiohttp session belongs to the running loop
             timeout = aiohttp.ClientTimeout(total=self._timeout.read, connect=self._timeout.connect)
@@ -200,7 +223,7 @@ class VLLMUpstream:
             tracing.on_request_start.append(_remember_url)
             tracing.on_connection_create_end.append(self._on_connection_created)
             self._posts = aiohttp_session(self._limits, timeout, self._headers, trace_configs=[tracing])
-        return await post_read_whole(self._posts, url, content, JSON_HEADERS)
+        return await post_read_whole(self._posts, url, content, headers)
 
     async def _on_connection_created(self, _session: Any, context: Any, _params: Any) -> None:
         self._new_epoch(context.url)
@@ -215,17 +238,15 @@ class VLLMUpstream:
         return trace
 
     async def _status_error(self, base_url: str, url: str, response: httpx.Response) -> ApiError:
-        """A 5xx that is not retried: the request's own error (502 with vLLM's reason; the URL stays in routing)
-        while the server's /health answers 200, else the URL's failure (UpstreamUnavailable: marked unhealthy, and
-        the request may fail over). Asking /health keeps one request that vLLM cannot handle from taking every
-        replica out of routing, while a dying server is still noticed on its first 5xx."""
+        """A 5xx that is not retried: the request's own error (502 with vLLM's reason) while the server's /health
+        answers 200, else the server's failure (UpstreamUnavailable, 502 saying so)."""
         reason = f"vLLM at {url} answered HTTP {response.status_code}: {error_message(response)}"
         if await self.healthy(base_url):
             return ApiError(502, reason, error_type="upstream_error")
         return UpstreamUnavailable(502, f"{reason} (and its GET /health does not answer 200)", base_url)
 
     async def healthy(self, base_url: str, timeout: float = 5.0) -> bool:
-        """True when vLLM's `GET /health` answers 200 within `timeout`: the router's probe of an unhealthy URL."""
+        """True when vLLM's `GET /health` answers 200 within `timeout`."""
         try:
             response = await self._http.get(f"{root_url(base_url)}/health", timeout=timeout)
         except httpx.HTTPError:

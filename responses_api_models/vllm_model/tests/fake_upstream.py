@@ -1,4 +1,4 @@
-"""A recording stand-in for vLLM, for unit tests of routing and error paths the real server cannot be made to take."""
+"""A recording stand-in for vLLM or vllm-router: unit tests of error paths the real servers cannot be made to take."""
 
 from __future__ import annotations
 
@@ -30,7 +30,11 @@ class FakeUpstream:
     fail_times: int | None = None
     """Answer `status` to this many chat calls only, then 200 (None: always)."""
     requests: list[dict[str, Any]] = field(default_factory=list)
+    sessions: list[str | None] = field(default_factory=list)
+    """The x-session-id header of each chat call."""
     health_checks: int = 0
+    router_workers: list[str] | None = None
+    """Answer GET /list_workers as vllm-router does, with these workers (None: 404, as vLLM)."""
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -39,10 +43,17 @@ class FakeUpstream:
         async def chat(request: Request) -> JSONResponse:
             body = await request.json()
             self.requests.append(body)
+            self.sessions.append(request.headers.get("x-session-id"))
             failing = self.fail_times is None or len(self.requests) <= self.fail_times
             if self.status != 200 and failing:
                 return JSONResponse({"error": {"message": f"{self.name} is broken"}}, status_code=self.status)
             return JSONResponse(chat_completion(body["model"], {"role": "assistant", "content": f"from {self.name}"}))
+
+        @app.get("/list_workers")
+        async def list_workers() -> JSONResponse:
+            if self.router_workers is None:
+                return JSONResponse({"detail": "Not Found"}, status_code=404)
+            return JSONResponse({"urls": self.router_workers})
 
         @app.get("/health")
         async def health() -> JSONResponse:

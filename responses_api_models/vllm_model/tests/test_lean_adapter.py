@@ -433,12 +433,12 @@ def test_agreeing_sources_give_one_bundle_with_its_source() -> None:
 
 def test_a_prompt_without_the_prefix_is_still_refused_naming_the_position() -> None:
     prompt = list(range(7000))
-    check_required_prefix(prompt, prompt[:6000], None, upstream_url="http://v")  # starts with it: no error
+    check_required_prefix(prompt, prompt[:6000], None, server="the vLLM server at http://v")  # starts with it: no error
     with pytest.raises(ApiError) as refused:
-        check_required_prefix(prompt, [*prompt[:5000], -1], None, upstream_url="http://v")
+        check_required_prefix(prompt, [*prompt[:5000], -1], None, server="the vLLM server at http://v")
     assert refused.value.error_type == "prefix_not_spliced" and "at position 5000" in refused.value.message
     with pytest.raises(ApiError, match="found end of prompt"):
-        check_required_prefix(prompt[:10], prompt[:11], None, upstream_url="http://v")
+        check_required_prefix(prompt[:10], prompt[:11], None, server="the vLLM server at http://v")
 
 
 async def _no_tokenize(body: dict[str, Any]) -> list[int]:

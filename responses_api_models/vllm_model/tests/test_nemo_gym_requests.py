@@ -105,8 +105,7 @@ def test_adapter_serves_rollout_paths_and_applies_metadata(adapter: tuple[str, F
     assert answer.status_code == 200, answer.text
     assert upstream.requests[-1]["chat_template_kwargs"] == {"enable_thinking": False}
     assert upstream.requests[-1]["seed"] == 3
-    routing = httpx.get(f"{url}/routing").json()
-    assert routing["remembered_conversations"] == 1
+    assert upstream.sessions[-1] == "rollout:5-1"  # one NeMo Gym rollout, one conversation on the router
     assert not answer.cookies  # the adapter keys NeMo Gym's rollouts by their id, not by a cookie
     # extra_body adds fields under the operator's forwarded_fields like the caller's own.
     refused = httpx.post(f"{url}/v1/chat/completions", json={**CHAT, "metadata": {"extra_body": '{"top_k": 2}'}})

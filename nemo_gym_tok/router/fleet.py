@@ -1,0 +1,67 @@
+"""One fleet behind a router: each worker's fingerprint (tokenizer, chat template) asked and compared when it joins."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from nemo_gym_tok.contract.provenance import FINGERPRINT_KEY, fingerprint_difference
+
+PROBE_MESSAGES = [{"role": "user", "content": "."}]
+
+
+class FleetMismatchError(RuntimeError):
+    """A worker serves another tokenizer or chat template than the rest: refused before it takes any call."""
+
+
+def worker_fingerprint(
+    worker_url: str, model: str, *, http: httpx.Client, api_key: str | None = None
+) -> dict[str, str] | None:
+    """The fingerprint a hooked worker serves with (one generated id, asked of the worker itself, not through the
+    router); None for a worker without the hook, whose answers do not say."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    body = {"model": model, "messages": PROBE_MESSAGES, "max_tokens": 1, "logprobs": True}
+    answer = http.post(f"{worker_url.rstrip('/')}/v1/chat/completions", json=body, headers=headers)
+    if answer.status_code != 200:
+        raise FleetMismatchError(
+            f"worker {worker_url} could not be asked for its fingerprint: HTTP {answer.status_code} {answer.text[:200]}"
+        )
+    message: dict[str, Any] = (answer.json().get("choices") or [{}])[0].get("message") or {}
+    found = message.get(FINGERPRINT_KEY)
+    return dict(found) if isinstance(found, dict) else None
+
+
+def check_fleet(
+    worker_urls: Sequence[str],
+    model: str,
+    *,
+    http: httpx.Client | None = None,
+    api_key: str | None = None,
+    expected: dict[str, str] | None = None,
+) -> dict[str, dict[str, str] | None]:
+    """Each worker's fingerprint; raises FleetMismatchError naming the first worker whose fingerprint differs from
+    `expected` (else from the first hooked worker's). Workers without the hook say nothing and are returned as None:
+    the caller decides whether an unproven worker may join."""
+    client = http or httpx.Client(timeout=120)
+    try:
+        found = {url: worker_fingerprint(url, model, http=client, api_key=api_key) for url in worker_urls}
+    finally:
+        if http is None:
+            client.close()
+    reference_url = None
+    for url, fingerprint in found.items():
+        if fingerprint is None:
+            continue
+        if expected is None:
+            expected, reference_url = fingerprint, url
+            continue
+        if fingerprint.get("sha256") != expected.get("sha256"):
+            against = f"worker {reference_url}" if reference_url else "the fleet"
+            raise FleetMismatchError(
+                f"worker {url} serves {fingerprint_difference(expected, fingerprint)} unlike {against}: the ids it "
+                "samples would not be the fleet's, so it is not put behind the router. Serve every worker from the "
+                "same model directory and --chat-template"
+            )
+    return found

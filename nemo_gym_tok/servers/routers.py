@@ -1,0 +1,68 @@
+"""`ngt run`'s vllm-routers: one in front of the workers a model adapter's `router` field lists, started before it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nemo_gym_tok.config import GymConfig, ServerInstance
+from nemo_gym_tok.router import RouterProcess, RouterSpec, RouterStartError
+from nemo_gym_tok.router.fleet import FleetMismatchError, check_fleet
+
+ROUTER_KEY = "router"
+
+
+class RouterConfigError(ValueError):
+    """A `router` field that cannot start a router; the message names the config key."""
+
+
+def router_spec(instance: ServerInstance) -> RouterSpec | None:
+    """The RouterSpec of an instance's `router` field (None without one), or RouterConfigError naming the key."""
+    fields: Any = instance.fields.get(ROUTER_KEY)
+    if fields is None:
+        return None
+    where = f"{instance.name}.{instance.kind}.{instance.implementation}.{ROUTER_KEY}"
+    if not isinstance(fields, dict) or "worker_urls" not in fields:
+        raise RouterConfigError(f"{where}: expected {{worker_urls: [http://host:port, ...], policy: ...}}")
+    if instance.fields.get("base_url"):
+        raise RouterConfigError(
+            f"{where}: set either base_url (a vLLM, or a router that already runs) or router (one `ngt run` starts), "
+            "not both"
+        )
+    try:
+        return RouterSpec(**{**fields, "worker_urls": tuple(fields["worker_urls"] or ())})
+    except (TypeError, ValueError) as exc:
+        raise RouterConfigError(f"{where}: {exc}") from None
+
+
+def start_routers(config: GymConfig, *, ready_timeout: float) -> dict[str, RouterProcess]:
+    """Start the router of every instance with a `router` field, after checking its workers serve one fingerprint,
+    and point the instance's base_url at it. Raises RouterConfigError or RouterStartError (routers already started
+    are stopped)."""
+    specs = {name: spec for name, instance in config.instances.items() if (spec := router_spec(instance))}
+    started: dict[str, RouterProcess] = {}
+    try:
+        for name, spec in specs.items():
+            instance = config.instances[name]
+            try:
+                check_fleet(spec.worker_urls, str(instance.fields.get("model")), api_key=spec.api_key)
+            except FleetMismatchError as exc:
+                raise RouterStartError(f"{name}: {exc}") from None
+            started[name] = RouterProcess(spec).start(timeout=ready_timeout)
+            instance.fields["base_url"] = f"{started[name].url}/v1"
+    except BaseException:
+        stop_routers(started)
+        raise
+    return started
+
+
+def stop_routers(routers: dict[str, RouterProcess]) -> None:
+    for router in routers.values():
+        router.stop()
+
+
+def exited_router(routers: dict[str, RouterProcess]) -> str | None:
+    """Why the gym must stop when a router it started has exited (None while all run)."""
+    for name, router in routers.items():
+        if not router.running:
+            return f"the vllm-router in front of {name}'s workers exited (its log: {router.log_path})"
+    return None

@@ -1,0 +1,93 @@
+"""The adapter in front of vllm-router: telling a router from a vLLM, and what a call must carry to cross one."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from nemo_gym_tok.splice import NEW_SEGMENT_KEY, PREFIX_KEY
+
+GetSmall = Callable[[str, str], Awaitable[tuple[int, bytes] | None]]
+LIST_WORKERS_PATH = "/list_workers"
+
+
+@dataclass(frozen=True)
+class RouterView:
+    """A vllm-router at `url` and the workers it listed when the adapter asked."""
+
+    url: str
+    workers: tuple[str, ...]
+
+
+async def detect_router(get_small: GetSmall, base_url: str) -> RouterView | None:
+    """The router at `base_url`, or None for a vLLM (which answers 404 to the router's `/list_workers`)."""
+    answer = await get_small(base_url, LIST_WORKERS_PATH)
+    if answer is None or answer[0] != 200:
+        return None
+    try:
+        listed = json.loads(answer[1])
+    except ValueError:
+        return None
+    urls = listed.get("urls") if isinstance(listed, dict) else None
+    if not isinstance(urls, list) or not all(isinstance(url, str) for url in urls):
+        return None
+    return RouterView(base_url, tuple(urls))
+
+
+def crossing_body(body: dict[str, Any], required_prefix: list[int] | None) -> dict[str, Any]:
+    """`body` (a chat call for a hooked server) as it must cross vllm-router, which drops every message field it does
+    not know (the bundle, `reasoning_content`) and keeps unknown top-level ones:
+    - the required prefix goes top-level, where the hook splices from it alone;
+    - a history with assistant turns and no prefix says `start_token_segment: true` when it asks for token ids: its
+      ids are the template's by the caller's own doing (it sent no bundle), which the hook otherwise cannot tell
+      from bundles the router dropped, and refuses;
+    - `reasoning_content` is sent as `reasoning`, the name the router keeps (vLLM reads both).
+    A new top level and new messages where they change; the caller's own objects are not touched."""
+    crossing = dict(body)
+    if required_prefix is not None:
+        crossing.setdefault(PREFIX_KEY, required_prefix)
+    elif body.get("return_token_ids") and _has_assistant_turn(body.get("messages")):
+        crossing.setdefault(NEW_SEGMENT_KEY, True)
+    messages = body.get("messages")
+    if isinstance(messages, list) and any(_needs_renaming(message) for message in messages):
+        crossing["messages"] = [_renamed(message) if _needs_renaming(message) else message for message in messages]
+    return crossing
+
+
+def server_label(url: str, router: RouterView | None, answer: Mapping[str, Any] | None = None) -> str:
+    """Who served a call, as an error names it: the vLLM at `url`, or the worker vllm-router at `url` chose (named
+    when the hooked worker said which it is)."""
+    if router is None:
+        return f"the vLLM server at {url}"
+    replica = _replica_of(answer)
+    worker = f"its worker {replica}" if replica else "the worker it chose (one of " + ", ".join(router.workers) + ")"
+    return (
+        f"behind vllm-router at {url} (which drops token bundles from messages; this adapter sends the prefix "
+        f"top-level, where a hooked worker splices from it), {worker}"
+    )
+
+
+def _replica_of(answer: Mapping[str, Any] | None) -> str | None:
+    for choice in (answer or {}).get("choices") or []:
+        message = choice.get("message") or choice.get("delta") or {}
+        if isinstance(message.get("replica"), str):
+            return str(message["replica"])
+    return None
+
+
+def _has_assistant_turn(messages: Any) -> bool:
+    return isinstance(messages, list) and any(
+        isinstance(message, dict) and message.get("role") == "assistant" for message in messages
+    )
+
+
+def _needs_renaming(message: Any) -> bool:
+    return isinstance(message, dict) and message.get("reasoning_content") is not None
+
+
+def _renamed(message: dict[str, Any]) -> dict[str, Any]:
+    renamed = {key: value for key, value in message.items() if key != "reasoning_content"}
+    renamed.setdefault("reasoning", message["reasoning_content"])
+    return renamed

@@ -1,0 +1,195 @@
+"""Two hooked vLLM replicas behind the real vllm-router that `ngt run` starts: 40 rollouts collected while one replica
+is SIGKILLed lose nothing and stay contiguous; a replica with another chat template is refused when it joins and, let
+in past that check, on its first answer; a good replica added back receives new sessions. `make test-fleet`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from nemo_gym_tok.cli.demo import DEMO_CONFIG
+from nemo_gym_tok.collect import CollectSummary, collect
+from nemo_gym_tok.config import load_config
+from nemo_gym_tok.contract.provenance import chat_template_text
+from nemo_gym_tok.records.contiguity import check_file
+from nemo_gym_tok.router import add_worker, list_workers, remove_worker
+from nemo_gym_tok.router.fleet import FleetMismatchError, check_fleet, worker_fingerprint
+from nemo_gym_tok.servers.launcher import Gym
+from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
+from tests.servers import hooked_server
+
+REPO = Path(__file__).resolve().parents[2]
+ROWS = REPO / "resources_servers" / "number_guess" / "data" / "example.jsonl"
+REPEATS = 5
+"""8 rows x 5: 40 rollouts of up to 4 model calls each."""
+KILL_AFTER_ROLLOUTS = 6
+
+
+def replica(tiny_model_dir: Path, log_dir: Path, name: str, *, port: int = 0, template: Path | None = None) -> Any:
+    """A hooked replica like the shared one (a context manager), on `port` when given, with `template` as its
+    --chat-template when given."""
+    extra = (*CPU_SERVING_ARGS, *TEST_BED_ARGS, *(("--chat-template", str(template)) if template else ()))
+    return hooked_server(
+        tiny_model_dir,
+        served_model_name="tiny-qwen3",
+        extra_args=extra,
+        env=TEST_BED_ENV,
+        log_path=log_dir / f"{name}.log",
+        what=f"{name}: ",
+        port=port,
+    )
+
+
+def demo_behind_router(tmp_path: Path, workers: list[str]) -> Path:
+    text = DEMO_CONFIG.read_text()
+    line = "      base_url: ${policy_base_url}\n"
+    assert line in text
+    path = tmp_path / "demo_behind_router.yaml"
+    path.write_text(text.replace(line, f"      router:\n        worker_urls: {json.dumps(workers)}\n"))
+    return path
+
+
+def run_collect(gym: Gym, output: Path, repeats: int) -> CollectSummary:
+    return asyncio.run(
+        collect(
+            ROWS,
+            output,
+            gym.urls["number_guess_agent"],
+            agent="number_guess_agent",
+            repeats=repeats,
+            concurrency=8,
+            timeout=600,
+            progress=False,
+            auth_token=gym.auth_token,
+        )
+    )
+
+
+def model_turns(output: Path) -> list[list[dict[str, Any]]]:
+    """Per rollout, its model calls' output items (those carrying a bundle)."""
+    return [
+        [
+            item
+            for item in json.loads(line)["response"]["output"]
+            if isinstance(item, dict) and item.get("generation_token_ids") is not None
+        ]
+        for line in output.read_text().splitlines()
+    ]
+
+
+@pytest.fixture
+def doomed(tiny_model_dir: Path, tmp_path: Path) -> Iterator[VLLMServer]:
+    with replica(tiny_model_dir, tmp_path, "replica-b") as server:
+        yield server
+
+
+def test_a_fleet_behind_the_router_survives_a_killed_replica_and_refuses_a_foreign_one(
+    vllm_server: VLLMServer, doomed: VLLMServer, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    live, dead = vllm_server.base_url, doomed.base_url
+    config = load_config(
+        [str(demo_behind_router(tmp_path, [live, dead]))],
+        [f"policy_model_name={vllm_server.served_model_name}", "head_server.port=0"],
+    )
+    output = tmp_path / "rollouts.jsonl"
+    with httpx.Client(timeout=120) as http, Gym(config) as gym:
+        (router,) = gym.routers.values()
+        fleet = worker_fingerprint(live, vllm_server.served_model_name, http=http)
+        assert fleet is not None
+
+        # 1. 40 rollouts; the second replica SIGKILLed once both served some and a few rollouts are done.
+        killed: dict[str, float] = {}
+
+        def kill_when_ready() -> None:
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline:
+                lines = output.read_text().splitlines() if output.exists() else []
+                served = {t["replica"] for turns in model_turns_of(lines) for t in turns}
+                if len(lines) >= KILL_AFTER_ROLLOUTS and served == {live, dead}:
+                    assert doomed.process is not None
+                    os.killpg(doomed.process.pid, signal.SIGKILL)  # API server and engine: a crash, no goodbye
+                    killed["at_rollouts"] = len(lines)
+                    return
+                time.sleep(0.05)
+
+        killer = threading.Thread(target=kill_when_ready)
+        killer.start()
+        summary = run_collect(gym, output, REPEATS)
+        killer.join()
+        assert killed, "no moment came where both replicas had served rollouts"
+        assert summary.total == 40 and summary.done_now == 40, summary
+        assert not summary.failures_path.exists(), summary.failures_path.read_text()
+        report = check_file(output)
+        assert report.ok and report.contiguous == report.rollouts == 40, report.format()
+        rollouts = model_turns(output)
+        by_replica = Counter(turn["replica"] for turns in rollouts for turn in turns)
+        assert set(by_replica) == {live, dead}, by_replica  # both used, and every turn says which
+        whole = sum(1 for turns in rollouts if len({turn["replica"] for turn in turns}) == 1)
+        print(
+            f"\nfleet: 40 rollouts, 0 lost, 40 contiguous; killed {dead} after {killed['at_rollouts']} rollouts; "
+            f"turns per replica {dict(by_replica)}; {whole} rollouts on one replica throughout"
+        )
+        doomed.process.wait(timeout=60)
+        remove_worker(router.url, dead)
+
+        # 2. A replica with another chat template (the same text plus a comment) on the dead one's port.
+        template = tmp_path / "other_template.jinja"
+        template.write_text((chat_template_text(tiny_model_dir) or "") + "{#- another template -#}\n")
+        with replica(tiny_model_dir, tmp_path, "replica-b-foreign", port=doomed.port, template=template) as foreign:
+            with pytest.raises(FleetMismatchError, match=f"worker {foreign.base_url} serves the chat template"):
+                check_fleet([foreign.base_url], vllm_server.served_model_name, http=http, expected=fleet)
+            add_worker(router.url, foreign.base_url)  # past the check: the adapter refuses its first answer
+            refusals = ask_until_refused(gym, vllm_server.served_model_name)
+            assert f"replica {foreign.base_url} serves the chat template unlike" in refusals
+            remove_worker(router.url, foreign.base_url)
+
+        # 3. A good replica back on that port: it passes the check, joins, and new sessions reach it.
+        with replica(tiny_model_dir, tmp_path, "replica-b-again", port=doomed.port) as back:
+            check_fleet([back.base_url], vllm_server.served_model_name, http=http, expected=fleet)
+            add_worker(router.url, back.base_url)
+            assert sorted(list_workers(router.url)) == sorted([live, back.base_url])
+            again = tmp_path / "after_re_add.jsonl"
+            summary = run_collect(gym, again, 2)
+            assert summary.done_now == summary.total == 16 and not summary.failures_path.exists()
+            assert check_file(again).contiguous == 16
+            new_sessions = Counter(turns[0]["replica"] for turns in model_turns(again))
+            assert new_sessions[back.base_url] > 0, new_sessions
+            print(f"fleet: re-added {back.base_url}; new sessions per replica {dict(new_sessions)}")
+
+
+def model_turns_of(lines: list[str]) -> list[list[dict[str, Any]]]:
+    turns = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line still being written
+            continue
+        turns.append([i for i in record["response"]["output"] if isinstance(i, dict) and i.get("replica")])
+    return turns
+
+
+def ask_until_refused(gym: Gym, model: str) -> str:
+    """Chat calls through the gym's adapter, each its own session, until the router sends one to the foreign replica
+    and the adapter refuses its answer; returns the refusal's message."""
+    adapter = gym.urls["policy_model"]
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
+    for session in range(64):
+        answer = httpx.post(
+            f"{adapter}/v1/chat/completions", json=body, headers={"x-session-id": f"probe-{session}"}, timeout=120
+        )
+        if answer.status_code != 200:
+            assert answer.status_code == 502, answer.text
+            assert answer.json()["error"]["type"] == "replica_mismatch"
+            return str(answer.json()["error"]["message"])
+    raise AssertionError("64 sessions and none reached the foreign replica")

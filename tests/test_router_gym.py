@@ -1,0 +1,141 @@
+"""Exact through vLLM's router (the real vllm-router in front of the shared hooked vLLM): bundles the router strips are
+recovered from the top-level prefix or refused naming it, and the demo gym that `ngt run` puts behind a router it
+starts collects contiguous rollouts that say which replica served each turn."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from nemo_gym_tok.cli.demo import DEMO_CONFIG
+from nemo_gym_tok.collect import collect
+from nemo_gym_tok.config import load_config
+from nemo_gym_tok.records.contiguity import check_file
+from nemo_gym_tok.router import RouterProcess, RouterSpec, list_workers
+from nemo_gym_tok.servers.launcher import Gym
+from nemo_gym_tok.vllm.server import VLLMServer
+
+REPO = Path(__file__).resolve().parents[1]
+NUMBER_GUESS_ROWS = REPO / "resources_servers" / "number_guess" / "data" / "example.jsonl"
+
+
+@pytest.fixture(scope="module")
+def router(vllm_server: VLLMServer) -> Iterator[RouterProcess]:
+    """vllm-router (consistent_hash) with the shared hooked vLLM as its one worker."""
+    with RouterProcess(RouterSpec((vllm_server.base_url,))) as running:
+        yield running
+
+
+def chat(url: str, body: dict[str, Any], session: str = "s-1") -> httpx.Response:
+    return httpx.post(f"{url}/v1/chat/completions", json=body, headers={"x-session-id": session}, timeout=120)
+
+
+def first_turn(router: RouterProcess, model: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    messages = [{"role": "user", "content": "Guess my number."}]
+    body = {"model": model, "messages": messages, "max_tokens": 8, "seed": 3, "logprobs": True}
+    answer = chat(router.url, {**body, "return_token_ids": True})
+    assert answer.status_code == 200, answer.text
+    return messages, answer.json()["choices"][0]["message"]
+
+
+def test_bundles_the_router_strips_are_refused_naming_it_or_recovered_from_the_top_level_prefix(
+    router: RouterProcess, vllm_server: VLLMServer
+) -> None:
+    model = vllm_server.served_model_name
+    messages, reply = first_turn(router, model)
+    # The hooked worker's answer crosses the router whole: its bundle, and which replica served it with what.
+    assert reply["replica"] == vllm_server.base_url
+    assert set(reply["model_fingerprint"]) == {"sha256", "tokenizer_sha256", "chat_template_sha256"}
+    prefix = reply["prompt_token_ids"] + reply["generation_token_ids"]
+    assistant = {key: reply[key] for key in ("role", "content", "prompt_token_ids", "generation_token_ids")}
+    assistant["generation_log_probs"] = reply["generation_log_probs"]
+    history = [*messages, assistant, {"role": "user", "content": "Higher."}]
+    body = {"model": model, "messages": history, "max_tokens": 4, "logprobs": True, "return_token_ids": True}
+
+    # Bundles on messages only: the router drops them, and the hook sees a text history it cannot prove.
+    stripped = chat(router.url, body)
+    assert stripped.status_code == 400, stripped.text
+    message = stripped.json()["error"]["message"]
+    assert "came through vllm-router" in message and "required_prefix_token_ids" in message
+    direct = chat(vllm_server.base_url, body)  # the same body straight to vLLM splices from the bundle
+    assert direct.status_code == 200 and direct.json()["prefix_splice"]["applied"] is True
+
+    # The prefix top-level, which the router keeps: spliced from it alone, exact.
+    recovered = chat(router.url, {**body, "required_prefix_token_ids": prefix})
+    assert recovered.status_code == 200, recovered.text
+    answer = recovered.json()
+    assert answer["prefix_splice"]["applied"] is True
+    assert answer["prompt_token_ids"][: len(prefix)] == prefix
+    assert answer["prompt_token_ids"] == direct.json()["prompt_token_ids"]
+
+    # A history re-templated on purpose says so, and is served with the template's ids.
+    on_purpose = chat(router.url, {**body, "start_token_segment": True})
+    assert on_purpose.status_code == 200, on_purpose.text
+    # Not asking for token ids: no claim to prove, stock behaviour.
+    plain = {key: value for key, value in body.items() if key != "return_token_ids"}
+    assert chat(router.url, plain).status_code == 200
+
+
+def router_config(tmp_path: Path, workers: list[str]) -> Path:
+    """configs/demo.yaml with its adapter behind a router `ngt run` starts, in front of `workers`."""
+    text = DEMO_CONFIG.read_text()
+    line = "      base_url: ${policy_base_url}\n"
+    assert line in text
+    routed = text.replace(line, f"      router:\n        worker_urls: {json.dumps(workers)}\n")
+    path = tmp_path / "demo_behind_router.yaml"
+    path.write_text(routed)
+    return path
+
+
+def test_ngt_run_puts_the_demo_gym_behind_a_router_and_its_rollouts_stay_exact(
+    vllm_server: VLLMServer, tmp_path: Path
+) -> None:
+    config = load_config(
+        [str(router_config(tmp_path, [vllm_server.base_url]))],
+        [f"policy_model_name={vllm_server.served_model_name}", "head_server.port=0"],
+    )
+    output = tmp_path / "rollouts.jsonl"
+    with Gym(config) as gym:
+        (router,) = gym.routers.values()
+        assert list_workers(router.url) == [vllm_server.base_url]
+        adapter_base = config.instances["policy_model"].fields["base_url"]
+        assert adapter_base == f"{router.url}/v1"
+        summary = asyncio.run(
+            collect(
+                NUMBER_GUESS_ROWS,
+                output,
+                gym.urls["number_guess_agent"],
+                agent="number_guess_agent",
+                repeats=2,
+                concurrency=4,
+                timeout=300,
+                progress=False,
+                auth_token=gym.auth_token,
+            )
+        )
+        router_pid = router.pid
+    assert router_pid is not None and not router.running  # stopped with the gym
+    assert summary.done_now == summary.total > 0 and not summary.failures_path.exists()
+    report = check_file(output)
+    assert report.ok and report.contiguous == report.rollouts == summary.total, report.format()
+    turns = [
+        item
+        for line in output.read_text().splitlines()
+        for item in json.loads(line)["response"]["output"]
+        if isinstance(item, dict) and item.get("generation_token_ids") is not None
+    ]
+    assert turns and all(turn["replica"] == vllm_server.base_url for turn in turns)
+    multi_turn = sum(1 for line in output.read_text().splitlines() if _model_calls(json.loads(line)) > 1)
+    assert multi_turn > 0, "no rollout made a second model call: nothing crossed the router with a prefix"
+    print(f"\nbehind vllm-router: {summary.total} rollouts, {len(turns)} model calls, {multi_turn} multi-turn, exact")
+
+
+def _model_calls(record: dict[str, Any]) -> int:
+    output = record["response"]["output"]
+    return sum(1 for item in output if isinstance(item, dict) and item.get("generation_token_ids") is not None)
