@@ -77,8 +77,10 @@ def test_bundles_the_router_strips_are_refused_naming_it_or_recovered_from_the_t
     # A history re-templated on purpose says so, and is served with the template's ids.
     on_purpose = chat(router.url, {**body, "start_token_segment": True})
     assert on_purpose.status_code == 200, on_purpose.text
-    # Not asking for token ids: no claim to prove, stock behaviour.
-    plain = {key: value for key, value in body.items() if key != "return_token_ids"}
+    # Log probs alone get a bundle from the hook too: refused the same way. Asking for no ids: stock behaviour.
+    logprobs_only = {key: value for key, value in body.items() if key != "return_token_ids"}
+    assert chat(router.url, logprobs_only).status_code == 400
+    plain = {key: value for key, value in logprobs_only.items() if key != "logprobs"}
     assert chat(router.url, plain).status_code == 200
 
 

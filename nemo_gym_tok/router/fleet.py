@@ -13,7 +13,8 @@ PROBE_MESSAGES = [{"role": "user", "content": "."}]
 
 
 class FleetMismatchError(RuntimeError):
-    """A worker serves another tokenizer or chat template than the rest: refused before it takes any call."""
+    """A worker serves another tokenizer or chat template than the rest, or cannot be asked which it serves: refused
+    before it takes any call."""
 
 
 def worker_fingerprint(
@@ -23,7 +24,12 @@ def worker_fingerprint(
     router); None for a worker without the hook, whose answers do not say."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     body = {"model": model, "messages": PROBE_MESSAGES, "max_tokens": 1, "logprobs": True}
-    answer = http.post(f"{worker_url.rstrip('/')}/v1/chat/completions", json=body, headers=headers)
+    try:
+        answer = http.post(f"{worker_url.rstrip('/')}/v1/chat/completions", json=body, headers=headers)
+    except httpx.TransportError as exc:
+        raise FleetMismatchError(
+            f"worker {worker_url} could not be asked for its fingerprint: {type(exc).__name__}: {exc} (is it up?)"
+        ) from None
     if answer.status_code != 200:
         raise FleetMismatchError(
             f"worker {worker_url} could not be asked for its fingerprint: HTTP {answer.status_code} {answer.text[:200]}"

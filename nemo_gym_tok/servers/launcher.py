@@ -20,7 +20,13 @@ from nemo_gym_tok.router import RouterProcess, RouterStartError
 from nemo_gym_tok.servers.auth import AUTH_TOKEN_ENV, auth_headers, auth_token_of
 from nemo_gym_tok.servers.nemo_gym_servers import NeMoGymStartError, is_nemo_gym_instance, start_nemo_gym_server
 from nemo_gym_tok.servers.registry import validate_instance
-from nemo_gym_tok.servers.routers import RouterConfigError, exited_router, start_routers, stop_routers
+from nemo_gym_tok.servers.routers import (
+    RouterConfigError,
+    exited_router,
+    routed_instances,
+    start_routers,
+    stop_routers,
+)
 from nemo_gym_tok.servers.serve import SPEC_ENV, spec_for
 from nemo_gym_tok.servers.supervision import (
     CrashHistory,
@@ -99,12 +105,11 @@ class Gym:
         launched = {name: inst for name, inst in self.config.instances.items() if name not in external}
         nemo_gym = {name: inst for name, inst in launched.items() if is_nemo_gym_instance(inst)}
         try:
-            # First: an adapter behind a router is configured with the router's URL, known once it runs.
-            self.routers = start_routers(self.config, ready_timeout=self.ready_timeout)
-        except (RouterConfigError, RouterStartError) as exc:
+            routed = routed_instances(self.config)  # their base_url is the router's, known once it runs
+        except RouterConfigError as exc:
             raise LaunchError(str(exc)) from None
         for name, instance in launched.items():
-            if name not in nemo_gym:
+            if name not in nemo_gym and name not in routed:
                 validate_instance(instance)  # fail on config errors before any process starts
         self.auth_token = auth_token_of(self.config)
         self.restart = restart_policy(self.config)
@@ -132,6 +137,7 @@ class Gym:
         self.head_url = f"http://{_client_host(head_host)}:{ports[HEAD_NAME]}"
         head = ServerInstance(HEAD_NAME, "head", "head", {"host": head_host, "servers": self.urls}, {})
         try:
+            self._start_routers(routed)
             self._spawn(head, ports[HEAD_NAME], self.head_url)
             for name, instance in launched.items():
                 if name in nemo_gym:
@@ -142,6 +148,14 @@ class Gym:
         except BaseException:
             self.stop()
             raise
+
+    def _start_routers(self, routed: list[str]) -> None:
+        try:
+            self.routers = start_routers(self.config, ready_timeout=self.ready_timeout)
+        except (RouterConfigError, RouterStartError) as exc:
+            raise LaunchError(str(exc)) from None
+        for name in routed:
+            validate_instance(self.config.instances[name])
 
     def _spawn(self, instance: ServerInstance, port: int, url: str) -> None:
         listener = self._listeners[instance.name]

@@ -34,6 +34,11 @@ def router_spec(instance: ServerInstance) -> RouterSpec | None:
         raise RouterConfigError(f"{where}: {exc}") from None
 
 
+def routed_instances(config: GymConfig) -> list[str]:
+    """The instances with a router to start, their `router` fields checked (RouterConfigError naming the key)."""
+    return [name for name, instance in config.instances.items() if router_spec(instance) is not None]
+
+
 def start_routers(config: GymConfig, *, ready_timeout: float) -> dict[str, RouterProcess]:
     """Start the router of every instance with a `router` field, after checking its workers serve one fingerprint,
     and point the instance's base_url at it. Raises RouterConfigError or RouterStartError (routers already started
@@ -44,9 +49,16 @@ def start_routers(config: GymConfig, *, ready_timeout: float) -> dict[str, Route
         for name, spec in specs.items():
             instance = config.instances[name]
             try:
-                check_fleet(spec.worker_urls, str(instance.fields.get("model")), api_key=spec.api_key)
+                fingerprints = check_fleet(spec.worker_urls, str(instance.fields.get("model")), api_key=spec.api_key)
             except FleetMismatchError as exc:
                 raise RouterStartError(f"{name}: {exc}") from None
+            unproven = [url for url, fingerprint in fingerprints.items() if fingerprint is None]
+            if unproven and len(unproven) < len(fingerprints):
+                raise RouterStartError(
+                    f"{name}: workers {', '.join(unproven)} answer without the prefix-splice hook while the others "
+                    "have it: a call the router sends them would not be spliced. Serve every worker with `ngt "
+                    "vllm-serve` (or none)"
+                )
             started[name] = RouterProcess(spec).start(timeout=ready_timeout)
             instance.fields["base_url"] = f"{started[name].url}/v1"
     except BaseException:

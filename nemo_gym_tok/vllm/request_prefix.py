@@ -46,13 +46,14 @@ def _read_prefix(online: Any, request: Any, messages: list[Any]) -> tuple[Prefix
 
 def _refuse_history_a_router_stripped(request: Any, messages: list[Any]) -> None:
     """vllm-router re-serializes chat messages and drops every field it does not know, the token bundle among them.
-    A request that came through it (its own default fields say so), asks for token ids and holds an assistant turn,
+    A request that came through it (its own default fields say so), asks for token ids (`return_token_ids`, or
+    `logprobs`, which the hook answers with a bundle) and holds an assistant turn,
     but carries no prefix, may have lost its bundles on the way: its history would be re-tokenized from text, the
     drift this project exists to prevent. Refused with what survives the router instead."""
     if not came_through_vllm_router((getattr(request, "model_extra", None) or {}).keys()):
         return
-    if not getattr(request, "return_token_ids", False):
-        return
+    if not (getattr(request, "return_token_ids", False) or getattr(request, "logprobs", False)):
+        return  # asks for no ids (the hook answers a bundle to `logprobs`): no claim to prove
     if not any(_role(message) == "assistant" for message in messages):
         return
     raise SpliceError(ROUTER_STRIPPED_HISTORY)

@@ -40,7 +40,8 @@ def crossing_body(body: dict[str, Any], required_prefix: list[int] | None) -> di
     """`body` (a chat call for a hooked server) as it must cross vllm-router, which drops every message field it does
     not know (the bundle, `reasoning_content`) and keeps unknown top-level ones:
     - the required prefix goes top-level, where the hook splices from it alone;
-    - a history with assistant turns and no prefix says `start_token_segment: true` when it asks for token ids: its
+    - a history with assistant turns and no prefix says `start_token_segment: true` when it asks for token ids
+      (`return_token_ids` or `logprobs`): its
       ids are the template's by the caller's own doing (it sent no bundle), which the hook otherwise cannot tell
       from bundles the router dropped, and refuses;
     - `reasoning_content` is sent as `reasoning`, the name the router keeps (vLLM reads both).
@@ -48,7 +49,7 @@ def crossing_body(body: dict[str, Any], required_prefix: list[int] | None) -> di
     crossing = dict(body)
     if required_prefix is not None:
         crossing.setdefault(PREFIX_KEY, required_prefix)
-    elif body.get("return_token_ids") and _has_assistant_turn(body.get("messages")):
+    elif (body.get("return_token_ids") or body.get("logprobs")) and _has_assistant_turn(body.get("messages")):
         crossing.setdefault(NEW_SEGMENT_KEY, True)
     messages = body.get("messages")
     if isinstance(messages, list) and any(_needs_renaming(message) for message in messages):

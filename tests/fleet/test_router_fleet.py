@@ -110,16 +110,20 @@ def test_a_fleet_behind_the_router_survives_a_killed_replica_and_refuses_a_forei
 
         # 1. 40 rollouts; the second replica SIGKILLed once both served some and a few rollouts are done.
         killed: dict[str, float] = {}
+        answered_before = answered_calls(dead)  # the fleet check's probe
 
         def kill_when_ready() -> None:
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline:
                 lines = output.read_text().splitlines() if output.exists() else []
-                served = {t["replica"] for turns in model_turns_of(lines) for t in turns}
-                if len(lines) >= KILL_AFTER_ROLLOUTS and served == {live, dead}:
+                written = [t["replica"] for turns in model_turns_of(lines) for t in turns]
+                # Calls the doomed replica answered for rollouts not yet written: conversations part-way through
+                # there, whose next calls must go to the live replica.
+                mid_episode = answered_calls(dead) - answered_before - written.count(dead)
+                if len(lines) >= KILL_AFTER_ROLLOUTS and set(written) == {live, dead} and mid_episode >= 2:
                     assert doomed.process is not None
                     os.killpg(doomed.process.pid, signal.SIGKILL)  # API server and engine: a crash, no goodbye
-                    killed["at_rollouts"] = len(lines)
+                    killed["at_rollouts"], killed["mid_episode"] = len(lines), mid_episode
                     return
                 time.sleep(0.05)
 
@@ -135,10 +139,13 @@ def test_a_fleet_behind_the_router_survives_a_killed_replica_and_refuses_a_forei
         rollouts = model_turns(output)
         by_replica = Counter(turn["replica"] for turns in rollouts for turn in turns)
         assert set(by_replica) == {live, dead}, by_replica  # both used, and every turn says which
-        whole = sum(1 for turns in rollouts if len({turn["replica"] for turn in turns}) == 1)
+        moved = sum(1 for turns in rollouts if len({turn["replica"] for turn in turns}) > 1)
+        after_kill = sum(1 for turns in rollouts if turns[0]["replica"] == live)
         print(
-            f"\nfleet: 40 rollouts, 0 lost, 40 contiguous; killed {dead} after {killed['at_rollouts']} rollouts; "
-            f"turns per replica {dict(by_replica)}; {whole} rollouts on one replica throughout"
+            f"\nfleet: 40 rollouts, 0 lost, 40 contiguous; killed {dead} after {killed['at_rollouts']} rollouts, "
+            f"{killed['mid_episode']:.0f} of its answered calls in rollouts not yet done; turns per replica "
+            f"{dict(by_replica)}; {40 - moved} rollouts on one replica throughout, {moved} moved mid-episode; "
+            f"{after_kill} began on {live}"
         )
         doomed.process.wait(timeout=60)
         remove_worker(router.url, dead)
@@ -166,6 +173,16 @@ def test_a_fleet_behind_the_router_survives_a_killed_replica_and_refuses_a_forei
             new_sessions = Counter(turns[0]["replica"] for turns in model_turns(again))
             assert new_sessions[back.base_url] > 0, new_sessions
             print(f"fleet: re-added {back.base_url}; new sessions per replica {dict(new_sessions)}")
+
+
+def answered_calls(base_url: str) -> float:
+    """How many requests vLLM finished (its /metrics counter `vllm:request_success_total`, every finish reason)."""
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return 0.0
+    counter = "vllm:request_success_total"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(counter))
 
 
 def model_turns_of(lines: list[str]) -> list[list[dict[str, Any]]]:

@@ -111,6 +111,7 @@ def test_crossing_a_router_the_prefix_goes_top_level_and_reasoning_is_renamed() 
 def test_crossing_a_router_a_history_without_ids_says_it_starts_a_segment() -> None:
     text_only = {"messages": [user("guess"), {"role": "assistant", "content": "50"}, user("Higher.")]}
     assert crossing_body({**text_only, "return_token_ids": True}, None)["start_token_segment"] is True
+    assert crossing_body({**text_only, "logprobs": True}, None)["start_token_segment"] is True
     assert "start_token_segment" not in crossing_body(text_only, None)  # no ids asked for: the hook never refuses
     first_turn = {"messages": [user("guess")], "return_token_ids": True}
     assert crossing_body(first_turn, None) == first_turn  # nothing to cross
