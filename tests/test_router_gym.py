@@ -13,12 +13,12 @@ from typing import Any
 import httpx
 import pytest
 
-from nemo_gym_tok.cli.demo import DEMO_CONFIG
 from nemo_gym_tok.collect import collect
 from nemo_gym_tok.config import load_config
 from nemo_gym_tok.records.contiguity import check_file
 from nemo_gym_tok.router import RouterProcess, RouterSpec, list_workers
 from nemo_gym_tok.servers.launcher import Gym
+from nemo_gym_tok.testing.gym_configs import demo_config_behind_router
 from nemo_gym_tok.vllm.server import VLLMServer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,22 +84,11 @@ def test_bundles_the_router_strips_are_refused_naming_it_or_recovered_from_the_t
     assert chat(router.url, plain).status_code == 200
 
 
-def router_config(tmp_path: Path, workers: list[str]) -> Path:
-    """configs/demo.yaml with its adapter behind a router `ngt run` starts, in front of `workers`."""
-    text = DEMO_CONFIG.read_text()
-    line = "      base_url: ${policy_base_url}\n"
-    assert line in text
-    routed = text.replace(line, f"      router:\n        worker_urls: {json.dumps(workers)}\n")
-    path = tmp_path / "demo_behind_router.yaml"
-    path.write_text(routed)
-    return path
-
-
 def test_ngt_run_puts_the_demo_gym_behind_a_router_and_its_rollouts_stay_exact(
     vllm_server: VLLMServer, tmp_path: Path
 ) -> None:
     config = load_config(
-        [str(router_config(tmp_path, [vllm_server.base_url]))],
+        [str(demo_config_behind_router(tmp_path, [vllm_server.base_url]))],
         [f"policy_model_name={vllm_server.served_model_name}", "head_server.port=0"],
     )
     output = tmp_path / "rollouts.jsonl"

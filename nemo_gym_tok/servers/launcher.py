@@ -216,7 +216,9 @@ class Gym:
         """One supervision pass: schedule, run and follow restarts of exited children; `report` gets each event.
 
         Returns why the whole gym must stop (a child exited with restarts off, or more often than the policy
-        allows within its window), or None while everything is running or coming back.
+        allows within its window), or None while everything is running or coming back. A restarted child dies with
+        the thread that called this (the kernel's parent-death signal follows the forking thread): call it from a
+        thread that lives as long as the gym.
         """
         now = time.monotonic()
         router_gone = exited_router(self.routers)

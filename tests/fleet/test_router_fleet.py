@@ -1,6 +1,8 @@
 """Two hooked vLLM replicas behind the real vllm-router that `ngt run` starts: 40 rollouts collected while one replica
 is SIGKILLed lose nothing and stay contiguous; a replica with another chat template is refused when it joins and, let
-in past that check, on its first answer; a good replica added back receives new sessions. `make test-fleet`."""
+in past that check, on its first answer; a good replica added back receives new sessions; then the soak's short
+version kills a replica, the environment, the agent and the collector once each. `make test-fleet`: one test, so the
+replicas start once."""
 
 from __future__ import annotations
 
@@ -12,13 +14,13 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from nemo_gym_tok.cli.demo import DEMO_CONFIG
 from nemo_gym_tok.collect import CollectSummary, collect
 from nemo_gym_tok.config import load_config
 from nemo_gym_tok.contract.provenance import chat_template_text
@@ -26,6 +28,8 @@ from nemo_gym_tok.records.contiguity import check_file
 from nemo_gym_tok.router import add_worker, list_workers, remove_worker
 from nemo_gym_tok.router.fleet import FleetMismatchError, check_fleet, worker_fingerprint
 from nemo_gym_tok.servers.launcher import Gym
+from nemo_gym_tok.testing.gym_configs import demo_config_behind_router
+from nemo_gym_tok.testing.soak import KINDS, MAX_RSS_GROWTH, Replica, Soak
 from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
 from tests.servers import hooked_server
 
@@ -34,6 +38,14 @@ ROWS = REPO / "resources_servers" / "number_guess" / "data" / "example.jsonl"
 REPEATS = 5
 """8 rows x 5: 40 rollouts of up to 4 model calls each."""
 KILL_AFTER_ROLLOUTS = 6
+SHORT_SOAK: dict[str, Any] = {
+    "rollouts": 160,
+    "concurrency": 32,
+    # Seconds from the soak gym's start, once a tenth of the rollouts are in. The replica goes last: its restart
+    # takes a minute or more, during which the other replica carries every call.
+    "schedule": [(15.0, "environment"), (30.0, "agent"), (45.0, "collector"), (60.0, "replica")],
+}
+assert {kind for _, kind in SHORT_SOAK["schedule"]} == set(KINDS)
 
 
 def replica(tiny_model_dir: Path, log_dir: Path, name: str, *, port: int = 0, template: Path | None = None) -> Any:
@@ -49,15 +61,6 @@ def replica(tiny_model_dir: Path, log_dir: Path, name: str, *, port: int = 0, te
         what=f"{name}: ",
         port=port,
     )
-
-
-def demo_behind_router(tmp_path: Path, workers: list[str]) -> Path:
-    text = DEMO_CONFIG.read_text()
-    line = "      base_url: ${policy_base_url}\n"
-    assert line in text
-    path = tmp_path / "demo_behind_router.yaml"
-    path.write_text(text.replace(line, f"      router:\n        worker_urls: {json.dumps(workers)}\n"))
-    return path
 
 
 def run_collect(gym: Gym, output: Path, repeats: int) -> CollectSummary:
@@ -99,11 +102,13 @@ def test_a_fleet_behind_the_router_survives_a_killed_replica_and_refuses_a_forei
 ) -> None:
     live, dead = vllm_server.base_url, doomed.base_url
     config = load_config(
-        [str(demo_behind_router(tmp_path, [live, dead]))],
+        [str(demo_config_behind_router(tmp_path, [live, dead]))],
         [f"policy_model_name={vllm_server.served_model_name}", "head_server.port=0"],
     )
     output = tmp_path / "rollouts.jsonl"
-    with httpx.Client(timeout=120) as http, Gym(config) as gym:
+    with ExitStack() as stack:
+        http = stack.enter_context(httpx.Client(timeout=120))
+        gym = stack.enter_context(Gym(config))
         (router,) = gym.routers.values()
         fleet = worker_fingerprint(live, vllm_server.served_model_name, http=http)
         assert fleet is not None
@@ -162,17 +167,36 @@ def test_a_fleet_behind_the_router_survives_a_killed_replica_and_refuses_a_forei
             remove_worker(router.url, foreign.base_url)
 
         # 3. A good replica back on that port: it passes the check, joins, and new sessions reach it.
-        with replica(tiny_model_dir, tmp_path, "replica-b-again", port=doomed.port) as back:
-            check_fleet([back.base_url], vllm_server.served_model_name, http=http, expected=fleet)
-            add_worker(router.url, back.base_url)
-            assert sorted(list_workers(router.url)) == sorted([live, back.base_url])
-            again = tmp_path / "after_re_add.jsonl"
-            summary = run_collect(gym, again, 2)
-            assert summary.done_now == summary.total == 16 and not summary.failures_path.exists()
-            assert check_file(again).contiguous == 16
-            new_sessions = Counter(turns[0]["replica"] for turns in model_turns(again))
-            assert new_sessions[back.base_url] > 0, new_sessions
-            print(f"fleet: re-added {back.base_url}; new sessions per replica {dict(new_sessions)}")
+        back = stack.enter_context(replica(tiny_model_dir, tmp_path, "replica-b-again", port=doomed.port))
+        check_fleet([back.base_url], vllm_server.served_model_name, http=http, expected=fleet)
+        add_worker(router.url, back.base_url)
+        assert sorted(list_workers(router.url)) == sorted([live, back.base_url])
+        again = tmp_path / "after_re_add.jsonl"
+        summary = run_collect(gym, again, 2)
+        assert summary.done_now == summary.total == 16 and not summary.failures_path.exists()
+        assert check_file(again).contiguous == 16
+        again_rollouts = model_turns(again)
+        new_sessions = Counter(turns[0]["replica"] for turns in again_rollouts)
+        assert new_sessions[back.base_url] > 0, new_sessions
+        # No kill here: the session header keeps each rollout on the one replica its first call reached.
+        assert all(len({turn["replica"] for turn in turns}) == 1 for turns in again_rollouts)
+        print(f"fleet: re-added {back.base_url}; new sessions per replica {dict(new_sessions)}")
+        gym.stop()
+
+        # 4. The soak's short version on the same two replicas: one kill of each kind during a collection behind a
+        # new gym and router (`make soak` runs twenty minutes with random kills).
+        killable = Replica(back, owned=True)
+        stack.callback(lambda: killable.server.stop())  # a restart replaces the server `back` started
+        (tmp_path / "soak").mkdir()
+        soak = Soak([Replica(vllm_server, owned=False), killable], tmp_path / "soak", **SHORT_SOAK)
+        report = soak.run()
+        print(report.format())
+        assert [kill["kind"] for kill in report.kills] == [kind for _, kind in SHORT_SOAK["schedule"]], report.format()
+        assert report.lost == 0 and report.duplicated == 0 and report.torn_lines == 0, report.format()
+        assert report.contiguous == report.expected == SHORT_SOAK["rollouts"], report.format()
+        assert report.collect_runs >= 2  # the collector's kill, at least, made it resume
+        names = {"number_guess", "number_guess_agent", "policy_model", "head", "router:policy_model"}
+        assert names <= report.rss_kib.keys() and report.worst_rss_growth < MAX_RSS_GROWTH, report.format()
 
 
 def answered_calls(base_url: str) -> float:

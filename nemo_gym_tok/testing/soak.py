@@ -1,0 +1,379 @@
+"""The soak: a long collection behind vllm-router while a replica, the environment, the agent or the collector is
+SIGKILLed and restarted; counts rollouts lost and written twice, contiguity and every gym process's memory.
+
+`make soak` runs about 20 minutes (`python -m nemo_gym_tok.testing.soak --help`); `make test-fleet` runs a
+three-minute version with one kill of each kind (tests/fleet/test_soak.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nemo_gym_tok.config import load_config
+from nemo_gym_tok.records.contiguity import check_file
+from nemo_gym_tok.servers.launcher import Gym
+from nemo_gym_tok.testing.gym_configs import demo_config_behind_router
+from nemo_gym_tok.testing.tiny_model.build import build_tiny_model
+from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
+
+KINDS = ("replica", "environment", "agent", "collector")
+ENVIRONMENT, AGENT = "number_guess", "number_guess_agent"
+ROWS = Path(__file__).resolve().parents[2] / "resources_servers" / ENVIRONMENT / "data" / "example.jsonl"
+MODEL_NAME = "tiny-qwen3"
+MAX_RSS_GROWTH = 0.10
+MAX_COLLECT_RUNS = 40
+
+
+@dataclass
+class SoakReport:
+    """What the soak counted; `ok` when nothing was lost or doubled, every rollout is contiguous and no gym process
+    grew past MAX_RSS_GROWTH."""
+
+    expected: int
+    written: int
+    distinct: int
+    lost: int
+    duplicated: int
+    torn_lines: int
+    contiguous: int
+    collect_runs: int
+    seconds: float
+    kills: list[dict[str, Any]] = field(default_factory=list)
+    rss_kib: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Per gym process (by server name): RSS after warm-up and at the end."""
+
+    @property
+    def worst_rss_growth(self) -> float:
+        return max(((end - start) / start for start, end in self.rss_kib.values() if start), default=0.0)
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.lost == 0
+            and self.duplicated == 0
+            and self.torn_lines == 0
+            and self.contiguous == self.expected
+            and self.worst_rss_growth < MAX_RSS_GROWTH
+        )
+
+    def format(self) -> str:
+        kinds = Counter(kill["kind"] for kill in self.kills)
+        lines = [
+            f"soak: {self.seconds:.0f} s, {len(self.kills)} kills ({', '.join(f'{k} {n}' for k, n in kinds.items())}), "
+            f"{self.collect_runs} collector runs",
+            f"rollouts: expected {self.expected}, written {self.written}, lost {self.lost}, duplicated "
+            f"{self.duplicated}, torn lines {self.torn_lines}, contiguous {self.contiguous}/{self.expected} "
+            f"({self.contiguous / max(self.expected, 1):.0%})",
+        ]
+        for name, (start, end) in sorted(self.rss_kib.items()):
+            growth = (end - start) / start if start else 0.0
+            lines.append(f"  RSS {name}: {start / 1024:.1f} MiB -> {end / 1024:.1f} MiB ({growth:+.1%})")
+        for kill in self.kills:
+            lines.append(f"  kill at {kill['at']:.0f} s: {kill['kind']} {kill['target']} ({kill['note']})")
+        lines.append("soak: OK" if self.ok else "soak: FAILED")
+        return "\n".join(lines)
+
+
+class Replica:
+    """One hooked vLLM of the tiny model on a fixed port; `owned` ones can be killed and started again there."""
+
+    def __init__(self, server: VLLMServer, *, owned: bool) -> None:
+        self.server, self.owned = server, owned
+
+    @property
+    def url(self) -> str:
+        return self.server.base_url
+
+    def kill_and_restart(self) -> None:
+        assert self.server.process is not None
+        os.killpg(self.server.process.pid, signal.SIGKILL)  # the API server and its engine: a crash, no goodbye
+        self.server.process.wait(timeout=60)
+        old = self.server
+        self.server = VLLMServer(
+            old.model,
+            served_model_name=old.served_model_name,
+            extra_args=old.extra_args,
+            host=old.host,
+            port=old.port,
+            env=dict(old.env),
+            log_path=old.log_path.with_name(f"{old.log_path.stem}-restarted.log"),
+        ).start()
+
+
+@contextmanager
+def owned_replicas(count: int, workdir: Path) -> Iterator[list[Replica]]:
+    """`count` hooked replicas of the tiny model, started one after the other, stopped on exit."""
+    model = build_tiny_model()
+    with ExitStack() as stack:
+        replicas = []
+        for index in range(count):
+            server = VLLMServer(
+                model,
+                served_model_name=MODEL_NAME,
+                extra_args=(*CPU_SERVING_ARGS, *TEST_BED_ARGS),
+                env=dict(TEST_BED_ENV),
+                log_path=workdir / f"replica-{index}.log",
+            ).start()
+            replica = Replica(server, owned=True)
+            stack.callback(lambda r=replica: r.server.stop())  # the server it runs at the end: a restart replaces it
+            replicas.append(replica)
+        yield replicas
+
+
+class Soak:
+    """One soak run: the demo gym behind a router over `replicas`, `rollouts` number_guess rollouts at `concurrency`,
+    kills from `schedule` ((seconds, kind) pairs) or, without one, every `kill_every` seconds at random, from the
+    moment a tenth of the rollouts are written (the memory readings after warm-up come first)."""
+
+    def __init__(
+        self,
+        replicas: Sequence[Replica],
+        workdir: Path,
+        *,
+        rollouts: int,
+        concurrency: int,
+        schedule: Sequence[tuple[float, str]] | None = None,
+        kill_every: tuple[float, float] = (60.0, 120.0),
+        kinds: Sequence[str] = KINDS,
+        seed: int = 0,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        rows = sum(1 for line in ROWS.read_text().splitlines() if line.strip())
+        if rollouts % rows:
+            raise ValueError(f"rollouts must be a multiple of {rows} (the number_guess rows)")
+        self.replicas, self.workdir = list(replicas), workdir
+        self.repeats, self.expected, self.concurrency = rollouts // rows, rollouts, concurrency
+        self.schedule = list(schedule) if schedule is not None else None
+        self.kill_every, self.kinds, self.random = kill_every, tuple(kinds), random.Random(seed)
+        self.log = log
+        self.output = workdir / "rollouts.jsonl"
+        self.kills: list[dict[str, Any]] = []
+        self._collector: subprocess.Popen[bytes] | None = None
+        self._collector_lock = threading.Lock()
+        self._done = threading.Event()
+        self._warm = threading.Event()
+        self._started = 0.0
+
+    def run(self) -> SoakReport:
+        self.output.unlink(missing_ok=True)
+        config = load_config(
+            [str(demo_config_behind_router(self.workdir, [replica.url for replica in self.replicas]))],
+            [f"policy_model_name={MODEL_NAME}", "head_server.port=0", "restart.max_restarts=20"],
+        )
+        self._started = time.monotonic()
+        stop_supervising = threading.Event()
+        with Gym(config) as gym:
+            supervisor = threading.Thread(target=self._supervise, args=(gym, stop_supervising), daemon=True)
+            supervisor.start()
+            killer = threading.Thread(target=self._kill_loop, args=(gym,), daemon=True)
+            killer.start()
+            warm_rss: dict[str, int] = {}
+            try:
+                runs = self._collect_until_complete(gym, warm_rss)
+                self._done.set()
+                killer.join()
+                end_rss = gym_rss(gym)
+            finally:
+                self._done.set()
+                # The servers ngt run restarted were started from the supervising thread and die with it
+                # (PR_SET_PDEATHSIG follows the thread that forked): it ends only once the readings are taken.
+                stop_supervising.set()
+                supervisor.join()
+        return self._report(runs, warm_rss, end_rss)
+
+    def _supervise(self, gym: Gym, stop: threading.Event) -> None:
+        while not stop.is_set():
+            fatal = gym.supervise(lambda event: self.log(f"soak: ngt run: {event}"))
+            if fatal:
+                self.log(f"soak: the gym gave up: {fatal}")
+                return
+            time.sleep(0.2)
+
+    def _collect_until_complete(self, gym: Gym, warm_rss: dict[str, int]) -> int:
+        """Run `ngt collect` (resuming) until it exits 0: every rollout in the output, none failed this run."""
+        command = [
+            sys.executable,
+            "-m",
+            "nemo_gym_tok",
+            "collect",
+            "--input",
+            str(ROWS),
+            "--output",
+            str(self.output),
+            "--agent",
+            AGENT,
+            "--head-url",
+            gym.head_url,
+            "--repeats",
+            str(self.repeats),
+            "--concurrency",
+            str(self.concurrency),
+            "--timeout",
+            "600",
+        ]
+        for run in range(1, MAX_COLLECT_RUNS + 1):
+            with self._collector_lock:
+                self._collector = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            if run == 1:
+                threading.Thread(target=self._sample_warm_rss, args=(gym, warm_rss), daemon=True).start()
+            out, _ = self._collector.communicate()
+            summary = out.decode(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+            self.log(f"soak: collector run {run} exited {self._collector.returncode}: {summary[0]}")
+            if self._collector.returncode == 0:
+                return run
+            time.sleep(1.0)  # a failed run retries what failed; a killed one resumes
+        raise RuntimeError(f"the collection did not complete in {MAX_COLLECT_RUNS} collector runs")
+
+    def _sample_warm_rss(self, gym: Gym, warm_rss: dict[str, int]) -> None:
+        """Each gym process's RSS once a tenth of the rollouts are written (imports, pools and caches filled); the
+        kills wait for it. A process down for a restart then is read once it is back."""
+        while not self._done.is_set() and not self._warm.is_set():
+            if self.output.exists() and self.output.read_bytes().count(b"\n") >= max(1, self.expected // 10):
+                warm_rss.update(gym_rss(gym))
+                self._warm.set()
+            else:
+                time.sleep(0.5)
+        names = {child.name for child in gym.children} | {f"router:{name}" for name in gym.routers}
+        while not self._done.is_set() and not names <= warm_rss.keys():
+            for name, rss in gym_rss(gym).items():
+                warm_rss.setdefault(name, rss)
+            time.sleep(0.5)
+
+    def _kill_loop(self, gym: Gym) -> None:
+        plan = iter(self.schedule) if self.schedule is not None else None
+        while not self._warm.wait(0.2):  # the memory readings to compare with come first
+            if self._done.is_set():
+                return
+        while not self._done.is_set():
+            if plan is not None:
+                step = next(plan, None)
+                if step is None:
+                    return
+                at, kind = step
+            else:
+                at = self._elapsed() + self.random.uniform(*self.kill_every)
+                kind = self.random.choice(self.kinds)
+            while self._elapsed() < at:
+                if self._done.wait(0.2):
+                    return
+            self._kill(gym, kind)
+
+    def _kill(self, gym: Gym, kind: str) -> None:
+        at = self._elapsed()
+        if kind == "replica":
+            replica = self.random.choice([r for r in self.replicas if r.owned])
+            replica.kill_and_restart()
+            note = f"restarted on its port in {self._elapsed() - at:.0f} s; the router's health check takes it back"
+            target = replica.url
+        elif kind == "collector":
+            with self._collector_lock:
+                collector = self._collector
+                if collector is None or collector.poll() is not None:
+                    return
+                collector.kill()
+            target, note = f"pid {collector.pid}", "resumed by the next run"
+        else:
+            name = ENVIRONMENT if kind == "environment" else AGENT
+            child = next(child for child in gym.children if child.name == name)
+            os.killpg(child.process.pid, signal.SIGKILL)
+            target, note = f"{name} (pid {child.process.pid})", "restarted by ngt run"
+        self.kills.append({"at": at, "kind": kind, "target": target, "note": note})
+        self.log(f"soak: {at:.0f} s: killed {kind} {target}: {note}")
+
+    def _elapsed(self) -> float:
+        return time.monotonic() - self._started
+
+    def _report(self, runs: int, warm_rss: dict[str, int], end_rss: dict[str, int]) -> SoakReport:
+        keys, torn = [], 0
+        for line in self.output.read_text().splitlines():
+            try:
+                rollout = json.loads(line)["rollout_id"]
+            except (ValueError, KeyError, TypeError):
+                torn += 1
+                continue
+            keys.append((rollout["row_hash"], rollout["occurrence"], rollout["repeat"], rollout["agent"]))
+        distinct = len(set(keys))
+        return SoakReport(
+            expected=self.expected,
+            written=len(keys),
+            distinct=distinct,
+            lost=self.expected - distinct,
+            duplicated=len(keys) - distinct,
+            torn_lines=torn,
+            contiguous=check_file(self.output).contiguous,
+            collect_runs=runs,
+            seconds=self._elapsed(),
+            kills=self.kills,
+            rss_kib={name: (warm_rss[name], end_rss[name]) for name in warm_rss if name in end_rss},
+        )
+
+
+def gym_rss(gym: Gym) -> dict[str, int]:
+    """RSS (KiB) of every process `ngt run` started: its servers and its routers."""
+    pids = {child.name: child.process.pid for child in gym.children if child.process.poll() is None}
+    pids.update({f"router:{name}": router.pid for name, router in gym.routers.items() if router.pid is not None})
+    found = {}
+    for name, pid in pids.items():
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                found[name] = int(line.split()[1])
+    return found
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m nemo_gym_tok.testing.soak",
+        description=(
+            "Start two hooked vLLM replicas of the tiny model, the demo gym behind vllm-router over them, and collect "
+            "number_guess rollouts while a replica, the environment, the agent or the collector is SIGKILLed every "
+            "--kill-every seconds (each restarted: a replica on its port, the servers by ngt run, the collector by "
+            "resuming). Prints rollouts expected / written / lost / duplicated, contiguity, every gym process's RSS "
+            "after warm-up and at the end, and the kills; exit 1 unless nothing was lost or doubled, every rollout is "
+            f"contiguous and no process grew {MAX_RSS_GROWTH:.0%} or more."
+        ),
+    )
+    parser.add_argument("--rollouts", type=int, default=1200, help="rollouts to collect, a multiple of 8 (1200)")
+    parser.add_argument("--concurrency", type=int, default=32, help="rollouts in flight (32)")
+    parser.add_argument(
+        "--kill-every", type=float, nargs=2, default=(60.0, 120.0), metavar=("MIN", "MAX"), help="seconds (60 120)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="of the kills' timing and targets (0)")
+    parser.add_argument("--workdir", type=Path, default=Path(".ngt/soak"), help="logs, rollouts, report (.ngt/soak)")
+    args = parser.parse_args(argv)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    with owned_replicas(2, args.workdir) as replicas:
+        soak = Soak(
+            replicas,
+            args.workdir,
+            rollouts=args.rollouts,
+            concurrency=args.concurrency,
+            kill_every=tuple(args.kill_every),
+            seed=args.seed,
+            log=lambda line: print(line, flush=True),
+        )
+        report = soak.run()
+    print(report.format(), flush=True)
+    (args.workdir / "soak-report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
