@@ -241,7 +241,7 @@ def timed_collection(
 ) -> dict[str, Any]:
     """Both replicas' prefix caches emptied, then one collection of `made` through `gym`, with what the replicas'
     engines did meanwhile (/metrics), where its calls went and whether every rollout is contiguous."""
-    from nemo_gym_tok.records.contiguity import check_file
+    from nemo_gym_tok.records.contiguity import bundled_turns, check_file
 
     reset = all([reset_prefix_cache(url, http) for url in workers])
     before = {url: scrape(url, http) for url in workers}
@@ -252,8 +252,6 @@ def timed_collection(
     wall = time.perf_counter() - wall
     cpu = sum(cpu_seconds(pid) for pid in pids) - cpu
     after = {url: scrape(url, http) for url in workers}
-    from nemo_gym_tok.records.contiguity import bundled_turns
-
     report = check_file(output)
     records = [json.loads(line) for line in output.read_text().splitlines() if line.strip()]
     where = spread(records)

@@ -1,5 +1,4 @@
-"""bench/p7_routing.py: the fleet's prefix-cache counters summed, where calls went, the own-history ceiling, a run's
-rounds, and the ratio the target judges."""
+"""bench/p7_routing.py's pure parts: counters summed over replicas, call spread, ceiling, rounds, the target's ratio."""
 
 from __future__ import annotations
 
