@@ -58,6 +58,22 @@ def bench_model() -> Path:
     return build_tiny_model(max_position_embeddings=CONTEXT)
 
 
+def text_of_ids(ids: int, piece: str) -> str:
+    """`piece` (a template with `{n}`, ending in a space) repeated, numbered, to about `ids` ids in the bench model's
+    tokenizer (counted, not guessed: pieces end in a space, so the text's ids are about the sum of the pieces')."""
+    if ids <= 0:
+        return ""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(bench_model()))
+    pieces: list[str] = []
+    count = 0
+    while count < ids:
+        pieces.append(piece.format(n=len(pieces) + 1))
+        count += len(tokenizer.encode(pieces[-1], add_special_tokens=False))
+    return "".join(pieces)
+
+
 @contextlib.contextmanager
 def vllm_server(url: str | None, *, hook: bool = True, log_dir: Path | None = None) -> Iterator[str]:
     """The base URL of a vLLM serving the bench model as MODEL: `url` if given, else one started here (hooked through

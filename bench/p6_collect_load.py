@@ -56,7 +56,7 @@ from _figures import Figure, Table, command, run_standalone
 from _gym_processes import api_server_pid, cpu_seconds, rss_kib
 from _hops import adapter_instance
 from _metrics import engine_work, http_requests, scrape
-from _server import MODEL, REPO, BenchError, bench_model, note, vllm_server
+from _server import MODEL, REPO, BenchError, note, text_of_ids, vllm_server
 from _timing import median, ratio
 from targets import Reading
 
@@ -89,21 +89,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=4, help="warm-up rollouts per setup before the first RSS reading")
     p.add_argument("--quick", action="store_true", help=f"a short run: {' '.join(QUICK)}")
     return p
-
-
-def filler(ids: int) -> str:
-    """Reference text of about `ids` ids in the bench model's tokenizer (counted, not guessed)."""
-    if ids <= 0:
-        return ""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(bench_model()))
-    pieces: list[str] = []
-    count = 0  # pieces end in a space, so the text's ids are about the sum of the pieces'
-    while count < ids:
-        pieces.append(FILLER.format(n=len(pieces)))
-        count += len(tokenizer.encode(pieces[-1], add_special_tokens=False))
-    return "".join(pieces)
 
 
 def rows(count: int, first: int, tag: str, max_tokens: int, reference: str) -> list[dict[str, Any]]:
@@ -250,7 +235,7 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
     wanted = [s.strip() for s in args.setups.split(",") if s.strip()]
     if unknown := sorted(set(wanted) - set(SETUPS)):
         raise BenchError(f"--setups: unknown {', '.join(unknown)}; choose from {', '.join(SETUPS)}")
-    reference = filler(args.opening_ids)
+    reference = text_of_ids(args.opening_ids, FILLER)
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="ngt-bench-p6-") as scratch, contextlib.ExitStack() as stack:
         directory = Path(scratch)

@@ -20,7 +20,7 @@ from _figures import Figure, Table, command, judged, standalone_argv
 from _gym_processes import api_server_pid, cpu_seconds
 from _metrics import Metrics, engine_work, http_requests, scrape
 from _replicas import replicas, reset_prefix_cache, worker_cpus
-from _server import MODEL, REPO, BenchError, bench_model, note
+from _server import MODEL, REPO, BenchError, note, text_of_ids
 from _timing import ratio
 from targets import Reading, text
 
@@ -70,21 +70,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=4, help="warm-up rollouts per gym before the first run")
     p.add_argument("--quick", action="store_true", help=f"a short run: {' '.join(QUICK)}")
     return p
-
-
-def notes(ids: int) -> str:
-    """Notes of about `ids` ids in the bench model's tokenizer (counted, not guessed)."""
-    if ids <= 0:
-        return ""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(bench_model()))
-    pieces: list[str] = []
-    count = 0
-    while count < ids:
-        pieces.append(NOTES.format(n=len(pieces) + 1))
-        count += len(tokenizer.encode(pieces[-1], add_special_tokens=False))
-    return "".join(pieces)
 
 
 def rows(count: int, first: int, tag: str, max_tokens: int, opening: str) -> list[dict[str, Any]]:
@@ -286,7 +271,7 @@ def run(url: str | None, args: argparse.Namespace, argv: Sequence[str]) -> Figur
         "P7", "vLLM's router: consistent_hash vs round_robin on two hooked replicas", command("p7_routing.py", argv)
     )
     plan = runs_plan(args.concurrency, args.rollouts, args.rounds)
-    opening = notes(args.opening_ids)
+    opening = text_of_ids(args.opening_ids, NOTES)
     parts: dict[str, dict[int, list[dict[str, Any]]]] = {p: {c: [] for c, _ in plan} for p in POLICIES}
     with (
         tempfile.TemporaryDirectory(prefix="ngt-bench-p7-") as scratch,

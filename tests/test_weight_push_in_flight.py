@@ -30,35 +30,47 @@ def step_1(rl_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     return perturbed_checkpoint(rl_model_dir, tmp_path_factory.mktemp("in-flight") / "step-1", seed=11)
 
 
-def long_generation(base_url: str, answers: list[dict[str, Any]]) -> threading.Thread:
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "Go on for a while."}],
-        "max_tokens": LONG_TURN,
-        "min_tokens": LONG_TURN,
-        "logprobs": True,
-        "seed": 5,
-    }
+class LongGeneration:
+    """A long call streamed in a thread: `generating` is set once its first text is in (the engine is sampling it,
+    which vLLM's running-requests gauge did not always show), and `message` is the hook's bundle from its final
+    chunk once it ends."""
 
-    def run() -> None:
-        answer = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=600).json()
-        answers.append(answer["choices"][0]["message"])
+    def __init__(self, base_url: str) -> None:
+        self.generating = threading.Event()
+        self.message: dict[str, Any] = {}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Go on for a while."}],
+            "max_tokens": LONG_TURN,
+            "min_tokens": LONG_TURN,
+            "logprobs": True,
+            "seed": 5,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        self.thread = threading.Thread(target=self._run, args=(base_url, body))
+        self.thread.start()
 
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread
+    def _run(self, base_url: str, body: dict[str, Any]) -> None:
+        with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=600) as answer:
+            for line in answer.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for choice in json.loads(line[6:]).get("choices") or []:
+                    delta = choice.get("delta") or {}
+                    if delta.get("content"):
+                        self.generating.set()
+                    if "generation_token_ids" in delta:
+                        self.message = delta
 
+    def wait_until_generating(self) -> None:
+        assert self.generating.wait(timeout=120), "the long call sent no text in 120 s"
+        time.sleep(0.3)  # some ids generated before the pause
 
-def wait_until_generating(base_url: str) -> None:
-    """Until vLLM reports a running request (its Prometheus gauge), so the push meets it mid-generation."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        for line in httpx.get(f"{base_url}/metrics", timeout=30).text.splitlines():
-            if line.startswith("vllm:num_requests_running") and float(line.rsplit(" ", 1)[1]) >= 1:
-                time.sleep(0.3)  # some ids generated before the pause
-                return
-        time.sleep(0.05)
-    raise AssertionError("the long request never started running")
+    def result(self) -> dict[str, Any]:
+        self.thread.join(timeout=600)
+        assert self.message, "no bundle in the long call's final chunk"
+        return self.message
 
 
 @pytest.mark.parametrize("mode", ["keep", "wait"])
@@ -67,12 +79,10 @@ def test_a_request_in_flight_during_a_push_says_which_weights_sampled_it(
 ) -> None:
     url = rl_vllm_server.base_url
     push_weights([url], rl_model_dir, version=f"{mode}-before")
-    answers: list[dict[str, Any]] = []
-    thread = long_generation(url, answers)
-    wait_until_generating(url)
+    call = LongGeneration(url)
+    call.wait_until_generating()
     push_weights([url], step_1, version=f"{mode}-after", pause_mode=mode)
-    thread.join(timeout=600)
-    (message,) = answers
+    message = call.result()
     generated = len(message["generation_token_ids"])
     assert message["weight_version"] == f"{mode}-before"
     if mode == "wait":  # it finished on the weights it started with

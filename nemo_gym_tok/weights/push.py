@@ -14,6 +14,7 @@ from typing import TypeVar
 import httpx
 
 from nemo_gym_tok.router import is_vllm_router, list_workers
+from nemo_gym_tok.servers.http_pool import shared_ssl_context
 from nemo_gym_tok.weights.checkpoint import Checkpoint, check_checkpoint_dir, check_version_label
 from nemo_gym_tok.weights.replica import PAUSE_MODES, PauseMode, Replica, ReplicaError, server_root
 
@@ -86,7 +87,8 @@ def push_weights(
     version = check_version_label(version)
     checkpoint = check_checkpoint_dir(checkpoint_dir)
     started, phases = time.perf_counter(), {}
-    with httpx.Client(timeout=timeout) if http is None else contextlib.nullcontext(http) as client:
+    own = None if http is not None else httpx.Client(timeout=timeout, verify=shared_ssl_context())
+    with own if own is not None else contextlib.nullcontext(http) as client:
         # One server named twice (its root and its /v1 URL, say, or by itself and by its router) is pushed once.
         servers = dict.fromkeys(server for url in urls for server in _servers_at(server_root(url), client))
         replicas = [Replica(url, client, api_key) for url in servers]
