@@ -7,6 +7,7 @@ from typing import Any
 
 import httpx
 
+from nemo_gym_tok.common.net import shared_ssl_context
 from nemo_gym_tok.contract.provenance import FINGERPRINT_KEY, fingerprint_difference
 
 PROBE_MESSAGES = [{"role": "user", "content": "."}]
@@ -50,7 +51,7 @@ def check_fleet(
     """Each worker's fingerprint; raises FleetMismatchError naming the first worker whose fingerprint differs from
     `expected` (else from the first hooked worker's). Workers without the hook say nothing and are returned as None:
     the caller decides whether an unproven worker may join."""
-    client = http or httpx.Client(timeout=120)
+    client = http or httpx.Client(timeout=120, verify=shared_ssl_context())
     try:
         found = {url: worker_fingerprint(url, model, http=client, api_key=api_key) for url in worker_urls}
     finally:

@@ -16,7 +16,7 @@ from typing import IO
 
 import httpx
 
-from nemo_gym_tok.common.net import free_port, port_in_use
+from nemo_gym_tok.common.net import free_port, port_in_use, shared_ssl_context
 from nemo_gym_tok.router.workers import RouterError, list_workers, worker_base_url
 
 ROUTER_VERSION = "0.1.17"
@@ -279,7 +279,7 @@ class RouterProcess:
         deadline = time.monotonic() + timeout
         expected = set(self.spec.worker_urls)
         state = "no answer yet"
-        with httpx.Client(timeout=5.0) as http:
+        with httpx.Client(timeout=5.0, verify=shared_ssl_context()) as http:
             while True:
                 code = self._process.poll()
                 if code is not None:

@@ -8,6 +8,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from nemo_gym_tok.common.net import shared_ssl_context
+
 ADMIN_TIMEOUT = 10.0
 """Seconds for the router's own routes, which answer from memory."""
 ADD_WORKER_TIMEOUT = 60.0
@@ -63,7 +65,7 @@ def _client(http: httpx.Client | None, timeout: float) -> Iterator[httpx.Client]
     if http is not None:
         yield http
         return
-    with httpx.Client(timeout=timeout) as own:
+    with httpx.Client(timeout=timeout, verify=shared_ssl_context()) as own:
         yield own
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import ssl
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -91,13 +89,3 @@ async def post_read_whole(
         return httpx.Response(
             answer.status, content=body, headers=list(answer.raw_headers), request=httpx.Request("POST", url)
         )
-
-
-@functools.lru_cache(maxsize=1)
-def shared_ssl_context() -> ssl.SSLContext:
-    """One TLS context per process, for the clients made per call (`verify=`): httpx builds a new one, loading the CA
-    bundle, in every Client's constructor even for http:// URLs. That load took from a fraction of a second up to 13 s
-    on a 2-core machine busy with vLLM, and a weight push (a new client each) waited for it before pausing anything."""
-    import certifi
-
-    return ssl.create_default_context(cafile=certifi.where())

@@ -13,8 +13,8 @@ from typing import TypeVar
 
 import httpx
 
+from nemo_gym_tok.common.net import shared_ssl_context
 from nemo_gym_tok.router import is_vllm_router, list_workers
-from nemo_gym_tok.servers.http_pool import shared_ssl_context
 from nemo_gym_tok.weights.checkpoint import Checkpoint, check_checkpoint_dir, check_version_label
 from nemo_gym_tok.weights.replica import PAUSE_MODES, PauseMode, Replica, ReplicaError, server_root
 

@@ -79,16 +79,20 @@ def run_collect(gym: Gym, output: Path, repeats: int) -> CollectSummary:
     )
 
 
-def model_turns(output: Path) -> list[list[dict[str, Any]]]:
-    """Per rollout, its model calls' output items (those carrying a bundle)."""
-    return [
-        [
-            item
-            for item in json.loads(line)["response"]["output"]
-            if isinstance(item, dict) and item.get("generation_token_ids") is not None
-        ]
-        for line in output.read_text().splitlines()
-    ]
+def model_turns(lines: list[str], *, still_writing: bool = False) -> list[list[dict[str, Any]]]:
+    """Per rollout record, its model calls' output items (those carrying a bundle). `still_writing`: the collection
+    runs, so a last line still being written is skipped rather than failing."""
+    rollouts = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if still_writing:
+                continue
+            raise
+        output = record["response"]["output"]
+        rollouts.append([i for i in output if isinstance(i, dict) and i.get("generation_token_ids") is not None])
+    return rollouts
 
 
 @pytest.fixture
@@ -121,7 +125,7 @@ def test_a_fleet_behind_the_router_survives_a_killed_replica_and_refuses_a_forei
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline:
                 lines = output.read_text().splitlines() if output.exists() else []
-                written = [t["replica"] for turns in model_turns_of(lines) for t in turns]
+                written = [t["replica"] for turns in model_turns(lines, still_writing=True) for t in turns]
                 # Calls the doomed replica answered for rollouts not yet written: conversations part-way through
                 # there, whose next calls must go to the live replica.
                 mid_episode = answered_calls(dead) - answered_before - written.count(dead)
@@ -141,7 +145,7 @@ def test_a_fleet_behind_the_router_survives_a_killed_replica_and_refuses_a_forei
         assert not summary.failures_path.exists(), summary.failures_path.read_text()
         report = check_file(output)
         assert report.ok and report.contiguous == report.rollouts == 40, report.format()
-        rollouts = model_turns(output)
+        rollouts = model_turns(output.read_text().splitlines())
         by_replica = Counter(turn["replica"] for turns in rollouts for turn in turns)
         assert set(by_replica) == {live, dead}, by_replica  # both used, and every turn says which
         moved = sum(1 for turns in rollouts if len({turn["replica"] for turn in turns}) > 1)
@@ -175,7 +179,7 @@ def test_a_fleet_behind_the_router_survives_a_killed_replica_and_refuses_a_forei
         summary = run_collect(gym, again, 2)
         assert summary.done_now == summary.total == 16 and not summary.failures_path.exists()
         assert check_file(again).contiguous == 16
-        again_rollouts = model_turns(again)
+        again_rollouts = model_turns(again.read_text().splitlines())
         new_sessions = Counter(turns[0]["replica"] for turns in again_rollouts)
         assert new_sessions[back.base_url] > 0, new_sessions
         # No kill here: the session header keeps each rollout on the one replica its first call reached.
@@ -207,17 +211,6 @@ def answered_calls(base_url: str) -> float:
         return 0.0
     counter = "vllm:request_success_total"
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(counter))
-
-
-def model_turns_of(lines: list[str]) -> list[list[dict[str, Any]]]:
-    turns = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:  # a line still being written
-            continue
-        turns.append([i for i in record["response"]["output"] if isinstance(i, dict) and i.get("replica")])
-    return turns
 
 
 def ask_until_refused(gym: Gym, model: str) -> str:
