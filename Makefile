@@ -115,7 +115,7 @@ test-families: setup
 test-fleet: setup
 	$(PY) -m pytest -s tests/fleet $(PYTEST_ARGS)
 
-# About 20 minutes: 1,200 number_guess rollouts at concurrency 32 behind vllm-router over two hooked replicas, a
+# About 20 minutes: 3,200 number_guess rollouts at concurrency 32 behind vllm-router over two hooked replicas, a
 # replica, the environment, the agent or the collector SIGKILLed every 60 to 120 s (nemo_gym_tok/testing/soak.py;
 # its report in .ngt/soak). Not in CI; `make test-fleet` runs a three-minute version.
 soak: setup

@@ -9,7 +9,7 @@ import pytest
 
 from nemo_gym_tok.testing.tiny_model import build_tiny_model
 from nemo_gym_tok.vllm.hook import ENABLE_ENV
-from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
+from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
 from tests.servers import hooked_server
 from tests.weights_support import DEV_MODE_ENV, copy_model_dir
 

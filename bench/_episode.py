@@ -13,6 +13,8 @@ import httpx
 import orjson
 from _server import CONTEXT, JSON_HEADERS, MODEL, BenchError, bench_model
 
+from nemo_gym_tok.common.exact_json import loads_exact
+
 GENERATED_PER_TURN = 232
 """Synthetic model ids per assistant turn: 253 prompt ids a turn with the user message and the template's markup, so
 call 128 of an episode holds about 32.3k ids, just inside the 32,768-position limit."""
@@ -228,7 +230,7 @@ def tokenize(http: httpx.Client, messages: list[dict[str, Any]], fields: dict[st
     )
     if answer.status_code != 200:
         raise BenchError(f"/tokenize answered HTTP {answer.status_code}: {answer.text[:500]}")
-    return list(answer.json()["tokens"])
+    return list(loads_exact(answer.content)["tokens"])
 
 
 def tokenize_fields(fields: dict[str, Any]) -> dict[str, Any]:

@@ -14,6 +14,8 @@ import httpx
 from _gym_processes import api_server_pid
 from _server import BENCH_ARGS, MODEL, BenchError, bench_model, note
 
+from nemo_gym_tok.common.exact_json import loads_exact
+
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 """vLLM serves POST /reset_prefix_cache only with this set (its development routes)."""
 
@@ -27,7 +29,7 @@ def replicas(urls: Sequence[str] | None, count: int = 2, *, log_dir: Path | None
         yield [url.rstrip("/").removesuffix("/v1") for url in urls]
         return
     from nemo_gym_tok.vllm.hook import ENABLE_ENV
-    from nemo_gym_tok.vllm.server import TEST_BED_ENV, VLLMServer
+    from nemo_gym_tok.vllm_server import TEST_BED_ENV, VLLMServer
 
     model = bench_model()
     directory = log_dir or Path(tempfile.mkdtemp(prefix="ngt-bench-"))
@@ -76,7 +78,7 @@ def reset_prefix_cache(url: str, http: httpx.Client, attempts: int = 20) -> bool
             return False
         if answer.status_code != 200:
             raise BenchError(f"POST {url}/reset_prefix_cache answered HTTP {answer.status_code}: {answer.text[:300]}")
-        if answer.json().get("success", True):
+        if loads_exact(answer.content).get("success", True):
             return True
         time.sleep(0.5)
     raise BenchError(f"{url} kept refusing to reset its prefix cache (blocks still held after {attempts} tries)")

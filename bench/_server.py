@@ -15,9 +15,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as `python bench/pN_....py`: the repo's packages (resources_servers, ...) too
     sys.path.insert(0, str(REPO))
 
+from nemo_gym_tok.common.exact_json import loads_exact  # noqa: E402
 from nemo_gym_tok.testing.tiny_model.build import build_tiny_model  # noqa: E402
 from nemo_gym_tok.vllm.hook import ENABLE_ENV  # noqa: E402
-from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ENV, VLLMServer  # noqa: E402
+from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, TEST_BED_ENV, VLLMServer  # noqa: E402
 
 MODEL = "tiny-qwen3"
 
@@ -34,7 +35,7 @@ BENCH_ARGS = (
     "--no-enable-chunked-prefill",
     "--seed",
     "0",
-    # Tool calls for P6's tool-calling episodes, as the test bed serves them (nemo_gym_tok/vllm/server.py): the hermes
+    # Tool calls for P6's tool-calling episodes, as the test bed serves them (nemo_gym_tok/vllm_server.py): the hermes
     # parser, and constrained JSON without free whitespace, or a random model pads arguments until max_tokens.
     "--enable-auto-tool-choice",
     "--tool-call-parser",
@@ -109,6 +110,6 @@ def note(text: str) -> None:
 
 def server_version(url: str) -> str:
     try:
-        return str(httpx.get(f"{url}/version", timeout=10).json()["version"])
+        return str(loads_exact(httpx.get(f"{url}/version", timeout=10).content)["version"])
     except (httpx.HTTPError, ValueError, KeyError):
         return "unknown"

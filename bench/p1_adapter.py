@@ -37,6 +37,8 @@ from _timing import interleaved, median, percentile, post_ms, ratio
 from targets import Reading, worst
 from transformers import AutoTokenizer
 
+from nemo_gym_tok.common.exact_json import loads_exact
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,7 +78,7 @@ def upstream_chat_body(adapter_url: str, proxy: RecordingProxy, body: dict[str, 
     )
     if answer.status_code != 200:
         raise BenchError(f"the adapter answered HTTP {answer.status_code}: {answer.text[:500]}")
-    return orjson.loads(proxy.posts("/v1/chat/completions")[-1].body)
+    return loads_exact(proxy.posts("/v1/chat/completions")[-1].body)
 
 
 Body = bytes | Callable[[int], bytes]

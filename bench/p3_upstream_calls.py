@@ -30,6 +30,7 @@ from _metrics import http_requests, scrape
 from _server import JSON_HEADERS, MODEL, BenchError
 from targets import Reading
 
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 from responses_api_models.vllm_model.local_splice import DEFAULT_PROOF_MAX_AGE_SECONDS
 
@@ -73,7 +74,7 @@ def conversation(
         if answer.status_code != 200:
             raise BenchError(f"the adapter answered HTTP {answer.status_code} on {endpoint}: {answer.text[:500]}")
         counts.append(http_requests(before, after))
-        result = answer.json()
+        result = loads_exact(answer.content)
         new = [result["choices"][0]["message"]] if endpoint == "/v1/chat/completions" else result["output"]
         proofs += proved_here(result, new)
         if not any(all(k in item for k in BUNDLE_FIELDS) for item in new):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import sys
 import tempfile
@@ -32,12 +33,13 @@ from typing import Any
 
 import _hops
 import httpx
-import orjson
 from _figures import Figure, Table, command, run_standalone
 from _hops import RecordingProxy, adapter_instance, serve_app
 from _metrics import engine_work, http_requests, scrape
 from _server import JSON_HEADERS, MODEL, REPO, BenchError, note
 from _timing import median, process_cpu_seconds, ratio
+
+from nemo_gym_tok.common.exact_json import loads_exact
 
 GAME = REPO / "resources_servers" / "number_guess" / "data" / "example.jsonl"
 GYM_PROCESSES = ("head", "policy_model", "number_guess", "number_guess_agent")
@@ -54,10 +56,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def rows(count: int, max_tokens: int) -> list[dict[str, Any]]:
-    examples = [json.loads(line) for line in GAME.read_text().splitlines() if line.strip()]
+    examples = [loads_exact(line) for line in GAME.read_text().splitlines() if line.strip()]
     made = []
     for index in range(count):
-        row = json.loads(json.dumps(examples[index % len(examples)]))
+        row = copy.deepcopy(examples[index % len(examples)])
         params = row["responses_create_params"]
         params["input"][-1]["content"] += f" (Game {index}.)"  # names the episode in every call's messages
         params["max_output_tokens"] = max_tokens
@@ -70,7 +72,7 @@ def episodes_of(bodies: list[bytes]) -> list[list[bytes]]:
     """Recorded chat bodies grouped by episode (the opening user message names it), each in call order."""
     grouped: dict[str, list[tuple[int, bytes]]] = {}
     for body in bodies:
-        messages = orjson.loads(body)["messages"]
+        messages = loads_exact(body)["messages"]
         opening = next(m["content"] for m in messages if m.get("role") == "user")
         grouped.setdefault(str(opening), []).append((len(messages), body))
     return [[body for _, body in sorted(calls, key=lambda item: item[0])] for calls in grouped.values()]
@@ -89,7 +91,7 @@ async def bare(url: str, episodes: list[list[bytes]], concurrency: int) -> int:
                     answer = await http.post("/v1/chat/completions", content=body, headers=JSON_HEADERS)
                     if answer.status_code != 200:
                         raise BenchError(f"bare call answered HTTP {answer.status_code}: {answer.text[:300]}")
-                    orjson.loads(answer.content)
+                    loads_exact(answer.content)
                     made += 1
 
         await asyncio.gather(*(episode(e) for e in episodes))

@@ -14,7 +14,7 @@ the adapter sent vLLM, and the prompt's ids (vLLM's usage.prompt_tokens).
 from __future__ import annotations
 
 import argparse
-import json
+import copy
 import sys
 import time
 from collections.abc import Sequence
@@ -28,6 +28,7 @@ from _hops import Exchange, RecordingProxy, adapter_instance, serve_app
 from _server import MODEL, REPO, BenchError, note
 from _timing import ratio
 
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 
 GAME = REPO / "resources_servers" / "number_guess" / "data" / "example.jsonl"
@@ -54,13 +55,13 @@ def bundle_bytes(body: dict[str, Any], key: str) -> tuple[int, int]:
 
 def play(url: str, args: argparse.Namespace) -> tuple[list[Exchange], list[Exchange]]:
     """One episode reaching args.turns model calls: (agent -> adapter posts, adapter -> vLLM chat posts)."""
-    from nemo_gym_tok.agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
     from nemo_gym_tok.config import ServerInstance
     from nemo_gym_tok.servers.client import ServerClient
     from nemo_gym_tok.servers.registry import validate_instance
+    from responses_api_agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
     from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 
-    examples = [json.loads(line) for line in GAME.read_text().splitlines() if line.strip()]
+    examples = [loads_exact(line) for line in GAME.read_text().splitlines() if line.strip()]
     to_vllm = RecordingProxy(url)
     with ExitStack() as stack:
         vllm_proxy = stack.enter_context(serve_app(to_vllm.app()))
@@ -85,7 +86,7 @@ def play(url: str, args: argparse.Namespace) -> tuple[list[Exchange], list[Excha
             )
         )
         for attempt, example in enumerate(examples):
-            row = json.loads(json.dumps(example))
+            row = copy.deepcopy(example)
             row["responses_create_params"]["max_output_tokens"] = args.max_tokens
             row["responses_create_params"]["seed"] = attempt
             to_adapter.exchanges.clear()
@@ -124,8 +125,8 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> Figure:
     for turn in range(1, len(to_adapter) + 1):
         sent = to_adapter[turn - 1]
         forwarded = to_vllm[turn - 1]
-        prompt_ids = orjson.loads(forwarded.answer).get("usage", {}).get("prompt_tokens", 0)
-        bundles, size = bundle_bytes(orjson.loads(sent.body), "input")
+        prompt_ids = loads_exact(forwarded.answer).get("usage", {}).get("prompt_tokens", 0)
+        bundles, size = bundle_bytes(loads_exact(sent.body), "input")
         rows.append(
             {
                 "turn": turn,

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import json
 import math
 import sys
@@ -59,6 +60,8 @@ from _metrics import engine_work, http_requests, scrape
 from _server import MODEL, REPO, BenchError, note, text_of_ids, vllm_server
 from _timing import median, ratio
 from targets import Reading
+
+from nemo_gym_tok.common.exact_json import loads_exact
 
 GRIDS = REPO / "resources_servers" / "grid_navigation" / "data" / "example.jsonl"
 ENVIRONMENT, AGENT = "grid_navigation", "grid_navigation_agent"
@@ -92,10 +95,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def rows(count: int, first: int, tag: str, max_tokens: int, reference: str) -> list[dict[str, Any]]:
-    grids = [json.loads(line) for line in GRIDS.read_text().splitlines() if line.strip()]
+    grids = [loads_exact(line) for line in GRIDS.read_text().splitlines() if line.strip()]
     made = []
     for index in range(first, first + count):
-        row = json.loads(json.dumps(grids[index % len(grids)]))
+        row = copy.deepcopy(grids[index % len(grids)])
         params = row["responses_create_params"]
         if reference:
             params["input"][0]["content"] += "\n\n" + reference
@@ -159,7 +162,7 @@ def collect_rows(
         raise BenchError(f"{summary.failed} rollout(s) of {name} failed: {summary.failures_path}")
     ends, spliced = [], 0
     for line in (directory / f"{name}.jsonl").read_text().splitlines():
-        calls = [i for i in json.loads(line)["response"]["output"] if "generation_token_ids" in i]
+        calls = [i for i in loads_exact(line)["response"]["output"] if "generation_token_ids" in i]
         spliced += sum(1 for i in calls if (i.get("prefix_splice") or {}).get("applied"))
         if calls:
             last = calls[-1]

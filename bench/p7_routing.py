@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import json
 import sys
 import tempfile
@@ -23,6 +24,8 @@ from _replicas import replicas, reset_prefix_cache, worker_cpus
 from _server import MODEL, REPO, BenchError, note, text_of_ids
 from _timing import ratio
 from targets import Reading, text
+
+from nemo_gym_tok.common.exact_json import loads_exact
 
 GAME = REPO / "resources_servers" / "number_guess" / "data" / "example.jsonl"
 ENVIRONMENT, AGENT = "number_guess", "number_guess_agent"
@@ -75,10 +78,10 @@ def parser() -> argparse.ArgumentParser:
 def rows(count: int, first: int, tag: str, max_tokens: int, opening: str) -> list[dict[str, Any]]:
     """Rows `first` to `first + count` of the example games, each opening with its own tag (so no rollout shares a
     cache block with another, nor with another run's), then `opening`."""
-    games = [json.loads(line) for line in GAME.read_text().splitlines() if line.strip()]
+    games = [loads_exact(line) for line in GAME.read_text().splitlines() if line.strip()]
     made = []
     for index in range(first, first + count):
-        row = json.loads(json.dumps(games[index % len(games)]))
+        row = copy.deepcopy(games[index % len(games)])
         params = row["responses_create_params"]
         user = params["input"][-1]
         user["content"] = f"Game {index} ({tag}). {opening}{user['content']}"
@@ -238,7 +241,7 @@ def timed_collection(
     cpu = sum(cpu_seconds(pid) for pid in pids) - cpu
     after = {url: scrape(url, http) for url in workers}
     report = check_file(output)
-    records = [json.loads(line) for line in output.read_text().splitlines() if line.strip()]
+    records = [loads_exact(line) for line in output.read_text().splitlines() if line.strip()]
     where = spread(records)
     block = block_size(after[workers[0]]) or 0
     ceiling = sum(

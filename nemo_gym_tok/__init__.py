@@ -31,13 +31,13 @@ _EXPORTS = {
     # the token contract and its algorithms
     "ChatCompletionRequest": "nemo_gym_tok.types",
     "ResponsesRequest": "nemo_gym_tok.types",
-    "splice_prefix": "nemo_gym_tok.splice",
+    "splice_prompt": "nemo_gym_tok.splice",
     "detect_profile": "nemo_gym_tok.splice",
     "HFChatRenderer": "nemo_gym_tok.splice",
     "resolve_bundle": "nemo_gym_tok.contract.token_sources",
     # the embedded model and vLLM
     "build_tiny_model": "nemo_gym_tok.testing.tiny_model",
-    "VLLMServer": "nemo_gym_tok.vllm.server",
+    "VLLMServer": "nemo_gym_tok.vllm_server",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_gym_tok.vllm.server import VLLMServer, VLLMStartupError
+from nemo_gym_tok.vllm_server import VLLMServer, VLLMStartupError
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -10,11 +11,12 @@ from nemo_gym_tok.splice import SplicedPrompt, SpliceResult
 
 
 class PlantedSplice:
-    """Makes 1 splice in `every` go wrong where splice_prefix finishes it (`SplicedPrompt.result`).
+    """Makes 1 splice in `every` go wrong.
 
-    `kind` "wrong": the splice returns its prompt with one id after the kept prefix changed (the template's part, so
-    the prefix check alone cannot see it). `kind` "crash": the splice raises an IndexError from inside the splice, as a
-    bug in our code would. `planted` counts the splices that went wrong, so a test can show the plant fired.
+    `kind` "wrong": where the splice finishes (`SplicedPrompt.result`), it returns its prompt with one id after the
+    kept prefix changed (the template's part, so the prefix check alone cannot see it). `kind` "crash": the splice
+    raises an IndexError from inside `splice_prompt` (where it builds its `SplicedPrompt`), as a bug in our code
+    would. `planted` counts the splices that went wrong, so a test can show the plant fired.
     The plant goes through the splice's public surface: the classes it exports, never its private modules.
     """
 
@@ -24,15 +26,21 @@ class PlantedSplice:
         self.calls = self.planted = 0
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> PlantedSplice:
+        if self.kind == "crash":
+            real_init = SplicedPrompt.__init__
+
+            def planted_crash(spliced: SplicedPrompt, *args: Any, **kwargs: Any) -> None:
+                if self._fires():
+                    raise IndexError("list index out of range (planted in the splice)")
+                real_init(spliced, *args, **kwargs)
+
+            monkeypatch.setattr(SplicedPrompt, "__init__", planted_crash)
+            return self
         real = SplicedPrompt.result
 
         def planted(spliced: SplicedPrompt) -> SpliceResult:
-            self.calls += 1
-            if self.calls % self.every:
+            if not self._fires():
                 return real(spliced)
-            self.planted += 1
-            if self.kind == "crash":
-                raise IndexError("list index out of range (planted in the splice)")
             result = real(spliced)
             ids = list(result.prompt_token_ids)
             at = min(len(ids) - 1, result.kept_prefix_length + (len(ids) - result.kept_prefix_length) // 2)
@@ -41,3 +49,11 @@ class PlantedSplice:
 
         monkeypatch.setattr(SplicedPrompt, "result", planted)
         return self
+
+    def _fires(self) -> bool:
+        """Counts a call; whether the plant goes wrong on it (1 in `every`)."""
+        self.calls += 1
+        if self.calls % self.every:
+            return False
+        self.planted += 1
+        return True

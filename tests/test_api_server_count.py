@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from nemo_gym_tok.cli.vllm_serve import LAUNCHER_MODULE, vllm_command
-from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
+from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
 from tests.conversations import Conversation, converse
 from tests.servers import hooked_server
 

@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "architecture.md"
-LIBRARY_ROOTS = ("nemo_gym_tok", "responses_api_models", "resources_servers")
+LIBRARY_ROOTS = ("nemo_gym_tok", "responses_api_models", "resources_servers", "responses_api_agents")
 SERVING_PACKAGES = {"vllm", "fastapi", "starlette", "uvicorn", "httpx", "aiohttp", "transformers", "torch"}
 VLLM_IMPORTERS = ("nemo_gym_tok/vllm/", "nemo_gym_tok/cli/vllm_serve.py")
 
@@ -63,7 +63,8 @@ def layer_rows(text: str) -> list[tuple[str, list[str]]]:
     return rows
 
 
-def _library_files() -> list[str]:
+def library_files() -> list[str]:
+    """The modules of LIBRARY_ROOTS, tests left out, as paths from the repo root (test_exact_json.py scans them too)."""
     files = []
     for root in LIBRARY_ROOTS:
         for path in (ROOT / root).rglob("*.py"):
@@ -114,14 +115,14 @@ def imports(file: str) -> list[tuple[str, bool]]:
 def test_the_layers_table_covers_every_module() -> None:
     rows = layer_rows(_doc())
     assert len(rows) >= 10 and all(prefixes for _, prefixes in rows), f"the layers table did not parse: {rows}"
-    unplaced = [f for f in _library_files() if _layer_of(f, rows) is None]
+    unplaced = [f for f in library_files() if _layer_of(f, rows) is None]
     assert not unplaced, f"modules in no row of docs/architecture.md's layers table: {unplaced}"
 
 
 def test_no_layer_imports_a_later_one() -> None:
     rows = layer_rows(_doc())
     upward = []
-    for file in _library_files():
+    for file in library_files():
         own = _layer_of(file, rows)
         for module, _ in imports(file):
             target = _module_file(module) if module.split(".")[0] in LIBRARY_ROOTS else None
@@ -134,7 +135,12 @@ def test_no_layer_imports_a_later_one() -> None:
 
 
 def _files_under(prefix: str) -> list[str]:
-    return [f for f in _library_files() if f.startswith(prefix)]
+    return [f for f in library_files() if f.startswith(prefix)]
+
+
+def _in_hook(module: str) -> bool:
+    """nemo_gym_tok.vllm or a module in it; not nemo_gym_tok.vllm_wheels or nemo_gym_tok.vllm_server beside it."""
+    return module == "nemo_gym_tok.vllm" or module.startswith("nemo_gym_tok.vllm.")
 
 
 @pytest.mark.parametrize(
@@ -142,24 +148,39 @@ def _files_under(prefix: str) -> list[str]:
     [
         ("nemo_gym_tok/splice/", lambda m: m.split(".")[0] in SERVING_PACKAGES, "no vLLM, HTTP, FastAPI, transformers"),
         (
+            "nemo_gym_tok/splice_host/",
+            lambda m: m.split(".")[0] in SERVING_PACKAGES - {"transformers"} or _in_hook(m),
+            "no vLLM, HTTP, FastAPI or torch, not nemo_gym_tok/vllm/: both hosts hand it their renderer",
+        ),
+        (
             "nemo_gym_tok/types/",
             lambda m: m.startswith("nemo_gym_tok.") and not m.startswith("nemo_gym_tok.types"),
             "nothing of this project",
         ),
         (
             "nemo_gym_tok/servers/",
-            lambda m: m.startswith(("nemo_gym_tok.splice", "nemo_gym_tok.vllm")),
+            lambda m: m.startswith("nemo_gym_tok.splice") or _in_hook(m),
             "not the splice core, not nemo_gym_tok/vllm/",
         ),
         (
             "nemo_gym_tok/config/",
-            lambda m: m.startswith(("nemo_gym_tok.splice", "nemo_gym_tok.vllm")),
+            lambda m: m.startswith("nemo_gym_tok.splice") or _in_hook(m),
             "not the splice core, not nemo_gym_tok/vllm/",
         ),
         (
+            "nemo_gym_tok/vllm_wheels/",
+            lambda m: m.split(".")[0] == "vllm",
+            "not vllm: a wheel's source is read as text, never imported",
+        ),
+        (
             "nemo_gym_tok/router/",
-            lambda m: m.split(".")[0] == "vllm" or m.startswith(("nemo_gym_tok.splice", "nemo_gym_tok.vllm")),
+            lambda m: m.split(".")[0] == "vllm" or m.startswith("nemo_gym_tok.splice") or _in_hook(m),
             "not vllm, not the splice core, not nemo_gym_tok/vllm/",
+        ),
+        (
+            "nemo_gym_tok/vllm_server.py",
+            lambda m: m.split(".")[0] == "vllm" or m.startswith("nemo_gym_tok.splice") or _in_hook(m),
+            "not vllm, not the splice core, not nemo_gym_tok/vllm/: vLLM runs in the process it starts",
         ),
         (
             "resources_servers/",
@@ -167,6 +188,11 @@ def _files_under(prefix: str) -> list[str]:
                 m.split(".")[0] in LIBRARY_ROOTS and not m.startswith(("nemo_gym_tok.servers", "resources_servers"))
             ),
             "of this project, only nemo_gym_tok/servers/",
+        ),
+        (
+            "responses_api_agents/",
+            lambda m: m.split(".")[0] in ("vllm", "resources_servers", "responses_api_models") or _in_hook(m),
+            "not vllm, not nemo_gym_tok/vllm/, not the other server folders (reached over HTTP)",
         ),
     ],
 )
@@ -179,7 +205,7 @@ def test_layer_rules(prefix: str, forbidden, rule: str) -> None:
 def test_vllm_is_imported_only_by_the_vllm_package_and_inside_functions() -> None:
     vllm_imports = [
         (file, module, top)
-        for file in _library_files()
+        for file in library_files()
         for module, top in imports(file)
         if module.split(".")[0] == "vllm"
     ]
@@ -196,7 +222,7 @@ def test_only_commands_reach_the_test_harnesses_and_only_when_run() -> None:
     """Serving, collecting and the splice never import nemo_gym_tok/testing/; a CLI command may, inside its function."""
     reaching = [
         (file, module, top)
-        for file in _library_files()
+        for file in library_files()
         if not file.startswith("nemo_gym_tok/testing/")
         for module, top in imports(file)
         if module.startswith("nemo_gym_tok.testing")
@@ -307,7 +333,7 @@ def private_imports(file: str, source: str | None = None) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
             for dotted in re.findall(
-                r"\b(?:nemo_gym_tok|responses_api_models|resources_servers)(?:\.\w+)+", node.value
+                r"\b(?:nemo_gym_tok|responses_api_models|resources_servers|responses_api_agents)(?:\.\w+)+", node.value
             ):
                 check(dotted, node.lineno)
     return found

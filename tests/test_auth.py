@@ -17,7 +17,6 @@ from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from starlette.routing import Route
 
-from nemo_gym_tok.agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
 from nemo_gym_tok.config import ConfigError, ServerInstance, load_config
 from nemo_gym_tok.servers.auth import AUTH_TOKEN_ENV, BearerTokenMiddleware, auth_token_of
 from nemo_gym_tok.servers.base import BaseServer
@@ -25,6 +24,7 @@ from nemo_gym_tok.servers.client import ServerClient
 from nemo_gym_tok.servers.head import HeadServer, HeadServerConfig
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from nemo_gym_tok.servers.registry import validate_instance
+from responses_api_agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 from tests.fixtures.fake_vllm import fake_vllm_app
 from tests.test_cli_run import read_urls

@@ -344,7 +344,11 @@ def test_this_projects_configs_are_in_nemo_gyms_shape_and_validate() -> None:
         "model_server": ("responses_api_models", "policy_model"),
         "resources_server": ("resources_servers", "number_guess"),
     }
-    for path in [*REPO.glob("resources_servers/*/configs/*.yaml"), *REPO.glob("responses_api_models/*/configs/*.yaml")]:
+    for path in [
+        *REPO.glob("resources_servers/*/configs/*.yaml"),
+        *REPO.glob("responses_api_models/*/configs/*.yaml"),
+        *REPO.glob("responses_api_agents/*/configs/*.yaml"),
+    ]:
         for instance in load_config([REPO / "configs/env.yaml", path]).instances.values():
             validate_instance(instance)
             assert instance.nemo_gym["entrypoint"] == "app.py", path

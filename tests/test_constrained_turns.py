@@ -16,7 +16,7 @@ from nemo_gym_tok.records.rollout_record import full_output, packed_record
 from nemo_gym_tok.records.training import rollout_to_training_sequence
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from nemo_gym_tok.types import ChatMessage
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm_server import VLLMServer
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 from responses_api_models.vllm_model.token_capture import attach_bundles, drop_unrequested
 from tests.conversations import MOVE_TOOL

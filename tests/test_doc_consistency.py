@@ -6,8 +6,8 @@ import re
 import tomllib
 from pathlib import Path
 
-from nemo_gym_tok.vllm.compat import supported_releases
 from nemo_gym_tok.vllm.internals import SUPPORTED_VLLM, supported_vllm_text
+from nemo_gym_tok.vllm_wheels import supported_releases
 
 ROOT = Path(__file__).resolve().parent.parent
 VERSIONS_DOC = ROOT / "docs" / "vllm-versions.md"

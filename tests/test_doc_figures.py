@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from nemo_gym_tok.cli.main import build_parser
-from nemo_gym_tok.vllm.compat import supported_releases
 from nemo_gym_tok.vllm.internals import PATCHED_METHODS, USED_SYMBOLS
 from nemo_gym_tok.vllm.routes import ROUTE_METHODS, absent_by_design
+from nemo_gym_tok.vllm_wheels import supported_releases
 from tests.doc_figures import FIGURES, ROOT, Mention, check, docs, extract, pytest_counts, sweep_row
 
 PERFORMANCE = ROOT / "docs" / "performance.md"

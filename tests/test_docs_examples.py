@@ -11,7 +11,7 @@ import pytest
 
 from nemo_gym_tok.records.contiguity import BundledTurn, check_contiguous
 from nemo_gym_tok.servers.inprocess import serve_in_thread
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm_server import VLLMServer
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 
 REPO = Path(__file__).resolve().parents[1]

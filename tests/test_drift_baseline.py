@@ -7,7 +7,7 @@ import asyncio
 import httpx
 
 from nemo_gym_tok.servers.http_pool import pool_limits
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm_server import VLLMServer
 
 CONVERSATIONS = 20
 MIN_DRIFTING = 15  # measured: 19 of 20 at 96 generated tokens (17 at 48, 12 at 24)

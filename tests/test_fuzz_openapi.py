@@ -21,13 +21,13 @@ from hypothesis import HealthCheck, given, settings
 from openapi_spec_validator import validate
 from schemathesis import GenerationMode
 
-from nemo_gym_tok.agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
 from nemo_gym_tok.config import ServerInstance
 from nemo_gym_tok.servers.base import BaseServer
 from nemo_gym_tok.servers.client import SESSION_HEADER, ServerClient
 from nemo_gym_tok.servers.head import HeadServer, HeadServerConfig
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from nemo_gym_tok.servers.registry import validate_instance
+from responses_api_agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 from tests.fixtures.fake_vllm import fake_vllm_app
 

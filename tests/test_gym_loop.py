@@ -13,7 +13,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from nemo_gym_tok.agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
 from nemo_gym_tok.config import ServerInstance
 from nemo_gym_tok.records.contiguity import NotContiguousError, bundled_turns, check_contiguous
 from nemo_gym_tok.records.training import rollout_to_training_sequence
@@ -21,7 +20,8 @@ from nemo_gym_tok.servers.client import ServerClient
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from nemo_gym_tok.servers.registry import validate_instance
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm_server import VLLMServer
+from responses_api_agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 from responses_api_models.vllm_model.tests.conftest import RecordingProxy, recording_proxy_app
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from nemo_gym_tok.testing.tiny_model.tokenizer import IM_END_ID
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm_server import VLLMServer
 from tests.conversations import MOVE_TOOL
 
 SYSTEM = {"role": "system", "content": "You are a terse guide."}

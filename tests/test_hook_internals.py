@@ -8,7 +8,9 @@ import logging
 
 import pytest
 
+from nemo_gym_tok.splice_host import SpliceRequest
 from nemo_gym_tok.vllm import hook, internals
+from nemo_gym_tok.vllm import telemetry as vllm_telemetry
 
 
 def test_every_patched_vllm_symbol_is_where_the_hook_expects_it() -> None:
@@ -20,13 +22,13 @@ def test_every_patched_vllm_symbol_is_where_the_hook_expects_it() -> None:
 def unpatched(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let a test install the hook in this process; monkeypatch restores the original methods afterwards."""
     for module_name, class_name, method in hook.PATCHED_METHODS:
-        owner = hook._lookup(module_name, class_name)
+        owner = internals.lookup(module_name, class_name)
         monkeypatch.setattr(owner, method, getattr(owner, method))
 
 
 @pytest.mark.parametrize("module_name, class_name, method", hook.PATCHED_METHODS)
 def test_a_moved_method_is_named(unpatched, monkeypatch: pytest.MonkeyPatch, module_name, class_name, method) -> None:
-    monkeypatch.delattr(hook._lookup(module_name, class_name), method)
+    monkeypatch.delattr(internals.lookup(module_name, class_name), method)
     assert hook.check_internals() == [f"{module_name}.{class_name}.{method}"]
     with pytest.raises(hook.VLLMInternalsChanged, match=f"missing {module_name}.{class_name}.{method}"):
         hook.install()
@@ -70,7 +72,7 @@ def every_route_method(monkeypatch: pytest.MonkeyPatch, every_used_field: None) 
         raise AssertionError("the stand-in route method was called")
 
     for module_name, class_name, method in routes.ROUTE_SINCE:
-        owner = hook._lookup(module_name, class_name)
+        owner = internals.lookup(module_name, class_name)
         if not hasattr(owner, method):
             monkeypatch.setattr(owner, method, stand_in, raising=False)
 
@@ -126,7 +128,7 @@ def test_allowed_vllm_outside_the_range_still_needs_its_internals(
     module_name, class_name, method = hook.PATCHED_METHODS[1]
     monkeypatch.setattr(vllm, "__version__", "0.40.1")
     monkeypatch.setenv(hook.ALLOW_UNTESTED_ENV, "1")
-    monkeypatch.delattr(hook._lookup(module_name, class_name), method)
+    monkeypatch.delattr(internals.lookup(module_name, class_name), method)
     with pytest.raises(hook.VLLMInternalsChanged, match=f"missing {module_name}.{class_name}.{method}"):
         hook.install()
 
@@ -144,12 +146,12 @@ def test_a_route_method_is_absent_by_design_only_before_its_first_release(
     from nemo_gym_tok.vllm import routes
 
     for module_name, class_name, method in routes.ROUTE_METHODS:  # let install() wrap them; restored afterwards
-        owner = hook._lookup(module_name, class_name)
+        owner = internals.lookup(module_name, class_name)
         if hasattr(owner, method):
             monkeypatch.setattr(owner, method, getattr(owner, method))
     added = (routes.RENDER_MODULE, "ServingRender", "render_responses_request")
     assert routes.ROUTE_SINCE[added] == (0, 30)
-    owner = hook._lookup(*added[:2])
+    owner = internals.lookup(*added[:2])
     monkeypatch.delattr(owner, added[2], raising=False)  # absent already on vLLM 0.29
     guard_before = owner.render_messages_request
     monkeypatch.setattr(vllm, "__version__", version)
@@ -325,11 +327,13 @@ def stand_in_splice(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[object]]:
         return SplicedPrompt(list(SPLICED_IDS), 3, False, True, verify=verify, measure_turn=lambda: (True, 1, None))
 
     monkeypatch.setattr(
-        hook, "_read_prefix", lambda online, request, messages: (source if messages == ["bundled"] else None, False)
+        hook,
+        "read_request",
+        lambda online, request, messages: SpliceRequest(source if messages == ["bundled"] else None, False),
     )
     monkeypatch.setattr(hook, "_splice", splice)
     monkeypatch.setattr(
-        _Renderer, "tokenize_prompts_async", hook._tokenize_with_splice(_Renderer.tokenize_prompts_async)
+        _Renderer, "tokenize_prompts_async", hook.tokenize_with_splice(_Renderer.tokenize_prompts_async)
     )
     _Parser.built.clear()
     return seen
@@ -338,7 +342,7 @@ def stand_in_splice(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[object]]:
 def _preprocess(
     original: object, request: object, parser: object, online: _Online | None = None, messages: object = ("bundled",)
 ) -> list[dict[str, object]]:
-    wrapped = hook._preprocess_chat_with_splice(original)
+    wrapped = hook.preprocess_chat_with_splice(original)
     _, engine_inputs = asyncio.run(
         wrapped(online or _Online(), request, list(messages), None, None, None, None, parser)
     )
@@ -366,7 +370,7 @@ def test_a_whole_answer_is_verified_while_the_engine_generates(stand_in_splice) 
     request = _chat_request(stream=False)
     assert _preprocess(_preprocess_chat_032, request, None)[0]["prompt_token_ids"] == SPLICED_IDS
     assert stand_in_splice["verified"] == []
-    telemetry = asyncio.run(hook._resolved(hook._telemetry.pop(id(request))))
+    telemetry = asyncio.run(vllm_telemetry.resolve_telemetry(vllm_telemetry.in_flight.pop(id(request))))
     assert stand_in_splice["verified"] == [True]
     assert telemetry == {"applied": True, "template_differed": True, "replaced_tokens": 1}
 
@@ -390,7 +394,7 @@ def test_a_failed_late_verification_is_a_400_not_an_answer(stand_in_splice, fail
     )
     stand_in_splice["late_failure"].append(error)
     with pytest.raises(VLLMValidationError, match=message):
-        asyncio.run(hook._resolved(hook._telemetry.pop(id(request))))
+        asyncio.run(vllm_telemetry.resolve_telemetry(vllm_telemetry.in_flight.pop(id(request))))
 
 
 def test_only_a_chat_completion_answered_whole_is_verified_late() -> None:
@@ -401,13 +405,13 @@ def test_only_a_chat_completion_answered_whole_is_verified_late() -> None:
     from nemo_gym_tok.vllm import routes
 
     async def create_chat_completion(self, request):
-        return hook._answered_whole(request)
+        return hook.answered_whole(request)
 
     answered = routes._chat_completion_marking_wrapper(create_chat_completion)
     assert asyncio.run(answered(None, _chat_request(stream=False)))
     assert not asyncio.run(answered(None, _chat_request(stream=True)))
     assert not asyncio.run(answered(None, _Request()))
-    assert not hook._answered_whole(_chat_request(stream=False))  # outside create_chat_completion: the render route
+    assert not hook.answered_whole(_chat_request(stream=False))  # outside create_chat_completion: the render route
 
 
 def test_vllm_033_parser_gets_the_spliced_prompt_ids(stand_in_splice) -> None:
@@ -444,7 +448,7 @@ def test_request_without_prefix_reaches_vllm_untouched(stand_in_splice) -> None:
 def test_concurrent_requests_each_get_their_own_prompt(stand_in_splice) -> None:
     """The pending splice follows its request: a request without a prefix preprocessed at the same time is
     tokenized as vLLM would, and never gets the other request's ids."""
-    wrapped = hook._preprocess_chat_with_splice(_preprocess_chat_032)
+    wrapped = hook.preprocess_chat_with_splice(_preprocess_chat_032)
     online = _Online()
 
     async def both() -> list[object]:

@@ -13,8 +13,9 @@ import httpx
 import pytest
 from openai import BadRequestError, OpenAI
 
-from nemo_gym_tok.vllm import hook
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm import chat_responses, hook
+from nemo_gym_tok.vllm import telemetry as vllm_telemetry
+from nemo_gym_tok.vllm_server import VLLMServer
 from tests.sdk_streams import converse
 
 TELEMETRY = {"applied": True, "template_differed": True, "replaced_tokens": 2}
@@ -50,14 +51,14 @@ class Request(SimpleNamespace):
 def run(outputs: list[Any], *, include_usage: bool, logprobs: bool = True, telemetry: dict | None = None) -> list[str]:
     request = Request(logprobs=logprobs, stream_options=SimpleNamespace(include_usage=include_usage))
     if telemetry is not None:
-        hook._remember(request, dict(telemetry))
+        vllm_telemetry.remember(request, dict(telemetry))
 
     async def engine() -> AsyncIterator[Any]:
         for out in outputs:
             yield out
 
     async def collect() -> list[str]:
-        wrapper = hook._stream_generator_with_bundle(fake_vllm_stream)
+        wrapper = chat_responses.stream_generator_with_bundle(fake_vllm_stream)
         return [chunk async for chunk in wrapper(SimpleNamespace(), request, engine(), "id", "m")]
 
     return asyncio.run(collect())
@@ -107,7 +108,9 @@ def test_a_request_with_nothing_to_report_gets_vllms_own_generator() -> None:
     async def engine() -> AsyncIterator[Any]:
         yield output([1], [2], None)
 
-    stream = hook._stream_generator_with_bundle(fake_vllm_stream)(SimpleNamespace(), request, engine(), "id", "m")
+    stream = chat_responses.stream_generator_with_bundle(fake_vllm_stream)(
+        SimpleNamespace(), request, engine(), "id", "m"
+    )
     assert stream.ag_code is fake_vllm_stream.__code__  # not wrapped: vLLM's generator itself
     asyncio.run(stream.aclose())
 

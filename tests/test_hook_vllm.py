@@ -11,7 +11,7 @@ from openai import OpenAI
 
 from nemo_gym_tok.servers.http_pool import pool_limits
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm_server import VLLMServer
 from tests.conversations import Conversation, converse
 
 SEEDS = range(20)

@@ -10,7 +10,7 @@ import httpx
 from nemo_gym_tok.config import load_config
 from nemo_gym_tok.servers.http_pool import SERVER_KEEPALIVE_SECONDS
 from nemo_gym_tok.servers.launcher import Gym
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm_server import VLLMServer
 
 IDLE_SECONDS = 6.5
 """Past uvicorn's and vLLM's own 5 s, which httpx and the OpenAI SDK also keep an idle connection for."""

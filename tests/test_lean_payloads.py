@@ -18,7 +18,6 @@ from fastapi.responses import JSONResponse, Response
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nemo_gym_tok.agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
 from nemo_gym_tok.cli.main import main
 from nemo_gym_tok.collect import ResumeError, collect, read_failures, repair_output
 from nemo_gym_tok.records.contiguity import bundled_turns, check_contiguous, check_file
@@ -37,6 +36,7 @@ from nemo_gym_tok.servers.inprocess import serve_in_thread
 from nemo_gym_tok.types import ChatCompletionRequest
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS, TELEMETRY_FIELDS
 from resources_servers.number_guess.app import SERVER as NumberGuess
+from responses_api_agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 from tests.fixtures.collect_agent import AgentBehaviour, create_agent_app
 

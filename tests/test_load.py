@@ -17,7 +17,7 @@ from nemo_gym_tok.collect import CollectSummary, collect
 from nemo_gym_tok.config import load_config
 from nemo_gym_tok.records.contiguity import check_file
 from nemo_gym_tok.servers.launcher import Gym
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm_server import VLLMServer
 
 REPO = Path(__file__).resolve().parents[1]
 EPISODES = 128

@@ -15,7 +15,7 @@ from nemo_gym_tok.contract.conversion import chat_message_to_items
 from nemo_gym_tok.contract.provenance import effective_sampling, generation_defaults, model_fingerprint
 from nemo_gym_tok.records.logprob_check import check_records, naive_sequence
 from nemo_gym_tok.servers.inprocess import serve_in_thread
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm_server import VLLMServer
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 from responses_api_models.vllm_model.token_capture import attach_provenance
 from tests.conversations import MOVE_TOOL

@@ -19,7 +19,7 @@ from nemo_gym_tok.records.contiguity import check_file
 from nemo_gym_tok.router import RouterProcess, RouterSpec, list_workers
 from nemo_gym_tok.servers.launcher import Gym
 from nemo_gym_tok.testing.gym_configs import demo_config_behind_router
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm_server import VLLMServer
 
 REPO = Path(__file__).resolve().parents[1]
 NUMBER_GUESS_ROWS = REPO / "resources_servers" / "number_guess" / "data" / "example.jsonl"

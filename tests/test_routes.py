@@ -14,7 +14,7 @@ import pytest
 
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 from nemo_gym_tok.vllm.routes import ROUTES
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm_server import VLLMServer
 
 pytestmark = pytest.mark.vllm
 

@@ -15,7 +15,7 @@ import pytest
 
 from nemo_gym_tok.vllm import routes
 from nemo_gym_tok.vllm.routes import COHERE_MODULE, COHERE_PATHS, ROUTE_METHODS, ROUTES, not_served
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm_server import VLLMServer
 
 COHERE_GUARD = (COHERE_MODULE, "CohereErrorEnvelopeMiddleware", "dispatch")
 REJECTED = "nemo_gym_tok_prefix_splice_rejected_total"

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from nemo_gym_tok.vllm.routes import POOLING_LABEL
-from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, VLLMServer
+from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, VLLMServer
 from tests.servers import hooked_server
 
 pytestmark = pytest.mark.vllm

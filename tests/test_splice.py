@@ -17,7 +17,7 @@ from nemo_gym_tok.splice import (
     check_token_ids,
     detect_profile,
     find_prefix_source,
-    splice_prefix,
+    splice_prompt,
 )
 from nemo_gym_tok.testing.chat_templates.oracle_episodes import TOOL, EpisodeSettings, check_splice, play_episode
 from nemo_gym_tok.testing.tiny_model.tokenizer import ENDOFTEXT_ID, IM_END_ID, build_tokenizer
@@ -70,7 +70,7 @@ def two_turns(renderer):
 def run(renderer, profile, messages, prefix=None, **options):
     source = find_prefix_source(messages, prefix)
     text = renderer.render(messages, add_generation_prompt=True)
-    return source, splice_prefix(renderer, profile, messages, source, template_text=text, **options)
+    return source, splice_prompt(renderer, profile, messages, source, template_text=text, **options).result()
 
 
 def test_profile_of_the_tiny_template(profile) -> None:
@@ -207,20 +207,20 @@ def test_continue_final_message_continues_a_cut_turn_and_refuses_an_ended_one(re
     messages = two_turns[:3]
     messages[2]["generation_token_ids"] = messages[2]["generation_token_ids"][:-1]
     source = find_prefix_source(messages)
-    result = splice_prefix(
+    result = splice_prompt(
         renderer, profile, messages, source, add_generation_prompt=False, continue_final_message=True
-    )
+    ).result()
     assert result.prompt_token_ids == source.prefix
     messages[2]["generation_token_ids"].append(IM_END_ID)
     with pytest.raises(StalePrefixError, match="that turn is over"):
-        splice_prefix(
+        splice_prompt(
             renderer,
             profile,
             messages,
             find_prefix_source(messages),
             add_generation_prompt=False,
             continue_final_message=True,
-        )
+        ).result()
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -17,7 +17,7 @@ from nemo_gym_tok.splice import (
     batch_decoder,
     detect_profile,
     find_prefix_source,
-    splice_prefix,
+    splice_prompt,
 )
 from nemo_gym_tok.testing.chat_templates.catalog import load_catalog
 from nemo_gym_tok.testing.chat_templates.families import family_of
@@ -136,11 +136,11 @@ def test_the_splice_uses_the_exact_walk_where_text_cannot_prove_and_still_refuse
         },
         {"role": "user", "content": "And Rome?"},
     ]
-    result = splice_prefix(renderer, profile, messages, find_prefix_source(messages))
+    result = splice_prompt(renderer, profile, messages, find_prefix_source(messages)).result()
     assert result.checked_by_text
     messages[0] = {"role": "user", "content": "Where is Lyon?"}
     with pytest.raises(StructureMismatchError, match=r"messages\[0\]"):
-        splice_prefix(renderer, profile, messages, find_prefix_source(messages))
+        splice_prompt(renderer, profile, messages, find_prefix_source(messages)).result()
 
 
 def _top_template_per_family() -> list[str]:
@@ -248,9 +248,9 @@ def test_the_next_turn_reuses_this_turns_prompt(renderer) -> None:
     for turn, answer in enumerate(["In France.", "In Italy.", "In Spain."]):
         messages = next_turn(messages, prompt, answer, renderer.encode(answer) + [IM_END_ID], f"And city {turn}?")
         source = find_prefix_source(messages)
-        plain_result = splice_prefix(renderer, profile, messages, source)
+        plain_result = splice_prompt(renderer, profile, messages, source).result()
         proven_before = remembering.render_memo.proven
-        result = splice_prefix(remembering, profile, messages, source)
+        result = splice_prompt(remembering, profile, messages, source).result()
         assert result == plain_result
         # The first splice has no spliced prompt to build on (the first prompt was the template's); every later
         # one does.
@@ -268,7 +268,7 @@ def test_a_remembered_prompt_proves_only_what_was_spliced(renderer, edit) -> Non
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is Paris?"}]
     prompt = renderer.encode(renderer.render(messages, add_generation_prompt=True))
     messages = next_turn(messages, prompt, "In France.", renderer.encode("In France.") + [IM_END_ID], "And Rome?")
-    spliced = splice_prefix(remembering, profile, messages, find_prefix_source(messages)).prompt_token_ids
+    spliced = splice_prompt(remembering, profile, messages, find_prefix_source(messages)).result().prompt_token_ids
     generation = renderer.encode("In Italy.") + [IM_END_ID]
     following = next_turn(messages, spliced, "In Italy.", generation, "And Madrid?")
     bundle = following[-2]
@@ -283,10 +283,10 @@ def test_a_remembered_prompt_proves_only_what_was_spliced(renderer, edit) -> Non
         following.insert(1, {"role": "user", "content": "Hello."})
     source = find_prefix_source(following)
     with pytest.raises(SpliceError) as without_memo:
-        splice_prefix(renderer, profile, following, source)
+        splice_prompt(renderer, profile, following, source).result()
     proven_before = remembering.render_memo.proven
     with pytest.raises(SpliceError) as with_memo:
-        splice_prefix(remembering, profile, following, source)
+        splice_prompt(remembering, profile, following, source).result()
     assert type(with_memo.value) is type(without_memo.value)
     assert str(with_memo.value) == str(without_memo.value)
     assert remembering.render_memo.proven == proven_before
@@ -305,7 +305,7 @@ def test_a_rendering_with_every_text_in_place_proves_the_tail_at_once(template, 
     """Where the server's rendering is the placement rendering with each message's own text in place, the splice is
     proven at the splice (no neutral rendering, nothing left to verify); where it is not (a template that trims a
     text with spaces around it), the neutral rendering still decides. Both give the full check's prompt."""
-    from nemo_gym_tok.splice import RenderMemo, splice_prompt
+    from nemo_gym_tok.splice import RenderMemo
 
     tokenizer = build_tokenizer()
     plain = HFChatRenderer(tokenizer, chat_template=template, extra_end_token_ids=[ENDOFTEXT_ID])
@@ -316,7 +316,7 @@ def test_a_rendering_with_every_text_in_place_proves_the_tail_at_once(template, 
     prompt = plain.encode(plain.render(messages, add_generation_prompt=True))
     messages = next_turn(messages, prompt, answer, plain.encode(answer) + [IM_END_ID], "And Rome?")
     source, text = find_prefix_source(messages), plain.render(messages, add_generation_prompt=True)
-    expected = splice_prefix(plain, profile, messages, source, template_text=text)
+    expected = splice_prompt(plain, profile, messages, source, template_text=text).result()
     spliced = splice_prompt(counting, profile, messages, source, template_text=text, defer_verify=True)
     in_place = template is None or answer == answer.strip()
     assert counting.neutral_renders == 0  # in place: none at all; otherwise left to verify, while the engine works
@@ -348,9 +348,9 @@ def test_a_tail_the_placement_rendering_gets_wrong_is_caught_by_the_neutral_rend
     the full path and the prompt has it, as the template's own ids do."""
     renderer = HFChatRenderer(build_tokenizer(), chat_template=URGENT_TEMPLATE, extra_end_token_ids=[ENDOFTEXT_ID])
     messages, text = urgent_turn(renderer)
-    result = splice_prefix(
+    result = splice_prompt(
         renderer, detect_profile(renderer), messages, find_prefix_source(messages), template_text=text
-    )
+    ).result()
     assert result.prompt_token_ids == renderer.encode(text)
     assert "Priority" in renderer.decode(result.prompt_token_ids)
 
@@ -358,7 +358,7 @@ def test_a_tail_the_placement_rendering_gets_wrong_is_caught_by_the_neutral_rend
 def test_a_late_verification_refuses_once_and_the_retry_takes_the_full_path() -> None:
     """Deferred (a server verifying while the engine generates), the wrong tail is refused when verified, and the
     memo sends the same request down the full path next time."""
-    from nemo_gym_tok.splice import UnsupportedTemplateError, splice_prompt
+    from nemo_gym_tok.splice import UnsupportedTemplateError
 
     renderer = remembering_renderer(HFChatRenderer(build_tokenizer(), chat_template=URGENT_TEMPLATE))
     messages, text = urgent_turn(renderer)

@@ -18,7 +18,6 @@ from nemo_gym_tok.splice import (
     find_prefix_source,
     match_chunks,
     matched_layout,
-    splice_prefix,
     splice_prompt,
 )
 from nemo_gym_tok.testing.tiny_model.tokenizer import ENDOFTEXT_ID, IM_END_ID, build_tokenizer
@@ -143,7 +142,8 @@ def test_a_tool_calling_turn_is_proven_at_the_splice_with_no_neutral_rendering(l
     messages[1]["generation_log_probs"] = [0.0] * len(generation)
     assert set(BUNDLE_FIELDS) <= set(messages[1])
     source, text = find_prefix_source(messages), plain.render(messages, add_generation_prompt=True)
-    full_check = splice_prefix(plain, profile, messages, source)  # no server text: the neutral rendering decides
+    # no server text: the neutral rendering decides
+    full_check = splice_prompt(plain, profile, messages, source).result()
     spliced = splice_prompt(counting, profile, messages, source, template_text=text, defer_verify=True)
     assert spliced.result().prompt_token_ids == full_check.prompt_token_ids == plain.encode(text)
     assert counting.neutral_renders == 0

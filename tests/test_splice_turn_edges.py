@@ -17,7 +17,7 @@ from nemo_gym_tok.splice import (
     UnsupportedTemplateError,
     detect_profile,
     find_prefix_source,
-    splice_prefix,
+    splice_prompt,
 )
 from nemo_gym_tok.testing.chat_templates import end_token_ids, entry, family_of, family_tokenizer
 from nemo_gym_tok.testing.chat_templates.oracle_episodes import EpisodeSettings, WrongSplice, check_splice, play_episode
@@ -62,7 +62,7 @@ def _spliced(name: str, *, ended: bool) -> tuple[HFChatRenderer, Any, list[dict[
     messages = _two_turns(renderer, profile, ended=ended)
     source = find_prefix_source(messages)
     full = renderer.render(messages, add_generation_prompt=True)
-    result = splice_prefix(renderer, profile, messages, source, template_text=full)
+    result = splice_prompt(renderer, profile, messages, source, template_text=full).result()
     return renderer, profile, messages, source, full, result
 
 
@@ -104,7 +104,7 @@ def test_an_end_token_replaced_by_the_templates_closing_keeps_the_text_before_it
     messages[1]["generation_log_probs"].append(0.0)
     source = find_prefix_source(messages)
     full = renderer.render(messages, add_generation_prompt=True)
-    result = splice_prefix(renderer, profile, messages, source, template_text=full)
+    result = splice_prompt(renderer, profile, messages, source, template_text=full).result()
     assert result.end_token_replaced
     after_text = full[full.index("In France") + len("In France") :]
     assert after_text.startswith("\n<|role_start|>")
@@ -119,7 +119,7 @@ def test_a_template_that_quotes_the_turn_inside_a_judge_prompt_is_refused() -> N
     source = find_prefix_source(messages)
     full = renderer.render(messages, add_generation_prompt=True)
     with pytest.raises(UnsupportedTemplateError, match="role header"):
-        splice_prefix(renderer, profile, messages, source, template_text=full)
+        splice_prompt(renderer, profile, messages, source, template_text=full).result()
 
 
 @pytest.mark.parametrize("name", [name for name, _ in JUNCTIONS] + ["nc-ai-consortium-VAETKI-20B-A2B"])

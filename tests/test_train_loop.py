@@ -19,7 +19,7 @@ import pytest
 from nemo_gym_tok.config import load_config
 from nemo_gym_tok.records.contiguity import bundled_turns
 from nemo_gym_tok.servers.launcher import Gym
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm_server import VLLMServer
 from tests.servers import hooked_server
 from tests.weights_support import DEV_MODE_ENV, copy_model_dir
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from nemo_gym_tok.vllm import compat, hook, internals, routes
+from nemo_gym_tok.vllm import hook, internals, routes
+from nemo_gym_tok.vllm_wheels import compat
 
 RENDERER = "vllm.renderers.online_renderer"
 BASE = "vllm.renderers.base"
@@ -112,7 +113,7 @@ def release(
     for (module, class_name), bodies in methods.items():
         files[_module_path(module)].append(f"class {class_name}:\n" + "".join(bodies))
     files[_module_path(RENDERER)].append(textwrap.dedent(token_in))
-    for module, symbol in hook.USED_SYMBOLS:
+    for module, symbol in internals.USED_SYMBOLS:
         if symbol not in drop:
             files[_module_path(module)].append(f"class {symbol}:\n    pass\n")
     fields: dict[tuple[str, str], list[str]] = defaultdict(list)
@@ -132,7 +133,7 @@ def test_a_release_with_everything_fits() -> None:
     report = check(release())
     assert report.problems == []
     assert report.patched_found == len(hook.PATCHED_METHODS) + len(routes.ROUTE_METHODS) == 14
-    assert report.symbols_found == len(hook.USED_SYMBOLS)
+    assert report.symbols_found == len(internals.USED_SYMBOLS)
     assert report.token_in
     assert report.splice_point == compat.SplicePoint(True, True, True, True, True)
     assert report.splice_point.gaps() == []

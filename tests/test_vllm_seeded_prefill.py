@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 
 from nemo_gym_tok.servers.http_pool import pool_limits
-from nemo_gym_tok.vllm.server import TEST_BED_ARGS, VLLMServer
+from nemo_gym_tok.vllm_server import TEST_BED_ARGS, VLLMServer
 
 # With chunked prefill, vLLM 0.32's CPU engine splits a prompt across steps when the step's token budget runs out,
 # and a seeded request then dies in the sampler ("CPU Generator does not use offset"), taking the engine with it.

@@ -8,8 +8,8 @@ import pytest
 
 from nemo_gym_tok.vllm.exact_reload import check_reload_internals
 from nemo_gym_tok.vllm.route_auth import dev_route_paths
-from nemo_gym_tok.vllm.weight_path_compat import NCCL_ROUTES, PUSH_ROUTES, weight_path_problems
-from nemo_gym_tok.vllm.wheel_source import ModuleSources
+from nemo_gym_tok.vllm_wheels.weight_path_compat import NCCL_ROUTES, PUSH_ROUTES, weight_path_problems
+from nemo_gym_tok.vllm_wheels.wheel_source import ModuleSources
 
 
 def installed_sources() -> ModuleSources:

@@ -12,7 +12,7 @@ from nemo_gym_tok.cli.main import main as ngt
 from nemo_gym_tok.common.net import free_port
 from nemo_gym_tok.vllm.exact_reload import EXACT_RELOAD_ENV
 from nemo_gym_tok.vllm.hook import ENABLE_ENV
-from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ENV, VLLMServer
+from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, TEST_BED_ENV, VLLMServer
 from nemo_gym_tok.weights import Replica, WeightPushError, push_weights
 from tests.servers import hooked_server
 from tests.weights_support import (

@@ -15,7 +15,7 @@ import pytest
 from nemo_gym_tok.cli.main import main as ngt
 from nemo_gym_tok.records.contiguity import bundled_turns, check_contiguous
 from nemo_gym_tok.servers.inprocess import serve_in_thread
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm_server import VLLMServer
 from nemo_gym_tok.weights import push_weights
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 from tests.weights_support import perturbed_checkpoint, weight_version

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from nemo_gym_tok.vllm import chat_responses, internals
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm_server import VLLMServer
 from tests.weights_support import pause_keeping_requests, resume, set_weight_version, weight_version
 
 # --- reading CompletionOutput.weight_versions -----------------------------------------------------------------------
@@ -72,7 +72,7 @@ def test_the_whole_answer_carries_each_choices_version() -> None:
     response = SimpleNamespace(
         choices=[SimpleNamespace(index=0, message=Message()), SimpleNamespace(index=1, message=Message())]
     )
-    chat_responses._attach_bundles(response, final, SimpleNamespace())
+    chat_responses.attach_bundles(response, final, SimpleNamespace())
     first, second = (choice.message for choice in response.choices)
     assert first.weight_version == "v3" and not hasattr(first, "weight_version_spans")
     assert first.generation_token_ids == [1, 2]
@@ -80,7 +80,7 @@ def test_the_whole_answer_carries_each_choices_version() -> None:
 
 
 def test_a_stream_takes_the_versions_from_its_last_delta() -> None:
-    record = chat_responses._StreamRecord(keep_ids=True, constrained_by=[])
+    record = chat_responses.StreamRecord(keep_ids=True, constrained_by=[])
 
     async def deltas() -> AsyncIterator[Any]:
         yield SimpleNamespace(prompt_token_ids=[5], outputs=[completion([1, 2], None)])

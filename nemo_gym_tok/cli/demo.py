@@ -14,7 +14,7 @@ from nemo_gym_tok.config import load_config
 from nemo_gym_tok.records.contiguity import ContiguityReport, check_file
 from nemo_gym_tok.servers.auth import AUTH_TOKEN_ENV, env_auth_token
 from nemo_gym_tok.servers.launcher import Gym
-from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
+from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO_CONFIG = REPO_ROOT / "configs" / "demo.yaml"

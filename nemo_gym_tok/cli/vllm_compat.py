@@ -42,17 +42,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Check each release; print the table. Returns the exit status."""
-    from nemo_gym_tok.vllm import compat
+    from nemo_gym_tok import vllm_wheels
 
-    versions = args.versions or compat.supported_releases()
-    directory = args.wheel_dir or compat.wheel_cache_dir()
+    versions = args.versions or vllm_wheels.supported_releases()
+    directory = args.wheel_dir or vllm_wheels.wheel_cache_dir()
     reports = []
     for version in versions:
         try:
-            wheel = compat.download_wheel(version, directory)
+            wheel = vllm_wheels.download_wheel(version, directory)
         except RuntimeError as exc:
             print(f"ngt vllm-compat: {exc}", file=sys.stderr)
             return 2
-        reports.append(compat.check_wheel(wheel, version))
-    print(compat.format_reports(reports))
+        reports.append(vllm_wheels.check_wheel(wheel, version))
+    print(vllm_wheels.format_reports(reports))
     return 0 if all(report.ok for report in reports) else 1

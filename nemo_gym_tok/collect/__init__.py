@@ -1,8 +1,9 @@
 """`ngt collect`'s library: runs every (row, repeat) rollout of a JSONL file against an agent's `/run`, resumably.
 
 The modules: `identity` (what names a rollout), `files` (output, failures file, lock), `resume` (what an output
-already holds, and refusing another input's or agent's), `runner` (the loop), `head` (finding the agent),
-`nemo_gym_rows` (records as NeMo Gym's rollout rows) and `export` (writing them).
+already holds, and refusing another input's or agent's), `runner` (the loop), `agent_lookup` (finding the agent
+through the head server), `collect_errors` (what a collection refuses), `nemo_gym_rows` (records as NeMo Gym's
+rollout rows) and `export` (writing them).
 """
 
 from __future__ import annotations

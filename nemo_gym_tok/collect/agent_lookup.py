@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 
 from nemo_gym_tok.collect.collect_errors import HeadError
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.common.remote_errors import error_message
 from nemo_gym_tok.servers.client import AUTH_TOKEN_ENV, auth_headers
 
@@ -33,7 +34,7 @@ def resolve_agent_url(head_url: str, agent: str, *, timeout: float = 10.0, auth_
             f"{error_message(response)}"
         )
     try:
-        servers = response.json()
+        servers = loads_exact(response.content)
     except ValueError:
         servers = None
     if not isinstance(servers, dict):

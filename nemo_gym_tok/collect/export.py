@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 from nemo_gym_tok.collect.collect_errors import CollectError
 from nemo_gym_tok.collect.files import failures_path_for, json_line, read_failures, write_atomically
 from nemo_gym_tok.collect.nemo_gym_rows import ExportError, nemo_gym_export
+from nemo_gym_tok.common.exact_json import loads_exact
 
 
 def nemo_gym_failures_path_for(rows_path: str | os.PathLike[str]) -> Path:
@@ -96,7 +96,7 @@ def _read_records(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
                     "mid-write): rerun its `ngt collect`, which repairs the file, then export"
                 )
             try:
-                record = json.loads(raw)
+                record = loads_exact(raw)
             except (UnicodeDecodeError, ValueError) as exc:
                 raise CollectError(f"{path}:{line_number}: not valid JSON ({exc})") from None
             records.append(record)

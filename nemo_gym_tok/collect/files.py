@@ -12,6 +12,7 @@ from typing import Any
 
 from nemo_gym_tok.collect.collect_errors import CollectError, ResumeError
 from nemo_gym_tok.collect.identity import RolloutId, RolloutKey
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.records.rollout_record import UnknownSchemaVersionError, record_schema_version
 
 FAILURES_SUFFIX = ".failures.jsonl"
@@ -56,7 +57,7 @@ def repair_output(output_path: str | os.PathLike[str]) -> tuple[list[RolloutId],
 
 def _record_id(raw: bytes) -> RolloutId:
     try:
-        record = json.loads(raw)
+        record = loads_exact(raw)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ValueError(f"not valid JSON ({exc})") from None
     if not isinstance(record, dict) or "rollout_id" not in record:
@@ -75,7 +76,7 @@ def read_failures(failures_path: str | os.PathLike[str]) -> dict[RolloutKey, dic
         for raw in handle:
             # A side file: a line torn by a kill, or otherwise unreadable, only loses a reason, never a rollout.
             try:
-                entry = json.loads(raw)
+                entry = loads_exact(raw)
                 entries[RolloutId.from_json(entry["rollout_id"]).key] = entry
             except (UnicodeDecodeError, ValueError, KeyError, TypeError):
                 continue

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from nemo_gym_tok.collect.collect_errors import InputError
+from nemo_gym_tok.common.exact_json import loads_exact
 
 ROW_HASH_HEX_DIGITS = 16
 """64 bits of SHA-256: a collision between two different rows of a data set is not a practical concern."""
@@ -119,7 +120,7 @@ def read_input(input_path: str | os.PathLike[str], limit: int | None = None) -> 
                 continue
             in_scope = limit is None or index < limit
             try:
-                row = json.loads(raw)
+                row = loads_exact(raw)
             except (UnicodeDecodeError, ValueError) as exc:
                 if in_scope:
                     raise InputError(f"{path}:{line_number}: not valid JSON ({exc})") from None

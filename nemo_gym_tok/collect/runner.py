@@ -27,6 +27,7 @@ from nemo_gym_tok.collect.files import (
 )
 from nemo_gym_tok.collect.identity import InputRow, InputRows, RolloutKey, read_input
 from nemo_gym_tok.collect.resume import belongs, done_keys
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.common.remote_errors import error_message
 from nemo_gym_tok.records.rollout_record import UnknownSchemaVersionError, record_schema_version
 from nemo_gym_tok.servers.client import SESSION_HEADER, auth_headers
@@ -89,7 +90,7 @@ async def _run_one(http: httpx.AsyncClient, run_url: str, row: dict[str, Any], t
             response.status_code,
         )
     try:
-        record = response.json()
+        record = loads_exact(response.content)
     except ValueError:
         raise _RolloutFailed(
             f"agent answered HTTP 200 with a body that is not JSON: {error_message(response)}", "bad_answer", 200

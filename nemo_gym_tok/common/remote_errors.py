@@ -6,13 +6,15 @@ import json
 
 import httpx
 
+from nemo_gym_tok.common.exact_json import loads_exact
+
 _MAX_BODY_CHARS = 2000
 
 
 def error_param(response: httpx.Response) -> str | None:
     """OpenAI-style `error.param` (the request field at fault), when the answer names one."""
     try:
-        body = response.json()
+        body = loads_exact(response.content)
     except ValueError:
         return None
     error = body.get("error") if isinstance(body, dict) else None
@@ -23,7 +25,7 @@ def error_param(response: httpx.Response) -> str | None:
 def error_message(response: httpx.Response) -> str:
     """OpenAI-style `error.message`, FastAPI's `detail`, or the start of the raw body."""
     try:
-        body = response.json()
+        body = loads_exact(response.content)
     except ValueError:
         body = None
     if isinstance(body, dict):

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from nemo_gym_tok.common.exact_json import loads_exact
+
 SAMPLING_KEY = "sampling"
 FINGERPRINT_KEY = "model_fingerprint"
 
@@ -36,7 +38,7 @@ def generation_defaults(model_dir: str | Path) -> dict[str, Any]:
     path = Path(model_dir) / "generation_config.json"
     if not path.is_file():
         return {}
-    config = json.loads(path.read_text(encoding="utf-8"))
+    config = loads_exact(path.read_text(encoding="utf-8"))
     defaults = {key: config[key] for key in _GENERATION_CONFIG_KEYS if config.get(key) is not None}
     if "max_new_tokens" in defaults:
         defaults["max_tokens"] = defaults.pop("max_new_tokens")
@@ -71,7 +73,7 @@ def chat_template_text(model_dir: str | Path) -> str | None:
         return jinja.read_text(encoding="utf-8")
     config_path = root / "tokenizer_config.json"
     if config_path.is_file():
-        template = json.loads(config_path.read_text(encoding="utf-8")).get("chat_template")
+        template = loads_exact(config_path.read_text(encoding="utf-8")).get("chat_template")
         if template is not None:
             return template if isinstance(template, str) else json.dumps(template, sort_keys=True)
     return None

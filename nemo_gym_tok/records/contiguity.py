@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.contract.token_sources import PrefixMismatchError, check_prefix
 from nemo_gym_tok.records.rollout_record import MalformedRecordError, UnknownSchemaVersionError, full_output
 from nemo_gym_tok.types.tokens import WEIGHT_VERSION_KEY, WEIGHT_VERSION_SPANS_KEY, weight_versions_problem
@@ -222,7 +222,7 @@ def check_file(path: str | Path, decode: Decode | None = None, max_failures: int
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = loads_exact(line)
             except ValueError:
                 report.unreadable_lines += 1
                 continue

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.contract.conversion import responses_to_chat_request
 from nemo_gym_tok.records.contiguity import BundledTurn, bundled_turns, segments
 from nemo_gym_tok.records.rollout_record import full_output
@@ -112,7 +113,7 @@ def _template_ids(
             for call in message.get("tool_calls") or []:
                 # vLLM parses arguments before rendering, so templates re-serialize them (the usual repair).
                 try:
-                    call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+                    call["function"]["arguments"] = loads_exact(call["function"]["arguments"])
                 except (TypeError, ValueError):
                     pass
         text = tokenizer.apply_chat_template(
@@ -248,7 +249,7 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
         for number, line in enumerate(lines, start=1):
             if line.strip():
                 try:
-                    records.append(json.loads(line))
+                    records.append(loads_exact(line))
                 except ValueError as exc:
                     raise ValueError(f"{path}: line {number} is not JSON: {exc}") from None
     return records

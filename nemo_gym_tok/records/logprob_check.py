@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.records.rollout_record import full_output
 from nemo_gym_tok.records.training import TrainingSequence, rollout_to_training_sequences
 
@@ -271,7 +271,7 @@ def read_records(paths: Iterable[str | Path]) -> list[tuple[str, dict[str, Any]]
         with open(path, encoding="utf-8") as handle:
             for number, line in enumerate(handle, 1):
                 if line.strip():
-                    record = json.loads(line)
+                    record = loads_exact(line)
                     records.append((f"{Path(path).name}:{number}", record))
     return records
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import httpx
 
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.common.net import shared_ssl_context
 from nemo_gym_tok.contract.provenance import FINGERPRINT_KEY, fingerprint_difference
 
@@ -35,7 +36,7 @@ def worker_fingerprint(
         raise FleetMismatchError(
             f"worker {worker_url} could not be asked for its fingerprint: HTTP {answer.status_code} {answer.text[:200]}"
         )
-    message: dict[str, Any] = (answer.json().get("choices") or [{}])[0].get("message") or {}
+    message: dict[str, Any] = (loads_exact(answer.content).get("choices") or [{}])[0].get("message") or {}
     found = message.get(FINGERPRINT_KEY)
     return dict(found) if isinstance(found, dict) else None
 

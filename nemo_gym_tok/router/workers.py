@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.common.net import shared_ssl_context
 
 ADMIN_TIMEOUT = 10.0
@@ -97,7 +98,7 @@ def _request(
 
 def _urls(router_url: str, response: httpx.Response) -> list[str]:
     try:
-        body = response.json()
+        body = loads_exact(response.content)
     except ValueError:
         body = None
     urls = body.get("urls") if isinstance(body, dict) else None
@@ -179,7 +180,7 @@ def is_vllm_router(url: str, http: httpx.Client | None = None, *, timeout: float
     if response.status_code != 200:
         return False
     try:
-        body = response.json()
+        body = loads_exact(response.content)
     except ValueError:
         return False
     return (

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from typing import Any, NoReturn
 
-import orjson
 from fastapi import Request
 
+from nemo_gym_tok.common.exact_json import NeedsStdlib, loads_exact, loads_fast
 from nemo_gym_tok.servers.api_errors import ApiError
-from nemo_gym_tok.servers.fast_json import has_wide_integer
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 """Largest request body a server reads unless its config says otherwise (`max_body_bytes`)."""
@@ -99,11 +97,9 @@ def _parse_fast(raw: bytes) -> Any | None:
     """`raw` parsed by orjson, or None for the strict reader to decide: when orjson refuses the document (it refuses
     all the strict reader does: invalid UTF-8, NaN and Infinity, numbers past a float, lone surrogates, nesting past
     1024, but says it less clearly), and when it may hold an integer past 64 bits, which orjson would make a float."""
-    if has_wide_integer(raw):
-        return None
     try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError:
+        return loads_fast(raw)
+    except NeedsStdlib:
         return None
 
 
@@ -115,7 +111,7 @@ def _parse_strict(raw: bytes) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise ApiError(400, f"request body is not valid UTF-8 (byte {exc.start})") from None
     try:
-        body = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+        body = loads_exact(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except _Refusal as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
     except RecursionError:

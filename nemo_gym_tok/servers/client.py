@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from nemo_gym_tok.servers.fast_json import JSON_MEDIA_TYPE, dumps
+from nemo_gym_tok.common.exact_json import JSON_MEDIA_TYPE, dumps, loads_exact
 from nemo_gym_tok.servers.http_pool import aiohttp_session, call_timeout, pool_limits, post_read_whole
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ class ServerClient:
         if name not in self._servers and self._head_url:
             response = await self._http.get(f"{self._head_url}/servers")
             response.raise_for_status()
-            self._servers.update(response.json())
+            self._servers.update(loads_exact(response.content))
         try:
             return self._servers[name]
         except KeyError:
@@ -70,8 +70,9 @@ class ServerClient:
             raise UnknownServerError(f"no server named {name!r} (known: {known})") from None
 
     async def post(self, name: str, path: str, json: Any = None, **kwargs: Any) -> httpx.Response:
-        """POST `json` to `path` on the server called `name`. The body is written by orjson (fast_json): histories
-        carry thousands of token ids, which the stdlib encoder httpx uses takes a millisecond and more to write.
+        """POST `json` to `path` on the server called `name`. The body is written by orjson (exact_json.dumps):
+        histories carry thousands of token ids, which the stdlib encoder httpx uses takes a millisecond and more to
+        write.
 
         A JSON body with at most `headers` besides goes over aiohttp (see `_post_json`); anything else over httpx.
         Either way the answer is an httpx.Response and a failed connection an httpx.TransportError."""

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.config import ServerInstance
 from nemo_gym_tok.servers.auth import AUTH_TOKEN_ENV
 
@@ -64,7 +65,7 @@ def start_nemo_gym_server(
         raise NeMoGymStartError(
             f"{where}: NeMo Gym's config parser ({python}) refused the instance:\n{out.stderr.strip()[-2000:]}"
         )
-    resolved = json.loads(out.stdout)
+    resolved = loads_exact(out.stdout)
     root = Path(resolved["root"])
     folder = root / instance.kind / instance.implementation
     entrypoint = folder / str(fields["entrypoint"])

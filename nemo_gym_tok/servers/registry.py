@@ -12,11 +12,11 @@ from nemo_gym_tok.config import ConfigError, ServerInstance
 from nemo_gym_tok.config.nemo_gym import not_implemented_here
 from nemo_gym_tok.servers.base import BaseServer, BaseServerConfig
 
-# Environments and model adapters are folders at the repo root; agents live in the library.
+# Every server kind but the head is a folder at the repo root, one implementation per subfolder.
 KIND_PACKAGES = {
     "responses_api_models": "responses_api_models",
     "resources_servers": "resources_servers",
-    "responses_api_agents": "nemo_gym_tok.agents",
+    "responses_api_agents": "responses_api_agents",
     "head": "nemo_gym_tok.servers",
 }
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import uvicorn
 
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.config import ConfigError, ServerInstance
 from nemo_gym_tok.servers.client import AUTH_TOKEN_ENV, ServerClient
 from nemo_gym_tok.servers.http_pool import SERVER_KEEPALIVE_SECONDS
@@ -42,7 +43,7 @@ def spec_for(
 
 
 def main() -> int:
-    spec = json.loads(os.environ[SPEC_ENV])
+    spec = loads_exact(os.environ[SPEC_ENV])
     instance = ServerInstance(spec["name"], spec["kind"], spec["implementation"], spec["fields"], {})
     try:
         server_class, config = validate_instance(instance)

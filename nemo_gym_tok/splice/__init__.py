@@ -1,6 +1,7 @@
 """The prefix splice: exact model ids for the history, the template's ids for what follows, or a 400 that says why.
 
-Pure functions with no vLLM import; the vLLM hook (nemo_gym_tok.vllm.hook) and the adapter's own splice call them.
+Pure functions with no vLLM import and one entry point, `splice_prompt`; the splice host (nemo_gym_tok.splice_host),
+which the vLLM hook and the adapter share, calls it.
 """
 
 from nemo_gym_tok.splice._fixed_text import FixedTextMatcher
@@ -28,7 +29,7 @@ from nemo_gym_tok.splice._refusals import (
 )
 from nemo_gym_tok.splice._render import ChatRenderer, HFChatRenderer, added_token_maps, batch_decoder, text_encoder
 from nemo_gym_tok.splice._result import RepairedTurn, SplicedPrompt, SpliceResult
-from nemo_gym_tok.splice._splice import splice_prefix, splice_prompt
+from nemo_gym_tok.splice._splice import splice_prompt
 from nemo_gym_tok.splice._structure import Body, Layout
 from nemo_gym_tok.splice._tail import match_chunks, matched_layout
 
@@ -66,7 +67,6 @@ __all__ = [
     "matched_layout",
     "neutralize",
     "raised_in_this_package",
-    "splice_prefix",
     "splice_prompt",
     "text_encoder",
 ]

@@ -1,4 +1,5 @@
-"""Where a request's required prefix comes from, and the validation of every token id a caller sends."""
+"""Where a request's required prefix comes from, the validation of every token id a caller sends, and how the splice
+reads a message's fields (`message_field`: dicts and objects alike)."""
 
 from __future__ import annotations
 
@@ -40,23 +41,25 @@ def find_prefix_source(
     An explicit prefix belongs to the last assistant message (index -1 if there is none yet). Raises
     InvalidTokenIdsError for malformed input.
     """
-    assistant_indices = [i for i, m in enumerate(messages) if _get(m, "role") == "assistant"]
+    assistant_indices = [i for i, m in enumerate(messages) if message_field(m, "role") == "assistant"]
     if required_prefix is not None:
         prefix = check_token_ids(required_prefix, PREFIX_KEY, vocab_size)
         return PrefixSource(prefix, assistant_indices[-1] if assistant_indices else -1, explicit=True)
     for index in reversed(range(len(messages))):
-        present = [key for key in BUNDLE_FIELDS if _get(messages[index], key) is not None]
+        present = [key for key in BUNDLE_FIELDS if message_field(messages[index], key) is not None]
         if not present:
             continue
         where = f"messages[{index}]"
         if len(present) != len(BUNDLE_FIELDS):
             missing = ", ".join(k for k in BUNDLE_FIELDS if k not in present)
             raise InvalidTokenIdsError(f"{where}: token bundle is all or none; {missing} missing")
-        if _get(messages[index], "role") != "assistant":
+        if message_field(messages[index], "role") != "assistant":
             raise InvalidTokenIdsError(f"{where}: a token bundle belongs on an assistant message")
-        prompt = check_token_ids(_get(messages[index], "prompt_token_ids"), f"{where}.prompt_token_ids", vocab_size)
+        prompt = check_token_ids(
+            message_field(messages[index], "prompt_token_ids"), f"{where}.prompt_token_ids", vocab_size
+        )
         generation = check_token_ids(
-            _get(messages[index], "generation_token_ids"), f"{where}.generation_token_ids", vocab_size
+            message_field(messages[index], "generation_token_ids"), f"{where}.generation_token_ids", vocab_size
         )
         return PrefixSource(prompt + generation, index, explicit=False, prompt_length=len(prompt))
     return None
@@ -106,5 +109,7 @@ def _non_negative_ints(ids: list[Any]) -> bool:
     return not written[1:-1].translate(None, b"0123456789,")
 
 
-def _get(message: Any, key: str) -> Any:
+def message_field(message: Any, key: str) -> Any:
+    """`message[key]`, or None where it is missing: the splice takes messages as dicts (the adapter, the tests) or as
+    objects (vLLM's parsed requests), and reads them through this one accessor."""
     return message.get(key) if isinstance(message, dict) else getattr(message, key, None)

@@ -1,5 +1,6 @@
 """The structural check of a prefix: the template's rendering of the messages before its turn, outside the model's
-bodies, then a generation that stays inside the turn; a refusal that names the message where it differs."""
+bodies, then a generation that stays inside the turn; a refusal that names the message where it differs (naming the
+prefix by `describe_source`, as the splice's other refusals about a prefix do)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from nemo_gym_tok.splice._profile import TemplateProfile
 from nemo_gym_tok.splice._refusals import StalePrefixError, StructureMismatchError
 from nemo_gym_tok.splice._render import ChatRenderer, batch_decoder
 from nemo_gym_tok.splice._structure import Body, Layout, Mismatch, match_fixed_segments
-from nemo_gym_tok.splice._template_text import _proven_prompt, _render
+from nemo_gym_tok.splice._template_text import proven_prompt, render_messages
 
 
-def _check_prefix(
+def check_prefix_structure(
     renderer: ChatRenderer,
     profile: TemplateProfile,
     neutral: list[dict[str, Any]],
@@ -27,21 +28,21 @@ def _check_prefix(
     starts, whether the text walk proved it (_fixed_text; id by id where it could not), and the prompt's fixed text
     after its last earlier body (it ends with the generation prompt)."""
     a, prefix = source.message_index, source.prefix
-    proven = _proven_prompt(renderer, neutral[:a], prefix)
+    proven = proven_prompt(renderer, neutral[:a], prefix)
     if proven is not None:  # the prompt this server spliced for these messages, sent back as it was given
         generation_start, checked_by_text, prompt_end = proven.length, proven.checked_by_text, proven.closing_text
     else:
         generation_start, checked_by_text, prompt_end = _walk_prompt(renderer, profile, neutral, earlier, find, source)
     if generation_start == len(prefix):
         raise StalePrefixError(
-            f"{_what(source)} ends where the prompt for messages[{a}] ends: the last assistant span is empty. Send the "
-            "prompt ids followed by the ids the model generated"
+            f"{describe_source(source)} ends where the prompt for messages[{a}] ends: the last assistant span is "
+            "empty. Send the prompt ids followed by the ids the model generated"
         )
     inner_end = next((i for i in range(generation_start, len(prefix) - 1) if prefix[i] in profile.end_token_ids), None)
     if inner_end is not None:
         raise StalePrefixError(
-            f"stale prefix: {_what(source)} holds the turn end {renderer.decode([prefix[inner_end]])!r} at id "
-            f"{inner_end}, inside what would be the model's turn in messages[{a}] (generation stops there, so the "
+            f"stale prefix: {describe_source(source)} holds the turn end {renderer.decode([prefix[inner_end]])!r} at "
+            f"id {inner_end}, inside what would be the model's turn in messages[{a}] (generation stops there, so the "
             "prefix spans more turns than these messages have). Send the prefix of the last assistant message, or "
             "the messages it was produced with"
         )
@@ -70,7 +71,7 @@ def _walk_prompt(
     matcher = FixedTextMatcher(
         renderer.encode, batch_decoder(renderer), renderer.added_tokens, getattr(renderer, "piece_cache", None)
     )
-    prompt_text = _render(
+    prompt_text = render_messages(
         renderer, neutral[:a], add_generation_prompt=True, what="the messages before the prefix's turn"
     )
     prompt_layout = Layout(prompt_text, find(prompt_text, earlier, None))
@@ -102,10 +103,12 @@ def _walk_prompt(
 def _turn_by_turn_layout(renderer: ChatRenderer, neutral: list[dict[str, Any]], turns: list[int], find: Any) -> Layout:
     """The prompt of the last of `turns` as a chain of splices builds it: the first turn's prompt, then each turn's
     body and what the next turn's prompt renders after it."""
-    text = _render(renderer, neutral[: turns[0]], add_generation_prompt=True, what="the first turn's messages")
+    text = render_messages(renderer, neutral[: turns[0]], add_generation_prompt=True, what="the first turn's messages")
     bodies = []
     for done, following in zip(turns, turns[1:]):
-        rendered = _render(renderer, neutral[:following], add_generation_prompt=True, what="an earlier turn's messages")
+        rendered = render_messages(
+            renderer, neutral[:following], add_generation_prompt=True, what="an earlier turn's messages"
+        )
         body = find(rendered, [turn for turn in turns if turn <= done], None)[-1]
         start = len(text)
         text += rendered[body.start : body.end]
@@ -127,8 +130,8 @@ def _mismatch_error(
     index = _message_at(renderer, neutral, a, layout.text, offset)
     where = f"messages[{index}]" if index is not None else f"the prompt the template renders before messages[{a}]"
     return StructureMismatchError(
-        f"{_what(source)} does not belong to these messages: at id {mismatch.position} it differs from what the chat "
-        f"template renders for {where} (template: {renderer.decode(mismatch.expected)!r}, prefix: "
+        f"{describe_source(source)} does not belong to these messages: at id {mismatch.position} it differs from "
+        f"what the chat template renders for {where} (template: {renderer.decode(mismatch.expected)!r}, prefix: "
         f"{renderer.decode(mismatch.found)!r}). Send the messages the prefix was produced with; to replace edited "
         "history on purpose, start a new token segment",
         message_index=index,
@@ -152,5 +155,7 @@ def _message_at(renderer: ChatRenderer, neutral: list[dict[str, Any]], a: int, t
     return None
 
 
-def _what(source: PrefixSource) -> str:
+def describe_source(source: PrefixSource) -> str:
+    """How a refusal names the prefix: the request field it came in, or the token bundle of its message, so the
+    caller knows which part of the request to fix."""
     return PREFIX_KEY if source.explicit else f"the token bundle of messages[{source.message_index}]"

@@ -17,8 +17,11 @@ the same messages (see _memo), and only the template's text after the boundary i
 is a few renderings of the messages; on a next turn, the one that finishes the proof and the measurement of the
 new turn are left to SplicedPrompt, for a server to run while the engine generates.
 
-This module runs the two paths (the placement shortcut and the full check); their parts are _prefix_check (the
-structural check of the prefix), _tail (the template's ids after it), _template_text (the renderings) and _result.
+This module runs the two paths (the placement shortcut and the full check) behind `splice_prompt`; their parts are
+_prefix_check (`check_prefix_structure`, the structural check of the prefix), _tail (`template_tail` and the checks
+of the template's ids after it, `kept_prefix`, `measure_new_turn`), _turn_edges (the junction after the model's text
+and the turn's opening), _template_text (`render_messages`, `render_neutral`, `body_finder` and the memo's proven
+prompts) and _result (`SplicedPrompt`).
 """
 
 from __future__ import annotations
@@ -26,55 +29,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from nemo_gym_tok.splice._ids import PrefixSource, _get
+from nemo_gym_tok.splice._ids import PrefixSource, message_field
 from nemo_gym_tok.splice._memo import RenderMemo
 from nemo_gym_tok.splice._neutral import neutralize
-from nemo_gym_tok.splice._prefix_check import _check_prefix, _what
+from nemo_gym_tok.splice._prefix_check import check_prefix_structure, describe_source
 from nemo_gym_tok.splice._profile import TemplateProfile
 from nemo_gym_tok.splice._refusals import SpliceError, StalePrefixError, UnsupportedTemplateError
 from nemo_gym_tok.splice._render import ChatRenderer
-from nemo_gym_tok.splice._result import SplicedPrompt, SpliceResult
+from nemo_gym_tok.splice._result import SplicedPrompt
 from nemo_gym_tok.splice._structure import Layout
 from nemo_gym_tok.splice._tail import (
-    _check_message_placement,
-    _check_truncation,
-    _kept_prefix,
-    _new_turn_repair,
-    _template_tail,
-    _with_message_texts,
+    check_message_placement,
+    check_truncation,
+    fill_message_texts,
+    kept_prefix,
     matched_layout,
+    measure_new_turn,
+    template_tail,
 )
-from nemo_gym_tok.splice._template_text import _body_finder, _neutral_messages, _remember_prompt, _render
+from nemo_gym_tok.splice._template_text import body_finder, remember_prompt, render_messages, render_neutral
 from nemo_gym_tok.splice._turn_edges import UNCONFIRMED_JUNCTION, check_turn_opening, junction_length, junction_text
-
-
-def splice_prefix(
-    renderer: ChatRenderer,
-    profile: TemplateProfile,
-    messages: Sequence[Any],
-    source: PrefixSource,
-    *,
-    add_generation_prompt: bool = True,
-    continue_final_message: bool = False,
-    truncate_prompt_tokens: int | None = None,
-    template_text: str | None = None,
-) -> SpliceResult:
-    """Splice `source.prefix` (belonging to messages[source.message_index]) into the prompt for `messages`.
-
-    `template_text` is the server's own rendering of the request, when it has one: the tail must agree with it, and
-    the telemetry says whether the template would have written the prefix's turn differently. Raises a SpliceError
-    subclass when the result could not be proven exact.
-    """
-    return splice_prompt(
-        renderer,
-        profile,
-        messages,
-        source,
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message,
-        truncate_prompt_tokens=truncate_prompt_tokens,
-        template_text=template_text,
-    ).result()
 
 
 def splice_prompt(
@@ -89,7 +63,13 @@ def splice_prompt(
     template_text: str | None = None,
     defer_verify: bool = False,
 ) -> SplicedPrompt:
-    """splice_prefix() with the measurement of the new turn left for later (SplicedPrompt.result()).
+    """Splice `source.prefix` (belonging to messages[source.message_index]) into the prompt for `messages`.
+
+    The spliced ids are ready at once (SplicedPrompt.prompt_token_ids); the measurement of the new turn is left for
+    later (SplicedPrompt.result() returns the SpliceResult with its telemetry). `template_text` is the server's own
+    rendering of the request, when it has one: the tail must agree with it, and the telemetry says whether the
+    template would have written the prefix's turn differently. Raises a SpliceError subclass when the result could
+    not be proven exact.
 
     With `defer_verify`, a next turn's tail read from the placement rendering, where the server's rendering did not
     prove it at once, is verified later too (SplicedPrompt
@@ -99,19 +79,21 @@ def splice_prompt(
     a = source.message_index
     prefix = source.prefix
     if a < 0:
-        raise ValueError("splice_prefix() needs a prefix that belongs to an assistant message; use check_starts_with")
+        raise ValueError("splice_prompt() needs a prefix that belongs to an assistant message; use check_starts_with")
     if not prefix:
         raise StalePrefixError(
-            f"{_what(source)} is empty, but messages[{a}] is an assistant turn: send the ids of the call that "
-            "produced it (prompt + generation), or no prefix at all"
+            f"{describe_source(source)} is empty, but messages[{a}] is an assistant turn: send the ids of the call "
+            "that produced it (prompt + generation), or no prefix at all"
         )
-    earlier = [j for j in range(a) if _get(messages[j], "role") == "assistant"]
-    find = _body_finder(profile, messages)
-    moved_call_text = bool(profile.moves_call_text and _get(messages[a], "tool_calls") and _get(messages[a], "content"))
+    earlier = [j for j in range(a) if message_field(messages[j], "role") == "assistant"]
+    find = body_finder(profile, messages)
+    moved_call_text = bool(
+        profile.moves_call_text and message_field(messages[a], "tool_calls") and message_field(messages[a], "content")
+    )
     remember = (
         add_generation_prompt
         and not continue_final_message
-        and not any(_get(message, "role") == "assistant" for message in messages[a + 1 :])
+        and not any(message_field(message, "role") == "assistant" for message in messages[a + 1 :])
     )
     if template_text is not None and add_generation_prompt and not continue_final_message and not moved_call_text:
         try:
@@ -123,11 +105,11 @@ def splice_prompt(
             return spliced
         except SpliceError:
             pass  # the full path below decides, with its own reasons
-    neutral, neutral_text = _neutral_messages(renderer, messages, a, [*earlier, a], profile.moves_call_text)
+    neutral, neutral_text = render_neutral(renderer, messages, a, [*earlier, a], profile.moves_call_text)
     if add_generation_prompt and not continue_final_message:
         full_text = neutral_text
     else:
-        full_text = _render(
+        full_text = render_messages(
             renderer,
             neutral,
             add_generation_prompt=add_generation_prompt,
@@ -135,8 +117,10 @@ def splice_prompt(
             what="the messages",
         )
     full_layout = Layout(full_text, find(full_text, [*earlier, a], a if continue_final_message else None))
-    generation_start, checked_by_text, prompt_end = _check_prefix(renderer, profile, neutral, earlier, find, source)
-    tail_text, tail = _template_tail(
+    generation_start, checked_by_text, prompt_end = check_prefix_structure(
+        renderer, profile, neutral, earlier, find, source
+    )
+    tail_text, tail = template_tail(
         renderer,
         profile,
         messages,
@@ -150,8 +134,8 @@ def splice_prompt(
         template_text,
         prompt_end,
     )
-    kept, end_replaced = _kept_prefix(prefix, tail, profile, continue_final_message, source)
-    calls = bool(_get(messages[a], "tool_calls"))
+    kept, end_replaced = kept_prefix(prefix, tail, profile, continue_final_message, source)
+    calls = bool(message_field(messages[a], "tool_calls"))
     junction = (
         ""
         if continue_final_message
@@ -162,19 +146,19 @@ def splice_prompt(
             raise UnsupportedTemplateError(UNCONFIRMED_JUNCTION.format(a=a, junction=junction))
         tail = renderer.encode(junction + tail_text)
     spliced = prefix[:kept] + tail
-    _check_truncation(truncate_prompt_tokens, spliced)
+    check_truncation(truncate_prompt_tokens, spliced)
     if moved_call_text:
         template_text = None  # the server's rendering holds the model's text after the results; ours leaves it out
     generation = prefix[generation_start:kept] + tail[: junction_length(renderer, junction)]
     if remember:
-        _remember_prompt(renderer, neutral, spliced, tail_text, checked_by_text)
+        remember_prompt(renderer, neutral, spliced, tail_text, checked_by_text)
     return SplicedPrompt(
         spliced,
         kept,
         end_replaced,
         checked_by_text,
         verify=lambda: None,
-        measure_turn=lambda: _new_turn_repair(
+        measure_turn=lambda: measure_new_turn(
             renderer, full_layout, tail_text, template_text, prompt_end, generation, a
         ),
     )
@@ -208,22 +192,24 @@ def _splice_by_placement(
     memo: RenderMemo | None = getattr(renderer, "render_memo", None)
     if memo is not None and memo.distrusts_placement(renderer.render_scope, neutral):
         raise UnsupportedTemplateError("the placement rendering gave these messages a wrong tail before")
-    generation_start, checked_by_text, prompt_end = _check_prefix(renderer, profile, neutral, earlier, find, source)
-    marked_text, marked_bodies = _check_message_placement(renderer, neutral, a, turns, find, True, False)
+    generation_start, checked_by_text, prompt_end = check_prefix_structure(
+        renderer, profile, neutral, earlier, find, source
+    )
+    marked_text, marked_bodies = check_message_placement(renderer, neutral, a, turns, find, True, False)
     check_turn_opening(profile, neutral, marked_text, marked_bodies, prompt_end)
-    tail_text = _with_message_texts(marked_text[marked_bodies[-1].end :], messages, renderer.added_tokens)
+    tail_text = fill_message_texts(marked_text[marked_bodies[-1].end :], messages, renderer.added_tokens)
     if tail_text is None or not template_text.endswith(tail_text):
         raise UnsupportedTemplateError("the tail cannot be read from the placement rendering")
     tail = renderer.encode(tail_text)
-    kept, end_replaced = _kept_prefix(prefix, tail, profile, False, source)
-    calls = bool(_get(messages[a], "tool_calls"))
+    kept, end_replaced = kept_prefix(prefix, tail, profile, False, source)
+    calls = bool(message_field(messages[a], "tool_calls"))
     junction = junction_text(marked_text, marked_bodies[-1], prefix, kept, end_replaced, profile, calls)
     if junction:
         if not template_text.endswith(junction + tail_text):
             raise UnsupportedTemplateError(UNCONFIRMED_JUNCTION.format(a=a, junction=junction))
         tail = renderer.encode(junction + tail_text)
     spliced = prefix[:kept] + tail
-    _check_truncation(truncate_prompt_tokens, spliced)
+    check_truncation(truncate_prompt_tokens, spliced)
     generation = prefix[generation_start:kept] + tail[: junction_length(renderer, junction)]
     full: list[Layout] = []
 
@@ -232,10 +218,10 @@ def _splice_by_placement(
         measurement of the new turn, and the prompt for the next turn."""
         full.append(layout)
         if remember:
-            _remember_prompt(renderer, neutral, spliced, tail_text, checked_by_text)
+            remember_prompt(renderer, neutral, spliced, tail_text, checked_by_text)
 
     def verify() -> None:
-        text = _render(renderer, neutral, add_generation_prompt=True, what="the messages")
+        text = render_messages(renderer, neutral, add_generation_prompt=True, what="the messages")
         layout = Layout(text, find(text, turns, None))
         if text[layout.bodies[-1].end :] != tail_text:
             if memo is not None:
@@ -260,5 +246,5 @@ def _splice_by_placement(
         end_replaced,
         checked_by_text,
         verify=(lambda: None) if proven else verify,
-        measure_turn=lambda: _new_turn_repair(renderer, full[0], tail_text, template_text, prompt_end, generation, a),
+        measure_turn=lambda: measure_new_turn(renderer, full[0], tail_text, template_text, prompt_end, generation, a),
     )

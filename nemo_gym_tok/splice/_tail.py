@@ -1,5 +1,6 @@
-"""The template's part of a spliced prompt: its text after the prefix's turn (checked against the server's), how
-much of the prefix it keeps, and how the template would have written the new turn."""
+"""The template's part of a spliced prompt: its text after the prefix's turn (checked against the server's, and read
+from the placement rendering on the shortcut), where the template places the other messages, how much of the prefix
+it keeps, that truncation leaves it whole, and how the template would have written the new turn."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 from nemo_gym_tok.contract.token_sources import first_difference
 from nemo_gym_tok.splice._fixed_text import added_token_pattern
-from nemo_gym_tok.splice._ids import PrefixSource, _get
+from nemo_gym_tok.splice._ids import PrefixSource, message_field
 from nemo_gym_tok.splice._memo import RenderMemo
 from nemo_gym_tok.splice._neutral import (
     ANY_PLACEHOLDER,
@@ -18,23 +19,23 @@ from nemo_gym_tok.splice._neutral import (
     neutralize,
     placeholder_spans,
 )
-from nemo_gym_tok.splice._prefix_check import _what
+from nemo_gym_tok.splice._prefix_check import describe_source
 from nemo_gym_tok.splice._profile import TemplateProfile
 from nemo_gym_tok.splice._refusals import StalePrefixError, UnsupportedTemplateError
 from nemo_gym_tok.splice._render import ChatRenderer
 from nemo_gym_tok.splice._result import RepairedTurn
 from nemo_gym_tok.splice._structure import Body, Layout
-from nemo_gym_tok.splice._template_text import _render
+from nemo_gym_tok.splice._template_text import render_messages
 from nemo_gym_tok.splice._turn_edges import check_turn_opening
 
 
-def _with_message_texts(text: str, messages: Sequence[Any], added_tokens: Mapping[str, int]) -> str | None:
+def fill_message_texts(text: str, messages: Sequence[Any], added_tokens: Mapping[str, int]) -> str | None:
     """`text` with each message placeholder replaced by its message's text; None where a text holds what would make
     that replacement ambiguous (a placeholder, or an added token's text, which the template's own text is made of)."""
     texts: dict[int, str] = {}
     for match in MESSAGE_PLACEHOLDER.finditer(text):
         index = int(match.group(1))
-        content = _get(messages[index], "content") if index < len(messages) else None
+        content = message_field(messages[index], "content") if index < len(messages) else None
         if not isinstance(content, str) or PLACEHOLDER.search(content) or MESSAGE_PLACEHOLDER.search(content):
             return None
         texts[index] = content
@@ -61,7 +62,7 @@ def matched_layout(text: str, bodies: Sequence[Body], messages: Sequence[Any], r
     of those kinds outside a body, or a message without text, gives None. Where it matches, the template wrote
     every text as it is, and the bodies lie where the placement rendering has them."""
     cuts = [0, *(offset for body in bodies for offset in (body.start, body.end)), len(text)]
-    contents = [_get(message, "content") for message in messages]
+    contents = [message_field(message, "content") for message in messages]
     chunks: list[str] = []  # the literal text between wildcards
     parts: list[str] = []
     length = 0
@@ -122,7 +123,9 @@ def match_chunks(chunks: Sequence[str], rendered: str) -> list[int] | None:
     return starts
 
 
-def _check_truncation(truncate_prompt_tokens: int | None, spliced: list[int]) -> None:
+def check_truncation(truncate_prompt_tokens: int | None, spliced: list[int]) -> None:
+    """Refuse a `truncate_prompt_tokens` that would cut the spliced prompt: vLLM keeps its last ids, so the cut would
+    fall in the model's prefix, and the prompt would no longer open with the model's own ids."""
     if truncate_prompt_tokens is not None and 0 <= truncate_prompt_tokens < len(spliced):
         raise StalePrefixError(
             f"truncate_prompt_tokens={truncate_prompt_tokens} would cut the first "
@@ -131,7 +134,7 @@ def _check_truncation(truncate_prompt_tokens: int | None, spliced: list[int]) ->
         )
 
 
-def _template_tail(
+def template_tail(
     renderer: ChatRenderer,
     profile: TemplateProfile,
     messages: Sequence[Any],
@@ -153,7 +156,7 @@ def _template_tail(
     model's last characters, which the model's own ids replace).
     """
     a = source.message_index
-    marked_text, marked_bodies = _check_message_placement(
+    marked_text, marked_bodies = check_message_placement(
         renderer, neutral, a, turns, find, add_generation_prompt, continue_final_message
     )
     check_turn_opening(profile, neutral, marked_text, marked_bodies, prompt_end)
@@ -164,7 +167,9 @@ def _template_tail(
             f"the chat template renders text of messages[{repeated[0]}] again after the turn of messages[{a}] closes; "
             "the splice cannot prove such a prompt exact"
         )
-    moved_call_text = profile.moves_call_text and _get(messages[a], "tool_calls") and _get(messages[a], "content")
+    moved_call_text = (
+        profile.moves_call_text and message_field(messages[a], "tool_calls") and message_field(messages[a], "content")
+    )
     # Where the template moves a tool-calling turn's text after the results, the server's rendering holds it there
     # and ours leaves it out (it lives in the model's ids): nothing to compare.
     if template_text is not None and not moved_call_text and not template_text.endswith(tail_text):
@@ -175,7 +180,7 @@ def _template_tail(
     return tail_text, renderer.encode(tail_text)
 
 
-def _check_message_placement(
+def check_message_placement(
     renderer: ChatRenderer,
     neutral: list[dict[str, Any]],
     a: int,
@@ -189,7 +194,7 @@ def _check_message_placement(
     assistant turn (Gemma 4 after a turn with text) would hide it. Rendered with every message's text a placeholder;
     returns that rendering and its assistant bodies."""
     marked = neutralize(neutral, -1, others=True)
-    text = _render(
+    text = render_messages(
         renderer,
         marked,
         add_generation_prompt=add_generation_prompt,
@@ -201,7 +206,7 @@ def _check_message_placement(
     if memo is None:
         bodies = find(text, turns, open_ended)
     else:  # requests of one shape share the rendering, and so where its bodies lie (headers depend on the roles)
-        roles = tuple(_get(message, "role") for message in neutral)
+        roles = tuple(message_field(message, "role") for message in neutral)
         key = (renderer.render_scope, text, roles, tuple(turns), open_ended)
         bodies = memo.located(key, lambda: find(text, turns, open_ended))
     for later in MESSAGE_PLACEHOLDER.finditer(text, 0, bodies[-1].end):
@@ -221,7 +226,7 @@ def _check_message_placement(
     return text, bodies
 
 
-def _kept_prefix(
+def kept_prefix(
     prefix: list[int], tail: list[int], profile: TemplateProfile, continue_final_message: bool, source: PrefixSource
 ) -> tuple[int, bool]:
     """How many prefix ids open the prompt, and whether the model's end token was replaced by the template's closing."""
@@ -229,8 +234,9 @@ def _kept_prefix(
     if continue_final_message:
         if last in profile.end_token_ids:
             raise StalePrefixError(
-                f"continue_final_message asks to continue messages[{source.message_index}], but {_what(source)} "
-                f"ends on the model's end token {last}: that turn is over. Drop continue_final_message"
+                f"continue_final_message asks to continue messages[{source.message_index}], but "
+                f"{describe_source(source)} ends on the model's end token {last}: that turn is over. Drop "
+                "continue_final_message"
             )
         return len(prefix), False
     if tail and last == tail[0]:
@@ -240,7 +246,7 @@ def _kept_prefix(
     return len(prefix), False
 
 
-def _new_turn_repair(
+def measure_new_turn(
     renderer: ChatRenderer,
     full: Layout,
     tail_text: str,

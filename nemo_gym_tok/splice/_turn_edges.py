@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from nemo_gym_tok.splice._ids import _get
+from nemo_gym_tok.splice._ids import message_field
 from nemo_gym_tok.splice._neutral import PLACEHOLDER
 from nemo_gym_tok.splice._profile import TemplateProfile
 from nemo_gym_tok.splice._refusals import UnsupportedTemplateError
@@ -67,7 +67,7 @@ def check_turn_opening(
         return
     after = prompt_end[anchors[-1].end() :]
     if any(
-        isinstance(content := _get(message, "content"), str) and content and content in after
+        isinstance(content := message_field(message, "content"), str) and content and content in after
         for message in messages[: bodies[-1].message_index]
     ):
         return  # message text after the last special token: the role is written as text (`User: ... Assistant:`)

@@ -23,12 +23,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.config import load_config
 from nemo_gym_tok.records.contiguity import check_file
 from nemo_gym_tok.servers.launcher import Gym
 from nemo_gym_tok.testing.gym_configs import demo_config_behind_router
 from nemo_gym_tok.testing.tiny_model.build import build_tiny_model
-from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
+from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
 
 KINDS = ("replica", "environment", "agent", "collector")
 ENVIRONMENT, AGENT = "number_guess", "number_guess_agent"
@@ -301,7 +302,7 @@ class Soak:
         keys, torn = [], 0
         for line in self.output.read_text().splitlines():
             try:
-                rollout = json.loads(line)["rollout_id"]
+                rollout = loads_exact(line)["rollout_id"]
             except (ValueError, KeyError, TypeError):
                 torn += 1
                 continue
@@ -350,7 +351,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"contiguous and no process grew {MAX_RSS_GROWTH:.0%} or more."
         ),
     )
-    parser.add_argument("--rollouts", type=int, default=1200, help="rollouts to collect, a multiple of 8 (1200)")
+    parser.add_argument(
+        "--rollouts",
+        type=int,
+        default=3200,
+        help="rollouts to collect, a multiple of 8 (3200: about 20 minutes on 2 cores)",
+    )
     parser.add_argument("--concurrency", type=int, default=32, help="rollouts in flight (32)")
     parser.add_argument(
         "--kill-every", type=float, nargs=2, default=(60.0, 120.0), metavar=("MIN", "MAX"), help="seconds (60 120)"

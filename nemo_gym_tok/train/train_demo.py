@@ -13,6 +13,7 @@ from pathlib import Path
 
 from transformers import PrinterCallback
 
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.config import load_config
 from nemo_gym_tok.servers.launcher import Gym
 from nemo_gym_tok.train.logprob_gap import GapFigures, total
@@ -22,7 +23,7 @@ from nemo_gym_tok.train.rollout import GymRollout
 from nemo_gym_tok.train.step_metrics import StepMetrics, append_metrics
 from nemo_gym_tok.train.text_pipeline import TextPipelineFigures
 from nemo_gym_tok.train.trainer import TrainingPlan, grpo_trainer, load_policy
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm_server import VLLMServer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GYM_CONFIG = REPO_ROOT / "configs" / "train_demo.yaml"
@@ -42,7 +43,7 @@ WINDOW = 5
 
 def vllm_args(dtype: str) -> tuple[str, ...]:
     """The served model's flags: `dtype` (float32 keeps the sampler's log probs equal to the float32 learner's),
-    eager mode, and no chunked prefill (vLLM's CPU engine and seeded requests, see nemo_gym_tok.vllm.server)."""
+    eager mode, and no chunked prefill (vLLM's CPU engine and seeded requests, see nemo_gym_tok.vllm_server)."""
     return (
         "--dtype",
         dtype,
@@ -178,7 +179,7 @@ def run_train_demo(
         ]
         with Gym(load_config([GYM_CONFIG], overrides)) as gym:
             model, tokenizer = load_policy(settings.model_dir)
-            rows = PromptRows([json.loads(line) for line in ROWS_FILE.read_text().splitlines() if line.strip()])
+            rows = PromptRows([loads_exact(line) for line in ROWS_FILE.read_text().splitlines() if line.strip()])
             rollout = GymRollout(
                 rows,
                 agent_url=gym.urls[AGENT],

@@ -7,8 +7,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
 MAX_TOKEN_ID = 2**31 - 1
-"""vLLM keeps token ids as 32-bit ints; a larger id is a caller's mistake, and past 64 bits a fast JSON reader would
-turn it into a float on its way back (nemo_gym_tok.servers.fast_json)."""
+"""vLLM keeps token ids as 32-bit ints; a larger id is a caller's mistake (past 64 bits orjson alone would read it as a
+float: the gym's reader, nemo_gym_tok.common.exact_json, leaves such text to the stdlib)."""
 # Strict: a bool, a float like 3.0 or a string "3" is a caller mistake, never silently coerced into an id.
 TokenId = Annotated[int, Strict(), Field(ge=0, le=MAX_TOKEN_ID)]
 TokenIds = list[TokenId]

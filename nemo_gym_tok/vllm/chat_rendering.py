@@ -1,47 +1,48 @@
-"""The splice's view of vLLM's chat template rendering: one request's renderer, and what a server learns once
-(template profiles, tokenizer facts)."""
+"""The hook's TemplateRenderer: one request's chat template rendered by vLLM's own renderer, and the splice host
+each vLLM API-server renderer keeps (template profiles, tokenizer facts, the render memo)."""
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
-from nemo_gym_tok.splice import (
-    TERMINATOR_ENV as TERMINATOR_ENV,
-)
-from nemo_gym_tok.splice import (
-    RenderMemo,
-    TemplateProfile,
-    UnsupportedTemplateError,
-    added_token_maps,
-    detect_profile,
-    text_encoder,
-)
+from nemo_gym_tok.splice import TERMINATOR_ENV as TERMINATOR_ENV
+from nemo_gym_tok.splice import TemplateProfile, UnsupportedTemplateError, added_token_maps, text_encoder
+from nemo_gym_tok.splice_host import ScopedRenderer, SpliceHost, profile_key, scope_key
+
+HOST_ATTRIBUTE = "_nemo_gym_tok_splice_host"
+"""Where an OnlineRenderer keeps its SpliceHost: on the object itself, so the host lives and dies with it."""
 
 
-class _RequestRenderer:
-    """ChatRenderer over vLLM's own renderer, with one request's template, template arguments and tools."""
+def host_of(online: Any) -> SpliceHost:
+    """The splice host of one vLLM API-server renderer, made on first use."""
+    host = online.__dict__.get(HOST_ATTRIBUTE)
+    if host is None:
+        host = online.__dict__[HOST_ATTRIBUTE] = SpliceHost(terminator_override=os.environ.get(TERMINATOR_ENV) or None)
+    return host
+
+
+class RequestRenderer:
+    """TemplateRenderer over vLLM's own renderer, with one request's template, template arguments and tools."""
 
     def __init__(
         self, online: Any, request: Any, default_template: Any, content_format: Any, default_kwargs: Any, tools: Any
     ) -> None:
         self._online = online
         self._request = request
-        self.template, self.content_format = _template_and_format(online, default_template, content_format)
+        self.template, self.content_format = template_and_format(online, default_template, content_format)
         self._kwargs = default_kwargs if default_kwargs is not None else online.default_chat_template_kwargs
         self._tools = tools
         self.tokenizer = online.renderer.get_tokenizer()
-        self.encode = _cache_of(online).setdefault("encode", text_encoder(self.tokenizer))
-        self.added_tokens, self.special_tokens, self.end_token_ids = _tokenizer_facts(online)
-        self.piece_cache: dict[str, list[int]] = _cache_of(online).setdefault("pieces", {})
-        """Ids of short template pieces (role headers), shared by the server's requests: see splice._fixed_text."""
-        self.render_memo: RenderMemo = _cache_of(online).setdefault("renders", RenderMemo())
-        """Neutral renderings shared by the server's requests: the next turn renders this one's again (splice._memo)."""
-        # Everything a rendering depends on but the messages and flags: the request's own template arguments
-        # (chat_template_kwargs, reasoning effort, ...) as vLLM's chat params hold them, the defaults and the tools.
-        params = request.build_chat_params(self.template, self.content_format)
-        self.render_scope = repr((params, self._kwargs, _tools_key(tools)))
+        host = host_of(online)
+        self.encode = host.fact("encode", lambda: text_encoder(self.tokenizer))
+        self.added_tokens, self.special_tokens, self.end_token_ids = tokenizer_facts(online)
+
+    def scope(self) -> str:
+        """Everything a rendering depends on but the messages and flags: the request's own template arguments
+        (chat_template_kwargs, reasoning effort, ...) as vLLM's chat params hold them, the defaults and the tools."""
+        params = self._request.build_chat_params(self.template, self.content_format)
+        return scope_key(params, self._kwargs, self._tools)
 
     def render(self, messages: Any, *, add_generation_prompt: bool, continue_final_message: bool = False) -> str:
         return self._render(messages, self._tools, add_generation_prompt, continue_final_message)
@@ -68,50 +69,26 @@ class _RequestRenderer:
         return text
 
 
-def _tools_key(tools: Any) -> str:
-    try:
-        return json.dumps(tools, sort_keys=True, default=repr)
-    except (TypeError, ValueError):
-        return repr(tools)
+def scoped_renderer(
+    online: Any, request: Any, default_template: Any, content_format: Any, default_kwargs: Any, tools: Any
+) -> ScopedRenderer:
+    """One request's renderer, bound to its scope of the server's splice host."""
+    renderer = RequestRenderer(online, request, default_template, content_format, default_kwargs, tools)
+    return host_of(online).scoped(renderer, renderer.scope())
 
 
-def _cache_of(online: Any) -> dict[Any, Any]:
-    """What the hook learned about one API-server renderer (template profiles, tokenizer facts), kept on the object
-    itself so it lives and dies with it."""
-    cache = online.__dict__.get(_CACHE_ATTRIBUTE)
-    if cache is None:
-        cache = online.__dict__[_CACHE_ATTRIBUTE] = {}
-    return cache
-
-
-_CACHE_ATTRIBUTE = "_nemo_gym_tok_cache"
-_MAX_PROFILES = 256
-"""Profiles kept per server: one per template-argument combination, and callers could vary those freely."""
-
-
-def _profile_for(
+def profile_for(
     online: Any, request: Any, default_template: Any, content_format: Any, default_kwargs: Any
 ) -> TemplateProfile:
     """The template profile for this request's template and template arguments, detected once per combination."""
-    params = request.build_chat_params(*_template_and_format(online, default_template, content_format))
-    template_kwargs = {
-        key: value
-        for key, value in (params.chat_template_kwargs or {}).items()
-        if key not in ("add_generation_prompt", "continue_final_message", "tools")
-    }
-    key = (params.chat_template, repr(sorted(template_kwargs.items(), key=lambda item: item[0])))
-    profiles = _cache_of(online).setdefault("profiles", {})
-    profile = profiles.get(key)
-    if profile is None:
-        renderer = _RequestRenderer(online, request, default_template, content_format, default_kwargs, None)
-        profile = detect_profile(renderer, terminator_override=os.environ.get(TERMINATOR_ENV) or None)
-        if len(profiles) >= _MAX_PROFILES:
-            profiles.clear()
-        profiles[key] = profile
-    return profile
+    params = request.build_chat_params(*template_and_format(online, default_template, content_format))
+    return host_of(online).profile(
+        profile_key(params.chat_template, params.chat_template_kwargs),
+        lambda: scoped_renderer(online, request, default_template, content_format, default_kwargs, None),
+    )
 
 
-def _template_and_format(online: Any, default_template: Any, content_format: Any) -> tuple[Any, Any]:
+def template_and_format(online: Any, default_template: Any, content_format: Any) -> tuple[Any, Any]:
     """The chat template and content format a request renders with: its caller's defaults, else the server's."""
     return (
         default_template if default_template is not None else online.chat_template,
@@ -119,19 +96,19 @@ def _template_and_format(online: Any, default_template: Any, content_format: Any
     )
 
 
-def _tokenizer_facts(online: Any) -> tuple[dict[str, int], dict[str, int], frozenset[int]]:
+def tokenizer_facts(online: Any) -> tuple[dict[str, int], dict[str, int], frozenset[int]]:
     """The served tokenizer's added and special tokens by text, and the ids generation stops on. Read once per server:
     the end ids come from the generation config on disk, not to be read again on every spliced request."""
-    cache = _cache_of(online)
-    facts = cache.get("tokenizer facts")
-    if facts is None:
+
+    def learn() -> tuple[dict[str, int], dict[str, int], frozenset[int]]:
         tokenizer = online.renderer.get_tokenizer()
         added, special = added_token_maps(tokenizer)
-        facts = cache["tokenizer facts"] = (added, special, _end_token_ids(online.model_config, tokenizer))
-    return facts
+        return added, special, end_token_ids(online.model_config, tokenizer)
+
+    return host_of(online).fact("tokenizer facts", learn)
 
 
-def _end_token_ids(model_config: Any, tokenizer: Any) -> frozenset[int]:
+def end_token_ids(model_config: Any, tokenizer: Any) -> frozenset[int]:
     """The ids generation stops on: the generation config's eos ids and the tokenizer's eos."""
     ends: set[int] = set()
     try:
@@ -146,7 +123,8 @@ def _end_token_ids(model_config: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(ends)
 
 
-def _plain_message(message: Any) -> Any:
+def plain_message(message: Any) -> Any:
+    """A chat message as the splice reads it: a plain dict."""
     if isinstance(message, dict):
         return message
     return message.model_dump(exclude_none=True) if hasattr(message, "model_dump") else dict(message)

@@ -7,23 +7,25 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.contract.constrained import CONSTRAINED_BY_KEY, FORCED_MASK_KEY, constrained_by, forced_mask
 from nemo_gym_tok.vllm.internals import weight_version_fields
 from nemo_gym_tok.vllm.replica_identity import served_by_fields
-from nemo_gym_tok.vllm.telemetry import _resolved, _telemetry, _TelemetryLater
+from nemo_gym_tok.vllm.telemetry import TelemetryLater, in_flight, resolve_telemetry
 
 
-def _full_generator_with_bundle(original: Any) -> Any:
+def full_generator_with_bundle(original: Any) -> Any:
+    """Wrap the whole (non-streaming) chat response: add `prefix_splice` and, with logprobs, each choice's bundle."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponse
 
     async def chat_completion_full_generator(
         self: Any, request: Any, result_generator: AsyncIterator[Any], *args: Any, **kwargs: Any
     ) -> Any:
-        pending = _telemetry.pop(id(request), None)
+        pending = in_flight.pop(id(request), None)
         wants_bundle = bool(getattr(request, "logprobs", False))
         if pending is None and not wants_bundle:
             return await original(self, request, result_generator, *args, **kwargs)
-        if isinstance(pending, _TelemetryLater):
+        if isinstance(pending, TelemetryLater):
             pending.start()
         outputs: list[Any] = []
 
@@ -33,19 +35,19 @@ def _full_generator_with_bundle(original: Any) -> Any:
                 yield output
 
         response = await original(self, request, remembering_last(), *args, **kwargs)
-        telemetry = await _resolved(pending)
+        telemetry = await resolve_telemetry(pending)
         if not isinstance(response, ChatCompletionResponse):
             return response
         if telemetry is not None:
             response.prefix_splice = telemetry
         if wants_bundle and outputs:
-            _attach_bundles(response, outputs[0], request)
+            attach_bundles(response, outputs[0], request)
         return response
 
     return chat_completion_full_generator
 
 
-def _attach_bundles(response: Any, final: Any, request: Any) -> None:
+def attach_bundles(response: Any, final: Any, request: Any) -> None:
     """Each choice's bundle on its message, with what constrained the call (`request` is the one vLLM sampled
     with, after its tool parser moved any tool grammar into `structured_outputs`: nemo_gym_tok.contract.constrained)
     and the weight version(s) that sampled it (vLLM 0.32 on; nothing said before: unknown), and which replica served
@@ -72,7 +74,7 @@ _SSE_DATA = "data: "
 _SSE_DONE = "data: [DONE]\n\n"
 
 
-def _stream_generator_with_bundle(original: Any) -> Any:
+def stream_generator_with_bundle(original: Any) -> Any:
     """Wrap the streaming chat response (an async generator of SSE strings that vLLM returns without awaiting).
 
     The wrapper is a plain function returning a generator, so a request without a prefix and without a bundle to
@@ -83,14 +85,14 @@ def _stream_generator_with_bundle(original: Any) -> Any:
     def chat_completion_stream_generator(
         self: Any, request: Any, result_generator: AsyncIterator[Any], *args: Any, **kwargs: Any
     ) -> AsyncIterator[str]:
-        telemetry = _telemetry.pop(id(request), None)
-        if isinstance(telemetry, _TelemetryLater):
+        telemetry = in_flight.pop(id(request), None)
+        if isinstance(telemetry, TelemetryLater):
             telemetry.start()
         final_asked = _usage_requested(self, request)
         wants_bundle = final_asked and bool(getattr(request, "logprobs", False))
         if telemetry is None and not wants_bundle:
             return original(self, request, result_generator, *args, **kwargs)
-        record = _StreamRecord(keep_ids=wants_bundle, constrained_by=constrained_by(request) if wants_bundle else [])
+        record = StreamRecord(keep_ids=wants_bundle, constrained_by=constrained_by(request) if wants_bundle else [])
         source = record.watch(result_generator) if final_asked else result_generator
         chunks = original(self, request, source, *args, **kwargs)
         return _with_splice_chunks(chunks, telemetry, record if final_asked else None)
@@ -99,7 +101,7 @@ def _stream_generator_with_bundle(original: Any) -> Any:
 
 
 async def _with_splice_chunks(
-    chunks: AsyncIterator[str], pending: dict[str, Any] | _TelemetryLater | None, record: _StreamRecord | None
+    chunks: AsyncIterator[str], pending: dict[str, Any] | TelemetryLater | None, record: StreamRecord | None
 ) -> AsyncIterator[str]:
     """vLLM's stream with `prefix_splice` on its first chunk and, when `record` is given (the request asked for
     usage), the final chunk before `data: [DONE]`."""
@@ -107,7 +109,7 @@ async def _with_splice_chunks(
     async with contextlib.aclosing(chunks):  # closing this stream closes vLLM's generator too
         async for chunk in chunks:
             if not resolved:  # the measurement ran while the engine made the first token
-                telemetry, resolved = await _resolved(pending), True
+                telemetry, resolved = await resolve_telemetry(pending), True
             if chunk == _SSE_DONE:
                 # Only a stream that ran to its end gets the final chunk: vLLM reports a failure as an error chunk.
                 final = _final_chunk(last, telemetry, record) if record is not None and record.complete else None
@@ -120,7 +122,7 @@ async def _with_splice_chunks(
             yield chunk
 
 
-class _StreamRecord:
+class StreamRecord:
     """What a streamed request's engine outputs add up to. vLLM streams deltas (RequestOutputKind.DELTA): each
     output holds only the ids and log probs generated since the previous one."""
 
@@ -189,7 +191,7 @@ def _usage_requested(serving: Any, request: Any) -> bool:
     return bool(getattr(serving, "enable_force_include_usage", False) or getattr(options, "include_usage", False))
 
 
-def _final_chunk(last: str | None, telemetry: dict[str, Any] | None, record: _StreamRecord) -> str | None:
+def _final_chunk(last: str | None, telemetry: dict[str, Any] | None, record: StreamRecord) -> str | None:
     """The extra chunk: the stream's id, created and model, each choice's bundle on its delta, `prefix_splice`."""
     head = _sse_json(last)
     if head is None or "error" in head:
@@ -221,7 +223,7 @@ def _sse_json(chunk: str | None) -> dict[str, Any] | None:
     if chunk is None or not chunk.startswith(_SSE_DATA):
         return None
     try:
-        data = json.loads(chunk[len(_SSE_DATA) :])
+        data = loads_exact(chunk[len(_SSE_DATA) :])
     except ValueError:
         return None
     return data if isinstance(data, dict) else None

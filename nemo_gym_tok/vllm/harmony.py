@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from nemo_gym_tok.splice import (
@@ -11,14 +10,12 @@ from nemo_gym_tok.splice import (
     SpliceResult,
     TemplateProfile,
     UnsupportedTemplateError,
-    check_starts_with,
-    detect_profile,
-    splice_prefix,
 )
-from nemo_gym_tok.vllm.chat_rendering import TERMINATOR_ENV, _cache_of, _plain_message, _tokenizer_facts
-from nemo_gym_tok.vllm.internals import _MARKER
-from nemo_gym_tok.vllm.request_prefix import _NEW_SEGMENT, _as_400, _read_prefix, _signature
-from nemo_gym_tok.vllm.telemetry import _remember
+from nemo_gym_tok.splice_host import first_turn_telemetry, new_segment_telemetry
+from nemo_gym_tok.vllm.chat_rendering import host_of, plain_message, tokenizer_facts
+from nemo_gym_tok.vllm.internals import WRAPPED_MARKER
+from nemo_gym_tok.vllm.request_prefix import as_400, read_request, signature_of
+from nemo_gym_tok.vllm.telemetry import remember
 
 HARMONY_TOKENIZE_REFUSAL = (
     "this model speaks Harmony (GPT-OSS): vLLM renders its chat completions with openai_harmony, but /tokenize "
@@ -32,35 +29,35 @@ HARMONY_TOKENIZE_REFUSAL = (
 def _apply(request: Any, engine_inputs: list[Any], result: SpliceResult | None) -> None:
     """Give the engine the spliced ids (Harmony: rendered to ids already) and remember the telemetry."""
     if result is None:  # a first-turn prefix: checked, nothing spliced
-        _remember(request, {"applied": False, "template_differed": False, "replaced_tokens": 0})
+        remember(request, first_turn_telemetry())
         return
     from nemo_gym_tok.vllm import metrics
 
     engine_inputs[0]["prompt_token_ids"] = result.prompt_token_ids
     engine_inputs[0].pop("prompt", None)  # the template's text no longer describes these ids
-    _remember(request, result.telemetry())
+    remember(request, result.telemetry())
     metrics.spliced()
     metrics.measured(result)
 
 
-def _harmony_with_splice(original: Any) -> Any:
+def harmony_with_splice(original: Any) -> Any:
     """Wrap the (synchronous) Harmony render of GPT-OSS chat completions with the splice."""
 
     def _make_request_with_harmony(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-        with _as_400():
-            source, new_segment = _read_prefix(self, request, request.messages)
+        with as_400():
+            asked = read_request(self, request, request.messages)
         harmony_messages, engine_inputs = original(self, request, *args, **kwargs)
         # No messages: vLLM took the kv_transfer_params token reuse path and rendered nothing; left as it is.
-        if source is None or not harmony_messages:
+        if asked.source is None or not harmony_messages:
             return harmony_messages, engine_inputs
-        if new_segment:
-            _remember(request, dict(_NEW_SEGMENT))
+        if asked.new_segment:
+            remember(request, new_segment_telemetry())
             return harmony_messages, engine_inputs
-        with _as_400():
+        with as_400():
             include_tools = (
-                _signature(original).bind(self, request, *args, **kwargs).arguments.get("should_include_tools", True)
+                signature_of(original).bind(self, request, *args, **kwargs).arguments.get("should_include_tools", True)
             )
-            result = _splice_harmony(self, request, bool(include_tools), source, engine_inputs)
+            result = _splice_harmony(self, request, bool(include_tools), asked.source, engine_inputs)
         _apply(request, engine_inputs, result)
         return harmony_messages, engine_inputs
 
@@ -73,23 +70,27 @@ def _splice_harmony(
     if len(engine_inputs) != 1 or "prompt_token_ids" not in engine_inputs[0]:
         raise SpliceError("the prefix splice supports text-only chats rendered to one token prompt")
     template_ids = list(engine_inputs[0]["prompt_token_ids"])
-    renderer = _HarmonyRenderer(online, request, include_tools)
+    host = host_of(online)
+    renderer = HarmonyRenderer(online, request, include_tools)
     if source.message_index < 0:
-        check_starts_with(template_ids, source.prefix, renderer.decode)
+        host.check_first_turn(template_ids, source, renderer)
         return None
     # Harmony always ends the prompt with `<|start|>assistant` (no add_generation_prompt, no continue_final_message)
-    # and applies no truncate_prompt_tokens while rendering.
-    return splice_prefix(
-        renderer,
-        _harmony_profile(online),
-        [_plain_message(m) for m in request.messages],
+    # and applies no truncate_prompt_tokens while rendering. Its renderings are not memoized: everything on the
+    # request but its messages reaches Harmony's rendering, which no scope key names.
+    return host.splice(
+        host.scoped(renderer, None),
+        harmony_profile(online),
+        [plain_message(m) for m in request.messages],
         source,
         add_generation_prompt=True,
+        continue_final_message=False,
+        truncate_prompt_tokens=None,
         template_text=renderer.decode(template_ids),
-    )
+    ).result()
 
 
-class _HarmonyRenderer:
+class HarmonyRenderer:
     """ChatRenderer over vLLM's own Harmony rendering (GPT-OSS), with one request's tools and reasoning effort.
 
     The template text is the tokenizer's decoding of the ids vLLM's `_make_request_with_harmony` renders (called
@@ -104,9 +105,9 @@ class _HarmonyRenderer:
         self._request = request
         self._include_tools = include_tools
         wrapped = type(online)._make_request_with_harmony
-        self._make_request = getattr(wrapped, _MARKER, wrapped)  # vLLM's own render, not the hook's splice
+        self._make_request = getattr(wrapped, WRAPPED_MARKER, wrapped)  # vLLM's own render, not the hook's splice
         self.tokenizer = online.renderer.get_tokenizer()
-        self.added_tokens, self.special_tokens, self.end_token_ids = _tokenizer_facts(online)
+        self.added_tokens, self.special_tokens, self.end_token_ids = tokenizer_facts(online)
         self._generation_prompt = self.encode("<|start|>assistant")
         self._end, self._return = self.added_tokens.get("<|end|>"), self.added_tokens.get("<|return|>")
 
@@ -152,7 +153,7 @@ class _HarmonyRenderer:
 
 def _harmony_input(message: Any) -> dict[str, Any]:
     """A message as vLLM's request validation hands it to Harmony (the deprecated reasoning_content renamed)."""
-    plain = dict(_plain_message(message))
+    plain = dict(plain_message(message))
     if "reasoning_content" in plain:
         reasoning = plain.pop("reasoning_content")
         if plain.get("reasoning") is None:
@@ -160,16 +161,11 @@ def _harmony_input(message: Any) -> dict[str, Any]:
     return plain
 
 
-def _harmony_profile(online: Any) -> TemplateProfile:
+def harmony_profile(online: Any) -> TemplateProfile:
     """The turn structure of vLLM's Harmony rendering, detected once per server (it has no template arguments)."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    cache = _cache_of(online)
-    profile = cache.get("harmony profile")
-    if profile is None:
-        request = ChatCompletionRequest(messages=[{"role": "user", "content": "Hello."}])
-        profile = detect_profile(
-            _HarmonyRenderer(online, request, False), terminator_override=os.environ.get(TERMINATOR_ENV) or None
-        )
-        cache["harmony profile"] = profile
-    return profile
+    def renderer() -> HarmonyRenderer:
+        return HarmonyRenderer(online, ChatCompletionRequest(messages=[{"role": "user", "content": "Hello."}]), False)
+
+    return host_of(online).profile("harmony", renderer)

@@ -32,35 +32,25 @@ import time
 from typing import Any
 
 from nemo_gym_tok.common.jinja_sandbox import memoize_attribute_checks
-from nemo_gym_tok.splice import PrefixSource, SplicedPrompt, SpliceError, check_starts_with, splice_prompt
+from nemo_gym_tok.splice import PrefixSource, SplicedPrompt, SpliceError
+from nemo_gym_tok.splice_host import new_segment_telemetry
 from nemo_gym_tok.vllm import replica_identity, routes
-from nemo_gym_tok.vllm.chat_rendering import TERMINATOR_ENV as TERMINATOR_ENV
-from nemo_gym_tok.vllm.chat_rendering import _plain_message, _profile_for, _RequestRenderer
-from nemo_gym_tok.vllm.chat_responses import _full_generator_with_bundle, _stream_generator_with_bundle
-from nemo_gym_tok.vllm.harmony import HARMONY_TOKENIZE_REFUSAL, _harmony_profile, _harmony_with_splice
-from nemo_gym_tok.vllm.harmony import _HarmonyRenderer as _HarmonyRenderer
+from nemo_gym_tok.vllm.chat_rendering import host_of, plain_message, profile_for, scoped_renderer
+from nemo_gym_tok.vllm.chat_responses import full_generator_with_bundle, stream_generator_with_bundle
+from nemo_gym_tok.vllm.harmony import HARMONY_TOKENIZE_REFUSAL, harmony_profile, harmony_with_splice
 from nemo_gym_tok.vllm.internals import (
     ALLOW_UNTESTED_ENV,
     PATCHED_METHODS,
     VLLMInternalsChanged,
-    _lookup,
-    _wrap,
     check_internals,
     is_installed,
     is_supported_vllm,
+    lookup,
     supported_vllm_text,
+    wrap,
 )
-from nemo_gym_tok.vllm.internals import HARMONY_PARAMETERS as HARMONY_PARAMETERS
-from nemo_gym_tok.vllm.internals import PREPROCESS_CHAT_PARAMETERS as PREPROCESS_CHAT_PARAMETERS
-from nemo_gym_tok.vllm.internals import SUPPORTED_VLLM as SUPPORTED_VLLM
-from nemo_gym_tok.vllm.internals import TOKENIZE_PROMPTS_PARAMETERS as TOKENIZE_PROMPTS_PARAMETERS
-from nemo_gym_tok.vllm.internals import USED_SYMBOLS as USED_SYMBOLS
-from nemo_gym_tok.vllm.request_prefix import _NEW_SEGMENT, _as_400, _read_prefix, _signature
-from nemo_gym_tok.vllm.telemetry import _remember, _TelemetryLater
-from nemo_gym_tok.vllm.telemetry import _resolved as _resolved
-from nemo_gym_tok.vllm.telemetry import _telemetry as _telemetry
-
-# `import X as X` above: names the hook's importers and tests read from this module, re-exported from where they live.
+from nemo_gym_tok.vllm.request_prefix import as_400, read_request, signature_of
+from nemo_gym_tok.vllm.telemetry import TelemetryLater, remember
 
 logger = logging.getLogger("nemo_gym_tok.vllm.hook")
 
@@ -92,20 +82,21 @@ def install() -> None:
         )
     if is_installed():
         return
-    renderer_cls = _lookup(*PATCHED_METHODS[0][:2])
-    serving_cls = _lookup(*PATCHED_METHODS[2][:2])
-    _wrap(_lookup(*PATCHED_METHODS[5][:2]), "tokenize_prompts_async", _tokenize_with_splice)
-    _wrap(renderer_cls, "preprocess_chat", _preprocess_chat_with_splice)
-    _wrap(renderer_cls, "warmup", _warmup_with_profile)
-    _wrap(serving_cls, "chat_completion_full_generator", _full_generator_with_bundle)
-    _wrap(serving_cls, "chat_completion_stream_generator", _stream_generator_with_bundle)
-    _wrap(renderer_cls, "_make_request_with_harmony", _harmony_with_splice)
-    routes.install(_wrap)  # the other routes that render chat messages: splice with the full check, or refuse
+    renderer_cls = lookup(*PATCHED_METHODS[0][:2])
+    serving_cls = lookup(*PATCHED_METHODS[2][:2])
+    wrap(lookup(*PATCHED_METHODS[5][:2]), "tokenize_prompts_async", tokenize_with_splice)
+    wrap(renderer_cls, "preprocess_chat", preprocess_chat_with_splice)
+    wrap(renderer_cls, "warmup", warmup_with_profile)
+    wrap(serving_cls, "chat_completion_full_generator", full_generator_with_bundle)
+    wrap(serving_cls, "chat_completion_stream_generator", stream_generator_with_bundle)
+    wrap(renderer_cls, "_make_request_with_harmony", harmony_with_splice)
+    routes.install(wrap)  # the other routes that render chat messages: splice with the full check, or refuse
     memoize_attribute_checks()  # vLLM renders chat templates in transformers' sandbox: the same text, sooner
     logger.info("nemo_gym_tok prefix-splice hook installed (vLLM %s)", vllm.__version__)
 
 
-def _warmup_with_profile(original: Any) -> Any:
+def warmup_with_profile(original: Any) -> Any:
+    """Wrap vLLM's renderer warm-up: learn the replica's identity and detect the template's turn structure."""
     import vllm
 
     def warmup(self: Any) -> None:
@@ -113,9 +104,9 @@ def _warmup_with_profile(original: Any) -> Any:
         replica_identity.learn(self)
         try:
             if getattr(self, "use_harmony", False):
-                profile = _harmony_profile(self)
+                profile = harmony_profile(self)
             else:
-                profile = _profile_for(self, _startup_request(), None, None, None)
+                profile = profile_for(self, _startup_request(), None, None, None)
         except SpliceError as exc:
             logger.warning(
                 "nemo_gym_tok prefix-splice hook active (vLLM %s), but it cannot splice for this chat template: %s",
@@ -137,35 +128,37 @@ def _startup_request() -> Any:
     return ChatCompletionRequest(messages=[{"role": "user", "content": "Hello."}])
 
 
-def _preprocess_chat_with_splice(original: Any) -> Any:
+def preprocess_chat_with_splice(original: Any) -> Any:
+    """Wrap vLLM's chat preprocessing: read the request's prefix and arm the splice its tokenization step runs."""
+
     async def preprocess_chat(self: Any, request: Any, messages: list[Any], *args: Any, **kwargs: Any) -> Any:
         from nemo_gym_tok.vllm import metrics
 
         started = time.perf_counter()
         path = "refused"
         try:
-            with _as_400():
-                source, new_segment = _read_prefix(self, request, messages)
+            with as_400():
+                asked = read_request(self, request, messages)
+                source = asked.source
                 if source is not None and getattr(self, "use_harmony", False):
                     raise SpliceError(HARMONY_TOKENIZE_REFUSAL)
-            if source is None or new_segment:
+            if source is None or asked.new_segment:
                 # Read before vLLM runs: its token-reuse path pops the forwarded ids from the request.
                 unspliced_path = (
                     "new_segment" if source is not None else "token_in" if _forwards_ids(request) else "template"
                 )
                 answer = await original(self, request, messages, *args, **kwargs)
                 if source is not None:
-                    _remember(request, dict(_NEW_SEGMENT))
+                    remember(request, new_segment_telemetry())
                 path = unspliced_path
                 return answer
             if source.message_index < 0:  # a first-turn prefix: the template's own ids must start with it
                 conversation, engine_inputs = await original(self, request, messages, *args, **kwargs)
-                with _as_400():
-                    _check_first_turn(self, engine_inputs, source)
-                _remember(request, {"applied": False, "template_differed": False, "replaced_tokens": 0})
+                with as_400():
+                    remember(request, _check_first_turn(self, engine_inputs, source))
                 path = "template"
                 return conversation, engine_inputs
-            bound = _signature(original).bind(self, request, messages, *args, **kwargs)
+            bound = signature_of(original).bind(self, request, messages, *args, **kwargs)
             pending = _PendingSplice(self, request, messages, bound.arguments, source)
             reset = _pending_splice.set(pending)
             try:
@@ -173,13 +166,13 @@ def _preprocess_chat_with_splice(original: Any) -> Any:
             finally:
                 _pending_splice.reset(reset)
             if pending.result is None:
-                with _as_400():
+                with as_400():
                     raise SpliceError(
                         "the prefix splice needs vLLM to render this request's messages as chat template text (a "
                         "request that forwards kv_transfer_params.prompt_token_ids, or a tokenizer that templates "
                         "to ids, takes another path): send the prefix without kv_transfer_params.prompt_token_ids"
                     )
-            _remember(request, _TelemetryLater(pending.result))
+            remember(request, TelemetryLater(pending.result))
             metrics.spliced()
             path = "spliced"
             return answer
@@ -226,18 +219,20 @@ class _PendingSplice:
         return [spliced]
 
 
-def _tokenize_with_splice(original: Any) -> Any:
+def tokenize_with_splice(original: Any) -> Any:
+    """Wrap vLLM's tokenization step: a request with an armed splice gets the spliced ids instead of its text's."""
+
     async def tokenize_prompts_async(self: Any, prompts: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
         pending = _pending_splice.get()
         if pending is not None and not pending.claimed:
-            with _as_400():
+            with as_400():
                 prompts = pending.splice(prompts)
         return await original(self, prompts, params, *args, **kwargs)
 
     return tokenize_prompts_async
 
 
-def _answered_whole(request: Any) -> bool:
+def answered_whole(request: Any) -> bool:
     """A chat completion answered in one piece (not streamed): nothing generated leaves before the hook's response
     wrapper, so what the splice leaves to verify (SplicedPrompt.verify) can run while the engine generates and still
     turn the answer into a 400. Streams, /tokenize and every other route verify during the splice (nemo_gym_tok.vllm
@@ -251,10 +246,12 @@ def _forwards_ids(request: Any) -> bool:
     return isinstance(forwarded, dict) and forwarded.get("prompt_token_ids") is not None
 
 
-def _check_first_turn(online: Any, engine_inputs: list[Any], source: PrefixSource) -> None:
+def _check_first_turn(online: Any, engine_inputs: list[Any], source: PrefixSource) -> dict[str, Any]:
     if len(engine_inputs) != 1 or "prompt_token_ids" not in engine_inputs[0]:
         raise SpliceError("the prefix splice supports text-only chats rendered to one token prompt")
-    check_starts_with(list(engine_inputs[0]["prompt_token_ids"]), source.prefix, online.renderer.get_tokenizer().decode)
+    return host_of(online).check_first_turn(
+        list(engine_inputs[0]["prompt_token_ids"]), source, online.renderer.get_tokenizer()
+    )
 
 
 def _splice(
@@ -264,18 +261,17 @@ def _splice(
     content_format = arguments.get("default_template_content_format")
     default_kwargs = arguments.get("default_template_kwargs")
     tool_dicts = arguments.get("tool_dicts")
-    renderer = _RequestRenderer(online, request, default_template, content_format, default_kwargs, tool_dicts)
-    profile = _profile_for(online, request, default_template, content_format, default_kwargs)
-    truncate = getattr(request, "truncate_prompt_tokens", None)
-    return splice_prompt(
+    renderer = scoped_renderer(online, request, default_template, content_format, default_kwargs, tool_dicts)
+    profile = profile_for(online, request, default_template, content_format, default_kwargs)
+    return host_of(online).splice(
         renderer,
         profile,
-        [_plain_message(m) for m in messages],
+        [plain_message(m) for m in messages],
         source,
         add_generation_prompt=bool(getattr(request, "add_generation_prompt", True)),
         continue_final_message=bool(getattr(request, "continue_final_message", False)),
-        truncate_prompt_tokens=truncate if isinstance(truncate, int) and truncate >= 0 else None,
+        truncate_prompt_tokens=getattr(request, "truncate_prompt_tokens", None),
         template_text=template_text,
         # A stream's first byte (or /tokenize's answer) may leave before the response wrapper runs: those verify now.
-        defer_verify=_answered_whole(request),
+        defer_verify=answered_whole(request),
     )

@@ -66,7 +66,8 @@ FIELD_SINCE: dict[tuple[str, str, str], tuple[int, int]] = dict.fromkeys(USED_FI
 """The first vLLM release, as (major, minor), with each USED_FIELDS field (0.29 to 0.31 have no per-output weight
 versions: `ngt vllm-compat` reads it from each wheel). Absent from that release or a later one, the field moved and
 check_internals() names it; absent from an earlier one, the hook's bundles say weight_version None there."""
-_MARKER = "__nemo_gym_tok_original__"
+WRAPPED_MARKER = "__nemo_gym_tok_original__"
+"""The attribute on a hook wrapper that holds the vLLM method it wraps."""
 
 
 class VLLMInternalsChanged(RuntimeError):
@@ -81,7 +82,7 @@ def check_internals() -> list[str]:
 
     missing = []
     for module_name, class_name, method in (*PATCHED_METHODS, *ROUTE_METHODS):
-        owner = _lookup(module_name, class_name)
+        owner = lookup(module_name, class_name)
         if owner is None or not callable(getattr(owner, method, None)):
             if not routes.not_served((module_name, class_name, method), vllm.__version__):
                 missing.append(f"{module_name}.{class_name}.{method}")
@@ -91,15 +92,15 @@ def check_internals() -> list[str]:
         (PATCHED_METHODS[5], TOKENIZE_PROMPTS_PARAMETERS),
     )
     for patched, expected in checked:
-        method = getattr(_lookup(*patched[:2]), patched[2], None)
+        method = getattr(lookup(*patched[:2]), patched[2], None)
         if method is not None:
-            parameters = inspect.signature(getattr(method, _MARKER, method)).parameters
+            parameters = inspect.signature(getattr(method, WRAPPED_MARKER, method)).parameters
             missing.extend(f"{'.'.join(patched)}({name}=...)" for name in expected if name not in parameters)
     for module_name, symbol in USED_SYMBOLS:
-        if _lookup(module_name, symbol) is None:
+        if lookup(module_name, symbol) is None:
             missing.append(f"{module_name}.{symbol}")
     for used in USED_FIELDS:
-        if not has_field(_lookup(*used[:2]), used[2]) and field_expected(used, vllm.__version__):
+        if not has_field(lookup(*used[:2]), used[2]) and field_expected(used, vllm.__version__):
             missing.append(".".join(used))
     return missing
 
@@ -143,8 +144,8 @@ def weight_version_fields(completion: Any, generation_length: int) -> dict[str, 
 
 def is_installed() -> bool:
     module_name, class_name, method = PATCHED_METHODS[0]
-    owner = _lookup(module_name, class_name)
-    return owner is not None and hasattr(getattr(owner, method), _MARKER)
+    owner = lookup(module_name, class_name)
+    return owner is not None and hasattr(getattr(owner, method), WRAPPED_MARKER)
 
 
 def is_supported_vllm(version: str) -> bool:
@@ -164,14 +165,16 @@ def supported_vllm_text() -> str:
     return f"{low_major}.{low_minor} to {last}"
 
 
-def _wrap(owner: type, name: str, make_wrapper: Any) -> None:
+def wrap(owner: type, name: str, make_wrapper: Any) -> None:
+    """Replace `owner.name` with `make_wrapper(original)`, keeping the original on the wrapper (WRAPPED_MARKER)."""
     original = getattr(owner, name)
     wrapper = functools.wraps(original)(make_wrapper(original))
-    setattr(wrapper, _MARKER, original)
+    setattr(wrapper, WRAPPED_MARKER, original)
     setattr(owner, name, wrapper)
 
 
-def _lookup(module_name: str, name: str) -> Any:
+def lookup(module_name: str, name: str) -> Any:
+    """`module_name.name`, or None where the module does not import or lacks it."""
     try:
         return getattr(importlib.import_module(module_name), name, None)
     except ImportError:

@@ -1,4 +1,4 @@
-"""A chat request's token prefix as the splice reads it, and a refused splice as vLLM's own 400."""
+"""A chat request's token prefix as the hook reads it, and a refused splice as vLLM's own 400."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from nemo_gym_tok.contract.router_marks import came_through_vllm_router
-from nemo_gym_tok.splice import NEW_SEGMENT_KEY, PREFIX_KEY, PrefixSource, SpliceError, find_prefix_source
+from nemo_gym_tok.splice import NEW_SEGMENT_KEY, PREFIX_KEY, SpliceError
+from nemo_gym_tok.splice_host import SpliceRequest, read_splice_request
 
 ROUTER_STRIPPED_HISTORY = (
     "this request came through vllm-router, which drops every field it does not know from chat messages (the token "
@@ -18,11 +19,10 @@ ROUTER_STRIPPED_HISTORY = (
     f"top-level {PREFIX_KEY} (the router keeps top-level fields) and reasoning as `reasoning`, or "
     f"{NEW_SEGMENT_KEY}: true to take the template's ids on purpose (docs/clients.md, through a router)"
 )
-_NEW_SEGMENT = {"applied": False, "template_differed": False, "replaced_tokens": 0, "new_segment": True}
 
 
 @contextlib.contextmanager
-def _as_400() -> Iterator[None]:
+def as_400() -> Iterator[None]:
     """A SpliceError inside becomes vLLM's own 400 (OpenAI error body, param required_prefix_token_ids), counted."""
     from vllm.exceptions import VLLMValidationError
 
@@ -35,16 +35,21 @@ def _as_400() -> Iterator[None]:
         raise VLLMValidationError(str(exc), parameter=PREFIX_KEY) from None
 
 
-def _read_prefix(online: Any, request: Any, messages: list[Any]) -> tuple[PrefixSource | None, bool]:
-    """The request's prefix (validated ids) and whether it asks for a new token segment."""
-    source = find_prefix_source(messages, getattr(request, PREFIX_KEY, None), online.model_config.get_vocab_size())
-    new_segment = _new_segment_requested(request)
-    if source is None and not new_segment:
-        _refuse_history_a_router_stripped(request, messages)
-    return source, new_segment
+def read_request(online: Any, request: Any, messages: list[Any]) -> SpliceRequest:
+    """What the request asks of the splice (its validated prefix, a new token segment); a history a router stripped
+    of its bundles is refused."""
+    asked = read_splice_request(
+        messages,
+        getattr(request, PREFIX_KEY, None),
+        getattr(request, NEW_SEGMENT_KEY, None),
+        online.model_config.get_vocab_size(),
+    )
+    if asked.source is None and not asked.new_segment:
+        refuse_history_a_router_stripped(request, messages)
+    return asked
 
 
-def _refuse_history_a_router_stripped(request: Any, messages: list[Any]) -> None:
+def refuse_history_a_router_stripped(request: Any, messages: list[Any]) -> None:
     """vllm-router re-serializes chat messages and drops every field it does not know, the token bundle among them.
     A request that came through it (its own default fields say so), asks for token ids (`return_token_ids`, or
     `logprobs`, which the hook answers with a bundle) and holds an assistant turn,
@@ -64,14 +69,6 @@ def _role(message: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=4)
-def _signature(function: Any) -> inspect.Signature:
+def signature_of(function: Any) -> inspect.Signature:
+    """`function`'s signature, read once (the wrappers bind vLLM's arguments by name on every request)."""
     return inspect.signature(function)
-
-
-def _new_segment_requested(request: Any) -> bool:
-    value = getattr(request, NEW_SEGMENT_KEY, None)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise SpliceError(f"{NEW_SEGMENT_KEY} must be true or false, got {value!r}")
-    return value

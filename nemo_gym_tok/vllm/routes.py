@@ -18,12 +18,12 @@ from __future__ import annotations
 import contextvars
 import functools
 import importlib
-import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.splice import NEW_SEGMENT_KEY, PREFIX_KEY
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 
@@ -280,7 +280,7 @@ def _keys_in_body(body: bytes) -> set[str]:
     if not any(f'"{key}"'.encode() in body for key in _TOKEN_KEYS):
         return set()
     try:
-        data = json.loads(body)
+        data = loads_exact(body)
     except ValueError:
         return set()
     return _keys_in_mapping(data)

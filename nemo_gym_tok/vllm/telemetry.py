@@ -8,16 +8,16 @@ import weakref
 from typing import Any
 
 from nemo_gym_tok.splice import SplicedPrompt, SpliceError, SpliceResult
-from nemo_gym_tok.vllm.request_prefix import _as_400
+from nemo_gym_tok.vllm.request_prefix import as_400
 
 # The hook's one logger, whichever of its modules logs (a server's log filters name it).
 logger = logging.getLogger("nemo_gym_tok.vllm.hook")
 
 # Splice telemetry of in-flight requests, by id(request); each entry leaves with its request.
-_telemetry: dict[int, dict[str, Any] | _TelemetryLater] = {}
+in_flight: dict[int, dict[str, Any] | TelemetryLater] = {}
 
 
-class _TelemetryLater:
+class TelemetryLater:
     """A splice's telemetry, finished on the event loop while the engine generates (SplicedPrompt.result).
 
     What is left of a splice once the engine has its prompt (measuring the turn the call adds, which tokenizes that
@@ -66,7 +66,7 @@ class _TelemetryLater:
         self.start()
         assert self._future is not None
         try:
-            with _as_400():
+            with as_400():
                 result = await self._future
         except VLLMValidationError:
             raise
@@ -77,11 +77,13 @@ class _TelemetryLater:
         return result.telemetry()
 
 
-async def _resolved(telemetry: dict[str, Any] | _TelemetryLater | None) -> dict[str, Any] | None:
-    return await telemetry.telemetry() if isinstance(telemetry, _TelemetryLater) else telemetry
+async def resolve_telemetry(telemetry: dict[str, Any] | TelemetryLater | None) -> dict[str, Any] | None:
+    """The telemetry itself, awaited where it is still being measured."""
+    return await telemetry.telemetry() if isinstance(telemetry, TelemetryLater) else telemetry
 
 
-def _remember(request: Any, telemetry: dict[str, Any] | _TelemetryLater) -> None:
+def remember(request: Any, telemetry: dict[str, Any] | TelemetryLater) -> None:
+    """Keep `request`'s splice telemetry until its response reads it (dropped with the request)."""
     key = id(request)
-    _telemetry[key] = telemetry
-    weakref.finalize(request, _telemetry.pop, key, None)
+    in_flight[key] = telemetry
+    weakref.finalize(request, in_flight.pop, key, None)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from nemo_gym_tok.common.exact_json import loads_exact
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
 MAX_VERSION_CHARS = 128
@@ -34,7 +35,7 @@ def check_checkpoint_dir(directory: str | Path) -> Checkpoint:
     if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
         raise ValueError(f"{path} holds no weights ({', '.join(WEIGHT_PATTERNS)})")
     try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
+        config = loads_exact(config_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ValueError(f"{config_file} is not readable JSON: {exc}") from exc
     tied = config.get("tie_word_embeddings") if isinstance(config, dict) else None

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 import httpx
 
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.common.remote_errors import error_message
 
 PauseMode = Literal["wait", "keep"]
@@ -71,7 +72,7 @@ class Replica:
 
     def weight_version(self) -> str:
         """The label vLLM's engine has for the weights it serves (`default` until a version was set)."""
-        return str(self._call("GET", "/weight_info").json()["weight_version"])
+        return str(loads_exact(self._call("GET", "/weight_info").content)["weight_version"])
 
     def reload_status(self) -> dict[str, Any] | None:
         """What the worker-side exact reload reports (nemo_gym_tok.vllm.exact_reload), or None: a vLLM without it."""
@@ -81,13 +82,14 @@ class Replica:
             if exc.status != 500:
                 raise
             return None  # vLLM answers 500 for a method its worker does not have
-        results = response.json().get("results") or [None]
+        results = loads_exact(response.content).get("results") or [None]
         return results[0] if isinstance(results[0], dict) else None
 
     def served_weights(self) -> tuple[str, str, bool | None]:
         """(weights path, device type, tied embeddings or None) from vLLM's `/server_info`, for a server without
         the exact reload."""
-        info = self._call("GET", "/server_info", params={"config_format": "json"}).json().get("vllm_config", {})
+        answer = self._call("GET", "/server_info", params={"config_format": "json"})
+        info = loads_exact(answer.content).get("vllm_config", {})
         model = info.get("model_config") or {}
         device = (info.get("device_config") or {}).get("device_type") or (info.get("device_config") or {}).get("device")
         hf_config = model.get("hf_config")
@@ -109,7 +111,7 @@ class Replica:
         """Drop the KV blocks computed with the old weights; `running_requests` also those of frozen requests
         (pause mode `keep`), which vLLM then computes again with the new weights."""
         params = {"reset_running_requests": "true" if running_requests else "false"}
-        answer = self._call("POST", "/reset_prefix_cache", params=params).json()
+        answer = loads_exact(self._call("POST", "/reset_prefix_cache", params=params).content)
         if isinstance(answer, dict) and answer.get("success") is False:
             raise ReplicaError(self.url, "POST /reset_prefix_cache answered success=false (blocks still held)")
 

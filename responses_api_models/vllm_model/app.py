@@ -29,7 +29,7 @@ from responses_api_models.vllm_model.chat_events import chat_sse
 from responses_api_models.vllm_model.config import VLLMModelConfig
 from responses_api_models.vllm_model.fleet import FleetFingerprint
 from responses_api_models.vllm_model.local_splice import AdapterSplicer
-from responses_api_models.vllm_model.nemo_gym_capture import NeMoGymTokenStore
+from responses_api_models.vllm_model.nemo_gym_token_store import NeMoGymTokenStore
 from responses_api_models.vllm_model.request_metadata import apply_metadata
 from responses_api_models.vllm_model.response_fields import request_echo, response_usage
 from responses_api_models.vllm_model.responses_events import responses_sse

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.splice import NEW_SEGMENT_KEY, PREFIX_KEY
 
 GetSmall = Callable[[str, str], Awaitable[tuple[int, bytes] | None]]
@@ -27,7 +27,7 @@ async def detect_router(get_small: GetSmall, base_url: str) -> RouterView | None
     if answer is None or answer[0] != 200:
         return None
     try:
-        listed = json.loads(answer[1])
+        listed = loads_exact(answer[1])
     except ValueError:
         return None
     urls = listed.get("urls") if isinstance(listed, dict) else None

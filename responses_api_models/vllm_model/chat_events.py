@@ -8,9 +8,9 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
+from nemo_gym_tok.common.exact_json import dumps
 from nemo_gym_tok.contract.constrained import CONSTRAINED_BY_KEY, FORCED_MASK_KEY
 from nemo_gym_tok.servers.api_errors import ApiError
-from nemo_gym_tok.servers.fast_json import dumps
 from nemo_gym_tok.types import BUNDLE_FIELDS
 from nemo_gym_tok.types.tokens import WEIGHT_VERSION_KEY, WEIGHT_VERSION_SPANS_KEY
 from responses_api_models.vllm_model.calls import PreparedCall

@@ -53,7 +53,7 @@ class VLLMModelConfig(BaseServerConfig):
     template_proof_max_age_seconds: float = Field(default=300.0, gt=0)
     """Adapter-side splice: the local template is proven to render as the server does (its /tokenize ids) on the
     first spliced request of each template scope per server, renewed by a short probe after a new connection to that
-    server or a failed call, and proven anew after this many seconds (template_proof.py)."""
+    server or a failed call, and proven anew after this many seconds (template_proofs.py)."""
     sampling_overrides: dict[str, Any] = Field(default_factory=dict)
     """Fields set on every request sent to vLLM, over what the caller sent (e.g. temperature: 1.0)."""
     forwarded_fields: list[str] | None = None
@@ -65,7 +65,7 @@ class VLLMModelConfig(BaseServerConfig):
     retry_backoff_seconds: float = 0.5
     nemo_gym_token_capture_dir: str | None = None
     """NeMo Gym's `token_id_capture.dir`: calls on its training-capture paths are recorded there in its file store's
-    layout (nemo_gym_capture.py). Unset, such calls are served with their bundles only."""
+    layout (nemo_gym_token_store.py). Unset, such calls are served with their bundles only."""
 
     @field_validator("base_url", mode="before")
     @classmethod

@@ -8,7 +8,7 @@ request, splices the previous call's ids in, and sends the result as the prompt.
 
 The local copy must render as the server does. The first spliced request of each scope (template, template
 arguments, tools) on a server proves it: the server's `/tokenize` ids for the whole prompt must equal the local
-ones, or the request is refused (502). Later requests of that scope rely on the proof (template_proof.py says when
+ones, or the request is refused (502). Later requests of that scope rely on the proof (template_proofs.py says when
 it lapses) and cost the adapter what the hook costs vLLM: one rendering, a digest of the previous prompt (the render
 memo), and the template's ids after it; no `/tokenize`, no tokenizing of the history.
 """
@@ -20,25 +20,21 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.contract.token_sources import first_difference
 from nemo_gym_tok.servers.api_errors import ApiError
-from nemo_gym_tok.splice import (
-    NEW_SEGMENT_KEY,
-    PREFIX_KEY,
-    PrefixSource,
-    SpliceError,
-    check_starts_with,
-    find_prefix_source,
-    splice_prompt,
+from nemo_gym_tok.splice import NEW_SEGMENT_KEY, PREFIX_KEY, PrefixSource, SpliceError
+from nemo_gym_tok.splice_host import (
+    LocalTemplate,
+    ScopedRenderer,
+    new_segment_telemetry,
+    read_splice_request,
 )
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 from responses_api_models.vllm_model.developer_role import as_server_renders
 from responses_api_models.vllm_model.hub_access import hub_unreachable, offline_advice
-from responses_api_models.vllm_model.local_template import LocalTemplate, ScopedRenderer
-from responses_api_models.vllm_model.proving import Post, Proving
-from responses_api_models.vllm_model.template_proof import TemplateProofs
+from responses_api_models.vllm_model.template_proofs import Post, Proving, TemplateProofs
 
-NEW_SEGMENT_TELEMETRY = {"applied": False, "template_differed": False, "replaced_tokens": 0, "new_segment": True}
 HARMONY_REFUSAL = (
     "the adapter cannot splice a prefix for a Harmony (GPT-OSS) model: vLLM renders its prompts with openai_harmony, "
     "which /tokenize does not expose; serve it with `ngt vllm-serve` (the hook splices inside vLLM) and set "
@@ -130,15 +126,15 @@ class AdapterSplicer:
         messages = body.get("messages") or []
         template = await self._template(get)
         try:
-            source = find_prefix_source(messages, body.get(PREFIX_KEY), template.vocab_size)
-            new_segment = _new_segment_requested(body)
+            asked = read_splice_request(messages, body.get(PREFIX_KEY), body.get(NEW_SEGMENT_KEY), template.vocab_size)
         except SpliceError as exc:
             raise ApiError(400, str(exc), param=PREFIX_KEY) from None
         sent = strip_token_fields(body)
+        source = asked.source
         if source is None:
             return SplicedCall(sent, None)
-        if new_segment:
-            return SplicedCall(sent, dict(NEW_SEGMENT_TELEMETRY))
+        if asked.new_segment:
+            return SplicedCall(sent, new_segment_telemetry())
         if self.harmony:
             raise ApiError(400, HARMONY_REFUSAL, param=PREFIX_KEY)
         kv_params = sent.get("kv_transfer_params")
@@ -242,7 +238,7 @@ def _request_template(
     renderer = template.renderer(vllm_tool_dicts(tokenize_body.get("tools")), template_kwargs, chat_template)
     return RequestTemplate(
         renderer,
-        as_server_renders(messages, renderer.chat_template or getattr(renderer.tokenizer, "chat_template", None)),
+        as_server_renders(messages, renderer.inner.chat_template or getattr(renderer.tokenizer, "chat_template", None)),
         bool(body.get("add_generation_prompt", True)),
         bool(body.get("continue_final_message", False)),
         template_kwargs,
@@ -275,12 +271,12 @@ def _splice(
     None for a proven scope; then None says the local template failed where the server's answer is needed.
     """
     renderer = request.renderer
+    host = template.host
     try:
         text = request.render()
         if source.message_index < 0:
             local_ids = renderer.encode(text) if template_ids is None else template_ids
-            check_starts_with(local_ids, source.prefix, renderer.decode)
-            return _Spliced(local_ids, {"applied": False, "template_differed": False, "replaced_tokens": 0})
+            return _Spliced(local_ids, host.check_first_turn(local_ids, source, renderer))
     except SpliceError as exc:
         raise ApiError(400, str(exc), param=PREFIX_KEY) from None
     except Exception as exc:  # noqa: BLE001 - the server renders it, so a local failure means another template
@@ -289,16 +285,15 @@ def _splice(
         raise _not_the_servers_template(f"the local chat template failed on this request ({exc})") from None
     if template_ids is not None:
         _check_same_ids(renderer, template_ids, renderer.encode(text))
-    truncate = body.get("truncate_prompt_tokens")
     try:
-        prompt = splice_prompt(
+        prompt = host.splice(
             renderer,
             template.profile(request.template_kwargs, request.chat_template),
             request.messages,
             source,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
-            truncate_prompt_tokens=truncate if isinstance(truncate, int) and truncate >= 0 else None,
+            truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
             template_text=text,
         )  # proven before it returns (no deferred verification): only the measurement is left
     except SpliceError as exc:
@@ -363,7 +358,7 @@ def _not_the_servers_template(detail: str) -> ApiError:
 async def served_model_root(get: Callable[[str], Awaitable[Any]]) -> str:
     response = await get("/v1/models")
     try:
-        models = response.json()["data"]
+        models = loads_exact(response.content)["data"]
         return str(models[0].get("root") or models[0]["id"])
     except (ValueError, KeyError, IndexError, TypeError):
         raise ApiError(
@@ -403,12 +398,3 @@ def vllm_tool_dicts(tools: Any) -> list[dict[str, Any]] | None:
             shaped["strict"] = function["strict"]
         dumped.append({"type": tool.get("type", "function"), "function": shaped})
     return dumped
-
-
-def _new_segment_requested(body: Mapping[str, Any]) -> bool:
-    value = body.get(NEW_SEGMENT_KEY)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise SpliceError(f"{NEW_SEGMENT_KEY} must be true or false, got {value!r}")
-    return value

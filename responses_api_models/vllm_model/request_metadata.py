@@ -3,9 +3,9 @@ vllm_model applies them; its audio side channel is refused (this adapter has no 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.servers.api_errors import ApiError
 
 TEMPLATE_KWARGS = "chat_template_kwargs"
@@ -78,7 +78,7 @@ def _json_object(metadata: dict[str, Any], key: str) -> dict[str, Any]:
         return {}
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = loads_exact(value)
         except ValueError as exc:
             raise ApiError(
                 400,

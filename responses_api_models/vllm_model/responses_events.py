@@ -10,8 +10,8 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
+from nemo_gym_tok.common.exact_json import dumps
 from nemo_gym_tok.servers.api_errors import ApiError
-from nemo_gym_tok.servers.fast_json import dumps
 from nemo_gym_tok.types import Response, bundle_of
 from responses_api_models.vllm_model.streaming import SSE_MEDIA_TYPE, ChatStream, is_hook_final_chunk
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import httpx
 
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.common.remote_errors import error_message
 from nemo_gym_tok.servers.api_errors import ApiError
-from nemo_gym_tok.servers.fast_json import loads
 from responses_api_models.vllm_model.calls import PreparedCall
 from responses_api_models.vllm_model.chat_assembly import ChatAssembly, chunks_of
 from responses_api_models.vllm_model.token_capture import check_required_prefix
@@ -160,7 +160,7 @@ async def sse_json(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
         if payload == "[DONE]":
             return
         try:
-            data = loads(payload)  # the first chunk carries the prompt's ids, the hook's last one the bundle
+            data = loads_exact(payload)  # the first chunk carries the prompt's ids, the hook's last one the bundle
         except ValueError:
             raise ApiError(502, f"vLLM streamed an event that is not JSON: {payload[:200]!r}") from None
         if isinstance(data, dict):

@@ -18,10 +18,10 @@ import aiohttp
 import httpx
 from tenacity import AsyncRetrying, RetryError, retry_if_exception, stop_after_attempt, wait_exponential
 
+from nemo_gym_tok.common.exact_json import JSON_HEADERS, dumps, loads_exact
 from nemo_gym_tok.common.remote_errors import error_message
 from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.servers.client import SESSION_HEADER
-from nemo_gym_tok.servers.fast_json import JSON_HEADERS, dumps, loads
 from nemo_gym_tok.servers.http_pool import aiohttp_session, call_timeout, pool_limits, post_read_whole
 
 _CONTEXT_OVERFLOW = re.compile(r"maximum context length|longer than the maximum model length", re.IGNORECASE)
@@ -77,7 +77,7 @@ def answer_json(response: httpx.Response, what: str) -> Any:
     """The JSON of vLLM's answer, read by orjson (an answer carries the prompt's ids twice: the stdlib takes
     milliseconds for them); a body that is not JSON (a proxy's error page) is a 502 naming `what` answered it."""
     try:
-        return loads(response.content)
+        return loads_exact(response.content)
     except ValueError:
         raise ApiError(
             502,

@@ -16,8 +16,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.servers.api_errors import ApiError
-from nemo_gym_tok.servers.fast_json import loads
 from nemo_gym_tok.types.tokens import WEIGHT_VERSION_KEY, WEIGHT_VERSION_SPANS_KEY, weight_versions_problem
 
 WEIGHT_INFO_PATH = "/weight_info"
@@ -62,7 +62,7 @@ class WeightVersionReads:
         if status != 200:
             return None
         try:
-            version = loads(body).get(WEIGHT_VERSION_KEY)
+            version = loads_exact(body).get(WEIGHT_VERSION_KEY)
         except (ValueError, AttributeError):
             return None
         return version if isinstance(version, str) else None

@@ -10,12 +10,12 @@ from typing import Any
 import httpx
 import pytest
 
-from nemo_gym_tok.agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
 from nemo_gym_tok.servers.base import ResourcesServer
 from nemo_gym_tok.servers.client import ServerClient
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from resources_servers.capital_lookup.app import SERVER as CapitalLookup
 from resources_servers.number_guess.app import SERVER as NumberGuess
+from responses_api_agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 from tests.bad_inputs.cases import BAD_BODIES, BODY_IDS, SMALL_LIMIT, assert_refused
 from tests.bad_inputs.fakes import ScriptedChat, plain_text_500_model

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm_server import VLLMServer
 
 pytestmark = pytest.mark.vllm
 

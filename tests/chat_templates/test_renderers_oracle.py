@@ -1,5 +1,5 @@
 """A second oracle: Prime Intellect's `renderers` (0.1.12, its own venv) bridges turns as the splice does. Wherever it
-bridges, its ids equal `splice_prefix`'s or differ by a rule of `classify` (docs/hook.md); anything else fails.
+bridges, its ids equal `splice_prompt`'s or differ by a rule of `classify` (docs/hook.md); anything else fails.
 
 Covers the real templates of `make test-families` that renderers mirrors and one catalog template per other renderer
 (`make renderers-oracle` runs every catalog template of those families: about 10 minutes on 2 cores). The figures are
@@ -50,7 +50,7 @@ def report(summary_section: dict[str, list[str]]) -> OracleReport:
     worker_python()  # FileNotFoundError naming `make renderers-venv` when the venv is missing: a failure, not a skip
     names = [*FAMILY_TEMPLATES, *(name for name in CATALOG if name not in FAMILY_TEMPLATES)]
     result = compare([entry(name) for name in names], episodes_per_shape=2, seed=19)
-    summary_section["renderers oracle: bridge_to_next_turn vs splice_prefix (make renderers-oracle: whole catalog)"] = (
+    summary_section["renderers oracle: bridge_to_next_turn vs splice_prompt (make renderers-oracle: whole catalog)"] = (
         result.format(listed=10).splitlines()
     )
     return result

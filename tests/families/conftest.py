@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from nemo_gym_tok.vllm.server import TEST_BED_ENV, VLLMServer
+from nemo_gym_tok.vllm_server import TEST_BED_ENV, VLLMServer
 from tests.families.play import (
     SEEDS,
     Conversation,

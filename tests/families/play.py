@@ -18,7 +18,7 @@ from typing import Any, Literal
 import httpx
 
 from nemo_gym_tok.servers.http_pool import pool_limits
-from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ARGS
+from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, TEST_BED_ARGS
 from tests.conversations import MOVE_TOOL, history_message
 
 Mode = Literal["bundles", "stock"]

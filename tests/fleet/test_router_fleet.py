@@ -30,7 +30,7 @@ from nemo_gym_tok.router.fleet import FleetMismatchError, check_fleet, worker_fi
 from nemo_gym_tok.servers.launcher import Gym
 from nemo_gym_tok.testing.gym_configs import demo_config_behind_router
 from nemo_gym_tok.testing.soak import KINDS, MAX_RSS_GROWTH, Replica, Soak
-from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
+from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
 from tests.servers import hooked_server
 
 REPO = Path(__file__).resolve().parents[2]

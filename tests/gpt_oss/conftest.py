@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 
 from nemo_gym_tok.testing.tiny_model.gpt_oss import build_tiny_gpt_oss
-from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, VLLMServer
+from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, VLLMServer
 from tests.servers import hooked_server
 
 SERVED_MODEL_NAME = "tiny-gpt-oss"
 # Pinned explicitly (ngt vllm-serve would pin today's date): Harmony writes it into every system message.
 START_DATE = "2025-06-28"
 GPT_OSS_ARGS = (
-    # No chunked prefill, as on the test bed (nemo_gym_tok/vllm/server.py): the CPU engine dies when it splits the
+    # No chunked prefill, as on the test bed (nemo_gym_tok/vllm_server.py): the CPU engine dies when it splits the
     # prefill of a seeded request. These seeded conversations run one at a time and fit the budget today; the flag
     # keeps a later concurrent test from reaching the split.
     "--max-model-len",

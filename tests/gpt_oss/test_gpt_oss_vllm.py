@@ -14,7 +14,7 @@ import pytest
 from nemo_gym_tok.servers.http_pool import pool_limits
 from nemo_gym_tok.testing.tiny_model.gpt_oss import CALL_ID, END_ID
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm_server import VLLMServer
 from tests.gpt_oss.play import MODEL, Conversation, converse
 
 CONVERSATIONS = 10

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from nemo_gym_tok.testing.tiny_model.gpt_oss import END_ID, GENERATION_EOS_IDS, RETURN_ID, VOCAB_SIZE
-from nemo_gym_tok.vllm import hook
+from nemo_gym_tok.vllm import harmony, hook, internals
+from nemo_gym_tok.vllm import telemetry as vllm_telemetry
 from tests.gpt_oss.conftest import START_DATE
 from tests.gpt_oss.play import continues
 
@@ -30,7 +31,7 @@ def online(tokenizer, monkeypatch: pytest.MonkeyPatch) -> Any:
 
     monkeypatch.setenv("VLLM_SYSTEM_START_DATE", START_DATE)
     for module_name, class_name, method in hook.PATCHED_METHODS:
-        owner = hook._lookup(module_name, class_name)
+        owner = internals.lookup(module_name, class_name)
         monkeypatch.setattr(owner, method, getattr(owner, method))
     hook.install()
     renderer = object.__new__(OnlineRenderer)
@@ -50,14 +51,14 @@ def _request(messages: list[dict[str, Any]], **fields: Any) -> Any:
 
 
 def test_profile_reads_harmony_closers_and_the_return_token(online) -> None:
-    profile = hook._harmony_profile(online)
+    profile = harmony.harmony_profile(online)
     assert profile.closers == frozenset({"<|end|>", "<|call|>"})
     assert profile.replaced_end_tokens == frozenset({"<|return|>"})
 
 
 def test_render_without_generation_prompt_closes_a_final_answer_with_return(online, tokenizer) -> None:
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", "reasoning_content": "r"}]
-    renderer = hook._HarmonyRenderer(online, _request(messages), False)
+    renderer = harmony.HarmonyRenderer(online, _request(messages), False)
     with_prompt = renderer.render(messages, add_generation_prompt=True)
     without = renderer.render(messages, add_generation_prompt=False)
     assert with_prompt.endswith("<|channel|>final<|message|>Hello<|end|><|start|>assistant")
@@ -78,7 +79,7 @@ def test_a_first_turn_prefix_is_checked_not_spliced(online) -> None:
     request = _request(messages, required_prefix_token_ids=ids[:10])
     _, again = online._make_request_with_harmony(request)
     assert again[0]["prompt_token_ids"] == ids
-    assert hook._telemetry[id(request)]["applied"] is False
+    assert vllm_telemetry.in_flight[id(request)]["applied"] is False
     with pytest.raises(VLLMValidationError, match="does not\\s+start with it"):
         online._make_request_with_harmony(_request(messages, required_prefix_token_ids=[ids[0] + 1]))
 
@@ -107,7 +108,7 @@ def _episode(online, tokenizer, seed: int, turns: int = 4) -> list[dict[str, Any
         messages.append({"role": "user", "content": f"turn {turn}: more"})
         request = _request(messages)
         _, inputs = online._make_request_with_harmony(request)
-        spliced, splice = inputs[0]["prompt_token_ids"], hook._telemetry[id(request)]
+        spliced, splice = inputs[0]["prompt_token_ids"], vllm_telemetry.in_flight[id(request)]
         assert continues(spliced, prompt + generation, splice), (turn, splice)
         assert splice.get("end_token_replaced", False) == (generation[-1] == RETURN_ID)
         if generation[-1] == RETURN_ID:
@@ -204,7 +205,7 @@ def test_real_gpt_oss_turn_shapes_stay_contiguous(online, tokenizer) -> None:
         request = _request(messages, tools=[tool])
         assert request.tools == tools
         _, inputs = online._make_request_with_harmony(request, True)
-        spliced, splice = inputs[0]["prompt_token_ids"], hook._telemetry[id(request)]
+        spliced, splice = inputs[0]["prompt_token_ids"], vllm_telemetry.in_flight[id(request)]
         assert continues(spliced, prompt + generation, splice), splice
         assert splice.get("end_token_replaced", False) == generated.endswith("<|return|>")
         prompt = spliced
@@ -232,7 +233,7 @@ def test_a_new_token_segment_takes_harmony_ids_as_they_are(online, tokenizer) ->
     plain = [{key: value for key, value in m.items() if key not in bundle} for m in edited]
     _, stock = online._make_request_with_harmony(_request(plain))
     assert spliced[0]["prompt_token_ids"] == stock[0]["prompt_token_ids"]
-    assert hook._telemetry[id(request)] == {
+    assert vllm_telemetry.in_flight[id(request)] == {
         "applied": False,
         "template_differed": False,
         "replaced_tokens": 0,

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from nemo_gym_tok.servers.inprocess import serve_in_thread
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm_server import VLLMServer
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 from tests.nemo_gym import gym
 

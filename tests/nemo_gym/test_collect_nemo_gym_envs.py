@@ -25,7 +25,7 @@ import yaml
 from nemo_gym_tok.config import load_config
 from nemo_gym_tok.records.contiguity import bundled_turns, check_contiguous
 from nemo_gym_tok.servers.launcher import Gym
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm_server import VLLMServer
 from tests.nemo_gym import gym
 from tests.nemo_gym.test_nemo_gym_prefix_backend import ENVIRONMENTS as BACKEND_ENVIRONMENTS
 

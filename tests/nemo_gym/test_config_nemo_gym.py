@@ -2,7 +2,8 @@
 
 Needs .venv-nemo-gym (`make test-nemo-gym` builds it; no vLLM): `config_servers.py` runs NeMo Gym's parser there and
 prints the server instances it finds, which the tests compare with `load_config`'s, over
-- every config file of this repository (configs/, resources_servers/*/configs, responses_api_models/*/configs);
+- every config file of this repository (configs/, resources_servers/*/configs, responses_api_models/*/configs,
+  responses_api_agents/*/configs);
 - every resources server config NeMo Gym ships (with its own vllm_model.yaml for `policy_model`);
 - every `${...}` value written in NeMo Gym's shipped YAML, resolved by OmegaConf and by this loader.
 The unit tests of the loader's NeMo Gym shape are tests/test_config_nemo_gym.py (no venv needed).
@@ -88,6 +89,7 @@ def repo_config_sets() -> list[list[Path]]:
         *sorted(REPO.glob("configs/*.yaml")),
         *sorted(REPO.glob("resources_servers/*/configs/*.yaml")),
         *sorted(REPO.glob("responses_api_models/*/configs/*.yaml")),
+        *sorted(REPO.glob("responses_api_agents/*/configs/*.yaml")),
     ]
     return [[ENV, path] if path != ENV else [ENV] for path in own]
 

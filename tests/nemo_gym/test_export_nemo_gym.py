@@ -14,7 +14,7 @@ import pytest
 
 from nemo_gym_tok.collect import failures_path_for, nemo_gym_failures_path_for
 from nemo_gym_tok.records.contiguity import check_file
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm_server import VLLMServer
 from tests.nemo_gym import gym
 from tests.nemo_gym.nemo_rl_rule import check_rollout
 

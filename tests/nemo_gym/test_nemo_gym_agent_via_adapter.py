@@ -22,7 +22,7 @@ from fastapi import Request
 from fastapi.responses import Response as HTTPResponse
 
 from nemo_gym_tok.servers.inprocess import serve_in_thread
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm_server import VLLMServer
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 from tests.nemo_gym import gym
 from tests.nemo_gym.nemo_rl_rule import check_collection

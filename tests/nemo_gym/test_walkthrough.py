@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from nemo_gym_tok.vllm.server import CPU_SERVING_ARGS, CPU_SERVING_ENV, TEST_BED_ARGS, TEST_BED_ENV
+from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, CPU_SERVING_ENV, TEST_BED_ARGS, TEST_BED_ENV
 from tests.nemo_gym import gym
 from tests.nemo_gym.nemo_rl_rule import check_rollout
 

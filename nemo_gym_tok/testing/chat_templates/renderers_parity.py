@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.splice import HFChatRenderer
 from nemo_gym_tok.testing.chat_templates.oracle_episodes import TOOL
 from nemo_gym_tok.testing.chat_templates.renderers_rules import common_length
@@ -92,7 +93,7 @@ class Worker:
         line = self.process.stdout.readline()
         if not line:
             raise RuntimeError(f"the renderers worker exited (code {self.process.poll()})")
-        return json.loads(line)
+        return loads_exact(line)
 
 
 @contextmanager

@@ -42,7 +42,7 @@ from nemo_gym_tok.splice import (
     in_this_package,
     neutralize,
     raised_in_this_package,
-    splice_prefix,
+    splice_prompt,
 )
 from nemo_gym_tok.testing.chat_templates.catalog import TemplateEntry, load_catalog
 from nemo_gym_tok.testing.chat_templates.families import family_of
@@ -301,7 +301,7 @@ def _edits_are_refused(
         if before == after:
             continue  # the template does not render what was edited: the prompt is still exactly the template's
         try:
-            splice_prefix(edited_renderer, profile, edited, find_prefix_source(edited))
+            splice_prompt(edited_renderer, profile, edited, find_prefix_source(edited)).result()
         except Exception as exc:  # noqa: BLE001 - filed by failure_kind: only a refusal refuses the edit
             kind = failure_kind(exc)
             if kind == "refused":

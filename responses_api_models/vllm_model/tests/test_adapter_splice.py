@@ -14,7 +14,7 @@ import pytest
 from openai import AsyncOpenAI, BadRequestError, OpenAI
 
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm_server import VLLMServer
 from responses_api_models.vllm_model.tests.conftest import adapter
 from tests.conversations import MOVE_TOOL, turn_settings
 

@@ -15,8 +15,8 @@ from fastapi.responses import Response
 
 from nemo_gym_tok.common.net import free_port
 from nemo_gym_tok.servers.inprocess import serve_in_thread
-from nemo_gym_tok.vllm.server import VLLMServer
-from responses_api_models.vllm_model.proving import PROBE_MESSAGES
+from nemo_gym_tok.vllm_server import VLLMServer
+from responses_api_models.vllm_model.template_proofs import PROBE_MESSAGES
 from responses_api_models.vllm_model.tests.conftest import RecordingProxy, adapter, recording_proxy_app
 from responses_api_models.vllm_model.tests.test_adapter_splice import play
 from tests.conversations import MOVE_TOOL

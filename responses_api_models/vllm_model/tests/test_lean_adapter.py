@@ -15,12 +15,12 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from nemo_gym_tok.common.exact_json import dumps, has_wide_integer, loads_exact
 from nemo_gym_tok.servers import serve
 from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.servers.base import BaseServerConfig
 from nemo_gym_tok.servers.bodies import parse_json_object
 from nemo_gym_tok.servers.client import ServerClient
-from nemo_gym_tok.servers.fast_json import dumps, has_wide_integer, loads
 from nemo_gym_tok.servers.http_pool import (
     DEFAULT_CONNECT_TIMEOUT_SECONDS,
     DEFAULT_KEEPALIVE_EXPIRY_SECONDS,
@@ -276,10 +276,11 @@ def test_dumps_writes_what_orjson_cannot_through_the_stdlib() -> None:
 
 
 def test_loads_of_an_answer_keeps_the_stdlib_leniency() -> None:
-    assert loads(b'{"ids": [1, 2]}') == {"ids": [1, 2]}
-    assert loads('{"a": NaN}')["a"] != loads('{"a": NaN}')["a"]  # NaN: what response.json() gave before
+    assert loads_exact(b'{"ids": [1, 2]}') == {"ids": [1, 2]}
+    assert loads_exact('{"a": NaN}')["a"] != loads_exact('{"a": NaN}')["a"]  # NaN: what response.json() gave before
+    assert loads_exact(b'{"n": 123456789012345678901234567890}')["n"] == 123456789012345678901234567890  # not a float
     with pytest.raises(ValueError):
-        loads(b"<html>")
+        loads_exact(b"<html>")
 
 
 def test_a_vllm_answer_that_is_not_json_is_a_502_naming_vllm() -> None:

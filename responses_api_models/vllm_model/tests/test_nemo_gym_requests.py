@@ -15,7 +15,7 @@ import pytest
 from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
-from responses_api_models.vllm_model.nemo_gym_capture import NeMoGymTokenStore, sequence_digest
+from responses_api_models.vllm_model.nemo_gym_token_store import NeMoGymTokenStore, sequence_digest
 from responses_api_models.vllm_model.request_metadata import apply_metadata
 from responses_api_models.vllm_model.rollout_paths import Rollout, parse_rollout_path
 from responses_api_models.vllm_model.tests.fake_upstream import FakeUpstream

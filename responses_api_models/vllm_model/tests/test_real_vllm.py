@@ -8,7 +8,7 @@ from openai import OpenAI
 
 from nemo_gym_tok.testing.tiny_model.tokenizer import THINK_START_ID
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm_server import VLLMServer
 from responses_api_models.vllm_model.tests.conftest import RecordingProxy
 
 USER = {"role": "user", "content": "Name three rivers."}

@@ -16,7 +16,7 @@ from openai import APIError, BadRequestError, OpenAI
 
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from nemo_gym_tok.testing.tiny_model import IM_END_ID
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm_server import VLLMServer
 from responses_api_models.vllm_model.chat_assembly import ChatAssembly
 from responses_api_models.vllm_model.chat_events import final_chunk
 from responses_api_models.vllm_model.tests.conftest import adapter

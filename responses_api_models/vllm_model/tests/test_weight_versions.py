@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from openai import OpenAI
 
 from nemo_gym_tok.servers.inprocess import serve_in_thread
-from nemo_gym_tok.vllm.server import VLLMServer
+from nemo_gym_tok.vllm_server import VLLMServer
 from responses_api_models.vllm_model.tests.conftest import adapter
 from tests.weights_support import set_weight_version, weight_version
 

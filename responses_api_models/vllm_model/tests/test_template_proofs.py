@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from responses_api_models.vllm_model.template_proof import TemplateProofs
+from responses_api_models.vllm_model.template_proofs import TemplateProofs
 
 
 class Clock:

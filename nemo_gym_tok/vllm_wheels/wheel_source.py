@@ -9,9 +9,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 # How deep to follow base classes and re-exports; vLLM's chains are two or three long.
-_MAX_HOPS = 8
+MAX_HOPS = 8
 
-_Function = ast.FunctionDef | ast.AsyncFunctionDef
+FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
+"""A parsed `def` or `async def`: what the checks read parameters and calls from."""
 
 
 class ModuleSources:
@@ -86,44 +87,44 @@ def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
 
 
 @dataclass(frozen=True)
-class _Found:
+class Binding:
     """Where a module-level name is bound: the module and the statement (a def, an assignment, an import)."""
 
     module: str
     node: ast.stmt
 
 
-class _Reader:
+class SourceReader:
     """Name and class lookups across one release's modules, following re-exports and base classes."""
 
     def __init__(self, sources: ModuleSources) -> None:
         self.sources = sources
 
-    def top_level(self, module: str, name: str, hops: int = 0) -> _Found | None:
+    def top_level(self, module: str, name: str, hops: int = 0) -> Binding | None:
         """The statement that binds `name` in `module`, following `from x import name` into vLLM's own modules."""
         parsed = self.sources.module(module)
-        if parsed is None or hops > _MAX_HOPS:
+        if parsed is None or hops > MAX_HOPS:
             return None
         tree, is_package = parsed
-        found: _Found | None = None
+        found: Binding | None = None
         for statement in _runtime_statements(tree.body):  # the last binding wins, as at import
             if isinstance(statement, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and statement.name == name:
-                found = _Found(module, statement)
+                found = Binding(module, statement)
             elif isinstance(statement, ast.Assign) and any(
                 isinstance(target, ast.Name) and target.id == name for target in statement.targets
             ):
-                found = _Found(module, statement)
+                found = Binding(module, statement)
             elif (
                 isinstance(statement, ast.AnnAssign)
                 and statement.value is not None
                 and isinstance(statement.target, ast.Name)
                 and statement.target.id == name
             ):
-                found = _Found(module, statement)
+                found = Binding(module, statement)
             elif isinstance(statement, (ast.Import, ast.ImportFrom)) and any(
                 (alias.asname or alias.name.split(".")[0]) == name for alias in statement.names
             ):
-                found = _Found(module, statement)
+                found = Binding(module, statement)
         if found is not None and isinstance(found.node, ast.ImportFrom):
             source = _absolute(module, is_package, found.node)
             original = next(alias.name for alias in found.node.names if (alias.asname or alias.name) == name)
@@ -141,7 +142,7 @@ class _Reader:
     def method(self, module: str, class_name: str, method: str, hops: int = 0) -> ast.stmt | None:
         """The def (or class-level assignment) of `method` on the class or the first base class that has it."""
         located = self.class_def(module, class_name, hops)
-        if located is None or hops > _MAX_HOPS:
+        if located is None or hops > MAX_HOPS:
             return None
         owner_module, node = located
         own: ast.stmt | None = None
@@ -165,7 +166,29 @@ class _Reader:
         return None
 
 
-def parameter_names(function: _Function) -> list[str]:
+def parameter_names(function: FunctionNode) -> list[str]:
     """Every parameter a caller can pass by name (positional-only ones too, as inspect.signature lists them)."""
     arguments = function.args
     return [argument.arg for argument in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs)]
+
+
+def is_call_of(node: ast.AST, name: str) -> bool:
+    """A call of `name(...)` or `<anything>.name(...)`."""
+    return isinstance(node, ast.Call) and (
+        (isinstance(node.func, ast.Name) and node.func.id == name)
+        or (isinstance(node.func, ast.Attribute) and node.func.attr == name)
+    )
+
+
+def calls(code: ast.AST, name: str) -> bool:
+    """Whether `code` calls `name(...)` or `<anything>.name(...)` anywhere inside it."""
+    return any(is_call_of(node, name) for node in ast.walk(code))
+
+
+def mentions(code: ast.AST, text: str) -> bool:
+    """Whether `text` appears in `code` as a string constant or an attribute name."""
+    return any(
+        (isinstance(child, ast.Constant) and child.value == text)
+        or (isinstance(child, ast.Attribute) and child.attr == text)
+        for child in ast.walk(code)
+    )

@@ -19,10 +19,10 @@ import pytest
 from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from nemo_gym_tok.agents.simple_agent import nemo_gym_protocol
-from nemo_gym_tok.agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
 from nemo_gym_tok.servers.client import ServerClient
 from nemo_gym_tok.servers.inprocess import serve_in_thread
+from responses_api_agents.simple_agent import nemo_gym_protocol
+from responses_api_agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
 
 TOOLS = [
     {"type": "function", "name": name, "parameters": {"type": "object", "properties": {}}}

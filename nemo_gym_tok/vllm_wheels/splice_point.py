@@ -7,7 +7,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from nemo_gym_tok.vllm.internals import PATCHED_METHODS
-from nemo_gym_tok.vllm.wheel_source import _MAX_HOPS, _Function, _Reader, parameter_names
+from nemo_gym_tok.vllm_wheels.wheel_source import (
+    MAX_HOPS,
+    FunctionNode,
+    SourceReader,
+    calls,
+    is_call_of,
+    parameter_names,
+)
 
 # The splice point: preprocess_chat -> renderer.render_chat_async -> self.tokenize_prompts_async (wrapped by the hook)
 # -> ... -> self._tokenize_singleton_prompt_async, which leaves a prompt holding PROMPT_IDS_KEY untokenized.
@@ -93,7 +100,7 @@ def _tokenize_owner() -> str:
     return f"{module}.{class_name}"
 
 
-def splice_point(reader: _Reader, preprocess: _Function | None) -> SplicePoint:
+def splice_point(reader: SourceReader, preprocess: FunctionNode | None) -> SplicePoint:
     """Read the splice point from preprocess_chat (None when the release has no def of it) and the base renderer."""
     module, _, class_name = _tokenize_owner().rpartition(".")
     found = {
@@ -105,7 +112,7 @@ def splice_point(reader: _Reader, preprocess: _Function | None) -> SplicePoint:
         found.get(method) for method in (RENDER_CHAT_METHOD, TOKENIZE_METHOD, SINGLETON_METHOD)
     )
     return SplicePoint(
-        renders=preprocess is not None and _calls(preprocess, RENDER_CHAT_METHOD),
+        renders=preprocess is not None and calls(preprocess, RENDER_CHAT_METHOD),
         tokenizes=render is not None and _calls_on_self(render, TOKENIZE_METHOD),
         reaches_singleton=tokenize is not None and _reaches(reader, module, class_name, tokenize, SINGLETON_METHOD),
         skips_prompt_ids=singleton is not None and _tokenizes_only_without_ids(singleton),
@@ -132,11 +139,11 @@ def _calls_on_self(function: ast.AST, method: str) -> bool:
     return method in _self_calls(function)
 
 
-def _reaches(reader: _Reader, module: str, class_name: str, start: _Function, target: str) -> bool:
+def _reaches(reader: SourceReader, module: str, class_name: str, start: FunctionNode, target: str) -> bool:
     """Whether `start` leads to `self.<target>()` through the class's own methods (vLLM's chain is two calls long)."""
     seen: set[str] = set()
     frontier: list[ast.AST] = [start]
-    for _ in range(_MAX_HOPS):
+    for _ in range(MAX_HOPS):
         called = set().union(*(_self_calls(function) for function in frontier)) - seen
         if target in called:
             return True
@@ -191,7 +198,7 @@ def _exits(block: list[ast.stmt]) -> bool:
     return bool(block) and isinstance(block[-1], (ast.Return, ast.Raise))
 
 
-def _tokenizes_only_without_ids(function: _Function) -> bool:
+def _tokenizes_only_without_ids(function: FunctionNode) -> bool:
     """Whether the function tokenizes at all, and only where a prompt without PROMPT_IDS_KEY gets to: inside
     `if "prompt_token_ids" not in prompt:`, in the `else` of `if "prompt_token_ids" in prompt:`, or after such an
     `if` whose body returns."""
@@ -200,13 +207,13 @@ def _tokenizes_only_without_ids(function: _Function) -> bool:
     if not names:
         return False
     prompt = names[0]  # the prompt, as vLLM names it and passes it first
-    calls = {"guarded": 0, "unguarded": 0}
+    tokenize_calls = {"guarded": 0, "unguarded": 0}
 
     def visit_nodes(nodes: Iterable[ast.AST], guarded: bool) -> None:
         for node in nodes:
             for child in ast.walk(node):
                 if _is_tokenize_call(child):
-                    calls["guarded" if guarded else "unguarded"] += 1
+                    tokenize_calls["guarded" if guarded else "unguarded"] += 1
 
     def visit_block(block: list[ast.stmt], guarded: bool) -> None:
         for statement in block:
@@ -228,18 +235,18 @@ def _tokenizes_only_without_ids(function: _Function) -> bool:
                     )
 
     visit_block(function.body, False)
-    return calls["guarded"] > 0 and calls["unguarded"] == 0
+    return tokenize_calls["guarded"] > 0 and tokenize_calls["unguarded"] == 0
 
 
 def _position(node: ast.AST) -> tuple[int, int]:
     return getattr(node, "lineno", 0), getattr(node, "col_offset", 0)
 
 
-def _parser_after_render(preprocess: _Function) -> bool:
+def _parser_after_render(preprocess: FunctionNode) -> bool:
     """Whether every method call on a parser preprocess_chat builds from its `parser` parameter (`parser(...).m()`,
     or `p = parser(...)` then `p.m()`), and every `set_prompt_token_ids` call, comes after the first
     `render_chat_async` call in the source. True when there is no render call (reported on its own)."""
-    renders = [node for node in ast.walk(preprocess) if _is_call_of(node, RENDER_CHAT_METHOD)]
+    renders = [node for node in ast.walk(preprocess) if is_call_of(node, RENDER_CHAT_METHOD)]
     if not renders:
         return True
     first_render = min(_position(node) for node in renders)
@@ -271,24 +278,3 @@ def _parser_after_render(preprocess: _Function) -> bool:
         )
     ]
     return all(_position(node) > first_render for node in uses)
-
-
-def _mentions(node: ast.AST, text: str) -> bool:
-    """Whether `text` appears in the code as a string constant or an attribute name."""
-    return any(
-        (isinstance(child, ast.Constant) and child.value == text)
-        or (isinstance(child, ast.Attribute) and child.attr == text)
-        for child in ast.walk(node)
-    )
-
-
-def _is_call_of(node: ast.AST, name: str) -> bool:
-    """A call of `name(...)` or `<anything>.name(...)`."""
-    return isinstance(node, ast.Call) and (
-        (isinstance(node.func, ast.Name) and node.func.id == name)
-        or (isinstance(node.func, ast.Attribute) and node.func.attr == name)
-    )
-
-
-def _calls(function: ast.AST, name: str) -> bool:
-    return any(_is_call_of(node, name) for node in ast.walk(function))

@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from nemo_gym_tok.agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
 from nemo_gym_tok.collect import collect, read_failures
 from nemo_gym_tok.common.net import free_port
 from nemo_gym_tok.servers.client import ServerClient
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from resources_servers.number_guess.app import SERVER as NumberGuess
+from responses_api_agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
 
-ROWS = Path(__file__).resolve().parents[1] / "resources_servers" / "number_guess" / "data" / "example.jsonl"
+ROWS = Path(__file__).resolve().parents[3] / "resources_servers" / "number_guess" / "data" / "example.jsonl"
 
 
 def agent_with(servers: dict[str, str]):

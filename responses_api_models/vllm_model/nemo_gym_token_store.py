@@ -25,6 +25,7 @@ from typing import Any
 
 import orjson
 
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 
@@ -152,11 +153,11 @@ class NeMoGymTokenStore:
         with path.open("rb") as handle:
             for line in handle:
                 if line.strip():
-                    yield orjson.loads(line)
+                    yield loads_exact(line)
 
     def _state(self, rollout_id: str) -> dict[str, Any]:
         path = self._path(rollout_id, ".state.json")
-        return orjson.loads(path.read_bytes()) if path.exists() else {}
+        return loads_exact(path.read_bytes()) if path.exists() else {}
 
     def _mark_incomplete(self, rollout_id: str, call_id: str, state: dict[str, Any]) -> None:
         # NeMo Gym reads the flag from the state file; the entry index in it is rebuilt from the JSONL by its reader.

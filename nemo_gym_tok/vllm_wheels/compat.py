@@ -14,7 +14,7 @@ then reads the spliced ids, `set_prompt_token_ids` since 0.33). It also reads wh
 the answer wrappers read (USED_FIELDS: `CompletionOutput.weight_versions`, the weight versions a bundle carries):
 from FIELD_SINCE on a missing one is a problem, before it the bundles say weight_version None there.
 It is the static twin of `internals.check_internals()`, which checks the vLLM that is installed. The source reading is
-nemo_gym_tok.vllm.wheel_source, the splice point's analysis nemo_gym_tok.vllm.splice_point.
+nemo_gym_tok.vllm_wheels.wheel_source, the splice point's analysis nemo_gym_tok.vllm_wheels.splice_point.
 """
 
 from __future__ import annotations
@@ -41,9 +41,17 @@ from nemo_gym_tok.vllm.internals import (
     is_supported_vllm,
 )
 from nemo_gym_tok.vllm.routes import ROUTE_METHODS, absent_by_design
-from nemo_gym_tok.vllm.splice_point import TOKENIZE_METHOD, SplicePoint, _calls, _mentions, splice_point
-from nemo_gym_tok.vllm.weight_path_compat import weight_path_problems
-from nemo_gym_tok.vllm.wheel_source import ModuleSources, _Function, _Reader, parameter_names
+from nemo_gym_tok.vllm_wheels.splice_point import TOKENIZE_METHOD, SplicePoint, splice_point
+from nemo_gym_tok.vllm_wheels.weight_path_compat import weight_path_problems
+from nemo_gym_tok.vllm_wheels.wheel_source import (
+    MAX_HOPS,
+    FunctionNode,
+    ModuleSources,
+    SourceReader,
+    calls,
+    mentions,
+    parameter_names,
+)
 
 # vLLM's token-in path: the function preprocess_chat calls to take forwarded prompt ids instead of rendering.
 TOKEN_IN_FUNCTION = "_reused_prompt_token_ids"
@@ -80,7 +88,7 @@ class ReleaseReport:
     fields_absent: list[str] = field(default_factory=list)
     """USED_FIELDS this release does not have (expected before FIELD_SINCE, a problem from it on)."""
     weight_path: list[str] | None = None
-    """What the release lacks of the weight-update path (nemo_gym_tok.vllm.weight_path_compat); None: not checked."""
+    """What the release lacks of the weight-update path (weight_path_compat in this package); None: not checked."""
     splice_point: SplicePoint | None = None
     problems: list[str] = field(default_factory=list)
 
@@ -100,7 +108,7 @@ class ReleaseReport:
 
 def check_release(sources: ModuleSources, version: str = "", wheel: str = "") -> ReleaseReport:
     """Check one release's source against what the hook wraps and uses (the same names `check_internals()` uses)."""
-    reader = _Reader(sources)
+    reader = SourceReader(sources)
     report = ReleaseReport(version=version, wheel=wheel)
     methods: dict[str, ast.stmt | None] = {}
     for module_name, class_name, method in (*PATCHED_METHODS, *ROUTE_METHODS):
@@ -154,10 +162,10 @@ def check_release(sources: ModuleSources, version: str = "", wheel: str = "") ->
     return report
 
 
-def class_has_field(reader: _Reader, module: str, class_name: str, name: str, hops: int = 0) -> bool:
+def class_has_field(reader: SourceReader, module: str, class_name: str, name: str, hops: int = 0) -> bool:
     """Whether the class (or a base class) declares `name` with an annotation in its body, as a dataclass field is."""
     located = reader.class_def(module, class_name, hops)
-    if located is None or hops > 8:
+    if located is None or hops > MAX_HOPS:
         return False
     owner_module, node = located
     for statement in node.body:
@@ -172,12 +180,12 @@ def class_has_field(reader: _Reader, module: str, class_name: str, name: str, ho
     return False
 
 
-def _token_in_path(reader: _Reader, module: str, preprocess: _Function) -> bool:
+def _token_in_path(reader: SourceReader, module: str, preprocess: FunctionNode) -> bool:
     """preprocess_chat calls TOKEN_IN_FUNCTION, and that function reads kv_transfer_params['prompt_token_ids']."""
-    if not _calls(preprocess, TOKEN_IN_FUNCTION):
+    if not calls(preprocess, TOKEN_IN_FUNCTION):
         return False
     found = reader.top_level(module, TOKEN_IN_FUNCTION)
-    return found is not None and all(_mentions(found.node, text) for text in TOKEN_IN_FIELDS)
+    return found is not None and all(mentions(found.node, text) for text in TOKEN_IN_FIELDS)
 
 
 def download_wheel(version: str, directory: Path) -> Path:

@@ -1,9 +1,10 @@
 """The weight-update path against a vLLM release's source (no install): routes, reload, packing, key guard, NCCL.
 
-`ngt vllm-compat` runs it on every supported release's wheel beside the hook's check (nemo_gym_tok.vllm.compat):
-vLLM's own routes a push drives (`ngt push-weights`) and a GPU trainer's NCCL path drives (TRL's server mode), the
-parameters the push passes them, what the worker-side exact reload wraps and calls (nemo_gym_tok.vllm.exact_reload),
-and the tuple the route guard extends (nemo_gym_tok.vllm.route_auth). Nothing here runs a GPU: it reads source.
+`ngt vllm-compat` runs it on every supported release's wheel beside the hook's check
+(nemo_gym_tok.vllm_wheels.compat): vLLM's own routes a push drives (`ngt push-weights`) and a GPU trainer's NCCL path
+drives (TRL's server mode), the parameters the push passes them, what the worker-side exact reload wraps and calls
+(nemo_gym_tok.vllm.exact_reload), and the tuple the route guard extends (nemo_gym_tok.vllm.route_auth). Nothing here
+runs a GPU: it reads source.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 
 from nemo_gym_tok.vllm.exact_reload import PACKING_FUNCTION, RELOAD_METHOD, WORKER_CLASS
 from nemo_gym_tok.vllm.route_auth import AUTH_MODULE, DEV_ROUTER_MODULES, GUARDED_NAME
-from nemo_gym_tok.vllm.wheel_source import ModuleSources
+from nemo_gym_tok.vllm_wheels.wheel_source import ModuleSources, parameter_names
 
 # What `ngt push-weights` calls (nemo_gym_tok.weights.replica), with the parameters it passes.
 PUSH_ROUTES = {
@@ -63,16 +64,11 @@ def _decorated_paths(function: ast.FunctionDef | ast.AsyncFunctionDef) -> Iterat
             yield decorator.args[0].value
 
 
-def _parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
-    arguments = function.args
-    return {argument.arg for argument in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs)}
-
-
 def _accepted(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
     """What a route reads: its parameters (0.32 on: FastAPI binds body fields to them) and the string keys its body
     looks up (0.29 to 0.31 read `body.get("init_info")` from the parsed JSON)."""
     keys = {node.value for node in ast.walk(function) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
-    return _parameters(function) | keys
+    return set(parameter_names(function)) | keys
 
 
 def _top_level(sources: ModuleSources, module_name: str, name: str) -> ast.stmt | None:
@@ -120,7 +116,7 @@ def weight_path_problems(sources: ModuleSources) -> list[str]:
     reload = _method(sources, *RELOAD_METHOD)
     if not isinstance(reload, (ast.FunctionDef, ast.AsyncFunctionDef)):
         problems.append(f"missing {'.'.join(RELOAD_METHOD)} (the exact reload wraps it)")
-    elif any(name not in _parameters(reload) for name in RELOAD_PARAMETERS):
+    elif any(name not in parameter_names(reload) for name in RELOAD_PARAMETERS):
         problems.append(f"{'.'.join(RELOAD_METHOD)} takes no weights_path")
     for module_name, name in (WORKER_CLASS, PACKING_FUNCTION, NCCL_ENGINE, (AUTH_MODULE, GUARDED_NAME)):
         if _top_level(sources, module_name, name) is None:

@@ -1,40 +1,18 @@
-"""The served model's tokenizer and chat template in the adapter process, with what its splices learn kept across
-requests (template profiles, renderers per scope, the render memo), as the hook keeps them per vLLM server."""
+"""The served model's tokenizer and chat template loaded in this process: the adapter's TemplateRenderer, per scope."""
 
 from __future__ import annotations
 
-import json
-import threading
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from nemo_gym_tok.common.jinja_sandbox import memoize_attribute_checks
-from nemo_gym_tok.splice import HFChatRenderer, RenderMemo, TemplateProfile, detect_profile
-
-MAX_SCOPES = 256
-"""Renderers and profiles kept: callers choose template arguments and tools freely, so both caches are bounded."""
-
-
-@dataclass
-class ScopedRenderer(HFChatRenderer):
-    """An HFChatRenderer for one scope (template, template arguments, tools) that carries the memo the splice reuses
-    from turn to turn (nemo_gym_tok.splice: `render_memo`, `render_scope`, `piece_cache`)."""
-
-    render_scope: str = ""
-    render_memo: RenderMemo | None = None
-    piece_cache: dict[str, list[int]] = field(default_factory=dict)
-
-
-def scope_key(tools: Any, template_kwargs: Mapping[str, Any], chat_template: str | None) -> str:
-    """Everything a rendering depends on but the messages and flags, as one string."""
-    return json.dumps([chat_template, template_kwargs, tools], sort_keys=True, default=repr)
+from nemo_gym_tok.splice import HFChatRenderer, TemplateProfile
+from nemo_gym_tok.splice_host.host import ScopedRenderer, SpliceHost, profile_key, scope_key
 
 
 class LocalTemplate:
-    """The served model's tokenizer and chat template in the adapter process."""
+    """A local copy of what a vLLM server renders with: its renderers by scope and its splice state (a SpliceHost)."""
 
     def __init__(
         self,
@@ -55,13 +33,7 @@ class LocalTemplate:
         self.vocab_size = max(vocab_size or 0, len(tokenizer))
         """The model's vocabulary (its embedding rows, which may outnumber the tokenizer's tokens: a model can
         generate the extra ids, and vLLM accepts them), as the hook checks ids against it."""
-        self.render_memo = RenderMemo()
-        """Shared by every scope (its keys hold the scope): a next turn finds this turn's renderings and prompt."""
-        self._piece_cache: dict[str, list[int]] = {}
-        self._terminator_override = terminator_override
-        self._profiles: OrderedDict[str, TemplateProfile] = OrderedDict()
-        self._renderers: OrderedDict[str, ScopedRenderer] = OrderedDict()
-        self._lock = threading.Lock()
+        self.host = SpliceHost(terminator_override=terminator_override)
 
     @classmethod
     def load(
@@ -105,40 +77,24 @@ class LocalTemplate:
     def renderer(
         self, tools: list[dict[str, Any]] | None, template_kwargs: Mapping[str, Any], chat_template: str | None
     ) -> ScopedRenderer:
-        """The renderer of one scope, made once (its content-format probe and token maps cost more than a turn)."""
-        key = scope_key(tools, template_kwargs, chat_template)
-        with self._lock:
-            renderer = self._renderers.get(key)
-            if renderer is not None:
-                self._renderers.move_to_end(key)
-                return renderer
-        renderer = ScopedRenderer(
-            self.tokenizer,
-            tools=tools,
-            template_kwargs={**self.default_template_kwargs, **template_kwargs},
-            chat_template=chat_template or self.chat_template,
-            extra_end_token_ids=self.end_token_ids,
-            content_format=self.content_format,
-            render_scope=key,
-            render_memo=self.render_memo,
-            piece_cache=self._piece_cache,
+        """The renderer of one scope (its content-format probe and token maps cost more than a turn: made once)."""
+        return self.host.renderer(
+            scope_key(chat_template, template_kwargs, tools),
+            lambda: HFChatRenderer(
+                self.tokenizer,
+                tools=tools,
+                template_kwargs={**self.default_template_kwargs, **template_kwargs},
+                chat_template=chat_template or self.chat_template,
+                extra_end_token_ids=self.end_token_ids,
+                content_format=self.content_format,
+            ),
         )
-        with self._lock:
-            _put(self._renderers, key, renderer)
-        return renderer
 
     def profile(self, template_kwargs: Mapping[str, Any], chat_template: str | None) -> TemplateProfile:
         """The turn structure for one template and template-argument combination (detected without tools)."""
-        key = scope_key(None, template_kwargs, chat_template)
-        with self._lock:
-            profile = self._profiles.get(key)
-        if profile is None:
-            profile = detect_profile(
-                self.renderer(None, template_kwargs, chat_template), terminator_override=self._terminator_override
-            )
-            with self._lock:
-                _put(self._profiles, key, profile)
-        return profile
+        return self.host.profile(
+            profile_key(chat_template, template_kwargs), lambda: self.renderer(None, template_kwargs, chat_template)
+        )
 
 
 def template_text(chat_template: str | None) -> str | None:
@@ -146,10 +102,3 @@ def template_text(chat_template: str | None) -> str | None:
     if chat_template and "\n" not in chat_template and "{" not in chat_template and Path(chat_template).is_file():
         return Path(chat_template).read_text()
     return chat_template
-
-
-def _put(entries: OrderedDict[str, Any], key: str, value: Any) -> None:
-    entries[key] = value
-    entries.move_to_end(key)
-    while len(entries) > MAX_SCOPES:
-        entries.popitem(last=False)

@@ -1,4 +1,4 @@
-"""NeMo Gym's resources-server protocol as the simple agent speaks it: cookie session, raw tool bodies, /verify, close.
+"""NeMo Gym's resources-server protocol (`environment_protocol: nemo_gym`), one episode's side of it.
 
 NeMo Gym (0.7.0) resources servers keep a rollout's state under a signed session cookie that `/seed_session` sets and
 tool answers may update; a tool route takes the raw arguments and the whole body text it answers (whatever the
@@ -16,6 +16,14 @@ from http.cookies import CookieError, SimpleCookie
 from typing import Any
 
 import httpx
+
+from nemo_gym_tok.common.exact_json import loads_exact
+from nemo_gym_tok.common.remote_errors import error_message
+from nemo_gym_tok.servers.api_errors import ApiError
+from responses_api_agents.simple_agent.episode import PlayedEpisode
+from responses_api_agents.simple_agent.episode_items import function_call_output
+from responses_api_agents.simple_agent.peers import Peers, checked_json
+from responses_api_agents.simple_agent.rows import RowParam, same_field, verify_row_field
 
 NEMO_GYM = "nemo_gym"
 """The `environment_protocol` value that selects this protocol."""
@@ -52,6 +60,72 @@ def closes_cookie_sessions(openapi: Any) -> bool:
     if not isinstance(route, dict):
         return False
     return not (route.get("requestBody") or {}).get("required", False)
+
+
+class NemoGymEnvironment:
+    """One episode on a NeMo Gym resources server: its session is the cookie /seed_session sets."""
+
+    def __init__(self, peers: Peers, env: str, closes_sessions: dict[str, bool]) -> None:
+        self.peers, self.env = peers, env
+        self.jar = CookieJar()
+        self.closes_sessions = closes_sessions
+        """The agent's cache, shared by its episodes: environment name -> whether its /close_session takes the
+        empty body that closes a cookie session."""
+
+    async def seed(self, row: dict[str, Any]) -> None:
+        await self._call("/seed_session", row, same_field)
+
+    def ends_before_tools(self, response: dict[str, Any]) -> bool:
+        return ends_episode(response)
+
+    async def tool_output(self, call: dict[str, Any]) -> dict[str, Any]:
+        """The environment's whole answer body, as NeMo Gym's agent gives it, or the agent's own JSON error for
+        arguments that are not JSON and names that are no tool route."""
+        try:
+            arguments = loads_exact(call.get("arguments") or "")
+        except (ValueError, TypeError) as exc:
+            return function_call_output(call, invalid_arguments_text(exc))
+        route = tool_route(call.get("name"))
+        if route is None:
+            return function_call_output(call, refused_tool_text(call.get("name")))
+        answer = await self.peers.post(self.env, route, arguments, None, self.jar.headers())
+        self.jar.update(answer)
+        return function_call_output(call, tool_output_text(answer))
+
+    async def after_text_turn(self, items: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, bool]:
+        """Never reached (a turn without function calls ends the episode, `ends_episode`): no step route here."""
+        return None, True
+
+    async def verify(self, row: dict[str, Any], played: PlayedEpisode) -> dict[str, Any]:
+        body = {**row, "response": verify_response(played.responses, played.transcript)}
+        return verdict_fields(await self._call("/verify", body, verify_row_field), row)
+
+    async def close(self) -> None:
+        """Release the episode's session on the environment (empty body: the session is the cookie's)."""
+        if not self.jar.headers() or not await self._closes_cookie_sessions():
+            return  # seeding failed before the server named a session, or the server keeps nothing to release
+        answer = await self.peers.post(self.env, CLOSE_SESSION_PATH, {}, None, self.jar.headers())
+        if answer.status_code >= 400 and answer.status_code not in CLOSE_NOT_APPLICABLE:
+            raise ApiError(
+                502, f"{self.env} could not close the session: HTTP {answer.status_code}: {error_message(answer)}"
+            )
+
+    async def _call(self, path: str, body: dict[str, Any], row_param: RowParam) -> Any:
+        answer = await self.peers.post(self.env, path, body, None, self.jar.headers())
+        self.jar.update(answer)
+        return checked_json(self.env, answer, row_param)
+
+    async def _closes_cookie_sessions(self) -> bool:
+        """Whether the environment releases a /run-seeded session on POST /close_session (read once from its
+        OpenAPI)."""
+        if self.env not in self.closes_sessions:
+            try:
+                answer = await self.peers.servers.get(self.env, "/openapi.json")
+                schema = loads_exact(answer.content) if answer.status_code == 200 else None
+            except (httpx.TransportError, ValueError):
+                schema = None
+            self.closes_sessions[self.env] = closes_cookie_sessions(schema)
+        return self.closes_sessions[self.env]
 
 
 class CookieJar:

@@ -1,1 +1,0 @@
-"""Agents: servers that play episodes (seed, model <-> tools/environment, verify)."""

@@ -1,0 +1,43 @@
+"""What a chat request asks of the splice (its prefix, a new token segment), and the telemetry of one not spliced."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nemo_gym_tok.splice import NEW_SEGMENT_KEY, PrefixSource, SpliceError, find_prefix_source
+
+
+@dataclass(frozen=True)
+class SpliceRequest:
+    """A request's prefix (validated ids, or None) and whether it asks for a new token segment."""
+
+    source: PrefixSource | None
+    new_segment: bool
+
+    @property
+    def splices(self) -> bool:
+        """A prefix that belongs to an assistant turn, on a request that keeps the model's ids: the splice runs."""
+        return self.source is not None and not self.new_segment and self.source.message_index >= 0
+
+
+def read_splice_request(
+    messages: Sequence[Any], required_prefix: Any, new_segment: Any, vocab_size: int | None
+) -> SpliceRequest:
+    """The prefix of `messages` (the top-level `required_prefix` first, else the last bundle) and the request's
+    `start_token_segment` value; raises SpliceError naming what to fix."""
+    source = find_prefix_source(messages, required_prefix, vocab_size)
+    if new_segment is not None and not isinstance(new_segment, bool):
+        raise SpliceError(f"{NEW_SEGMENT_KEY} must be true or false, got {new_segment!r}")
+    return SpliceRequest(source, bool(new_segment))
+
+
+def new_segment_telemetry() -> dict[str, Any]:
+    """`prefix_splice` of a request that took the template's ids on purpose (start_token_segment: true)."""
+    return {"applied": False, "template_differed": False, "replaced_tokens": 0, "new_segment": True}
+
+
+def first_turn_telemetry() -> dict[str, Any]:
+    """`prefix_splice` of a first-turn prefix: the template's own ids were checked to start with it, nothing spliced."""
+    return {"applied": False, "template_differed": False, "replaced_tokens": 0}
