@@ -16,11 +16,6 @@ class SpliceRequest:
     source: PrefixSource | None
     new_segment: bool
 
-    @property
-    def splices(self) -> bool:
-        """A prefix that belongs to an assistant turn, on a request that keeps the model's ids: the splice runs."""
-        return self.source is not None and not self.new_segment and self.source.message_index >= 0
-
 
 def read_splice_request(
     messages: Sequence[Any], required_prefix: Any, new_segment: Any, vocab_size: int | None

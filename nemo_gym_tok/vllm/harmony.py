@@ -11,7 +11,7 @@ from nemo_gym_tok.splice import (
     TemplateProfile,
     UnsupportedTemplateError,
 )
-from nemo_gym_tok.splice_host import first_turn_telemetry, new_segment_telemetry
+from nemo_gym_tok.splice_host import new_segment_telemetry
 from nemo_gym_tok.vllm.chat_rendering import host_of, plain_message, tokenizer_facts
 from nemo_gym_tok.vllm.internals import WRAPPED_MARKER
 from nemo_gym_tok.vllm.request_prefix import as_400, read_request, signature_of
@@ -26,10 +26,10 @@ HARMONY_TOKENIZE_REFUSAL = (
 )
 
 
-def _apply(request: Any, engine_inputs: list[Any], result: SpliceResult | None) -> None:
+def _apply(request: Any, engine_inputs: list[Any], result: SpliceResult | dict[str, Any]) -> None:
     """Give the engine the spliced ids (Harmony: rendered to ids already) and remember the telemetry."""
-    if result is None:  # a first-turn prefix: checked, nothing spliced
-        remember(request, first_turn_telemetry())
+    if isinstance(result, dict):  # a first-turn prefix: checked, nothing spliced; its telemetry
+        remember(request, result)
         return
     from nemo_gym_tok.vllm import metrics
 
@@ -66,15 +66,14 @@ def harmony_with_splice(original: Any) -> Any:
 
 def _splice_harmony(
     online: Any, request: Any, include_tools: bool, source: PrefixSource, engine_inputs: list[Any]
-) -> SpliceResult | None:
+) -> SpliceResult | dict[str, Any]:
     if len(engine_inputs) != 1 or "prompt_token_ids" not in engine_inputs[0]:
         raise SpliceError("the prefix splice supports text-only chats rendered to one token prompt")
     template_ids = list(engine_inputs[0]["prompt_token_ids"])
     host = host_of(online)
     renderer = HarmonyRenderer(online, request, include_tools)
     if source.message_index < 0:
-        host.check_first_turn(template_ids, source, renderer)
-        return None
+        return host.check_first_turn(template_ids, source, renderer)
     # Harmony always ends the prompt with `<|start|>assistant` (no add_generation_prompt, no continue_final_message)
     # and applies no truncate_prompt_tokens while rendering. Its renderings are not memoized: everything on the
     # request but its messages reaches Harmony's rendering, which no scope key names.
