@@ -31,6 +31,7 @@ import httpx
 import orjson
 from _episode import DEFAULT_HISTORIES, Call, build_episode, calls_for, nearest_calls, parse_history, tokenize
 from _figures import Figure, Table, command, fmt, run_standalone
+from _gym_processes import cpu_seconds
 from _hops import RecordingProxy, adapter_instance, gym, passthrough, serve_app
 from _server import JSON_HEADERS, MODEL, BenchError, bench_model, note, vllm_server
 from _timing import interleaved, median, percentile, post_ms, ratio
@@ -86,22 +87,31 @@ Body = bytes | Callable[[int], bytes]
 
 
 def timed_rows(
-    calls: list[Call], sizes: Sequence[int], bodies: dict[int, dict[str, tuple[str, Body]]], repeats: int
+    calls: list[Call],
+    sizes: Sequence[int],
+    bodies: dict[int, dict[str, tuple[str, Body]]],
+    repeats: int,
+    adapter_pid: int | None = None,
 ) -> list[dict[str, Any]]:
     """Per call (the one nearest each of `sizes`), its variants (name -> (URL, body)) interleaved; p50/p95 of each.
-    A body made per round is made before its request is timed."""
+    A body made per round is made before its request is timed. With `adapter_pid`, also the CPU milliseconds that
+    process spent per adapter request (only the "adapter" variant reaches it)."""
     rows: list[dict[str, Any]] = []
+    warmup = 2
     for call, size in zip(calls, sizes):
         targets = bodies[call.number]
         with httpx.Client(timeout=600) as http:
             requests = {name: _timed_request(http, url, body) for name, (url, body) in targets.items()}
-            times = interleaved(requests, repeats, warmup=2)
+            cpu_before = cpu_seconds(adapter_pid)
+            times = interleaved(requests, repeats, warmup=warmup)
+            cpu_ms = (cpu_seconds(adapter_pid) - cpu_before) * 1000 / (repeats + warmup)
         rows.append(
             {
                 "call": call.number,
                 "size": size,
                 "ids": call.history_ids,
                 **{name: (percentile(t, 50), percentile(t, 95)) for name, t in times.items()},
+                **({"adapter cpu": cpu_ms} if adapter_pid is not None else {}),
             }
         )
     return rows
@@ -170,6 +180,8 @@ def splice_summary(rows: list[dict[str, Any]]) -> tuple[Table, dict[str, Reading
             "/direct stock worst",
             "/direct token-in median",
             "/direct token-in worst",
+            "adapter - direct token-in p50 ms, median",
+            "adapter CPU ms per call, median",
         ],
     )
     readings: dict[str, Reading] = {}
@@ -185,6 +197,8 @@ def splice_summary(rows: list[dict[str, Any]]) -> tuple[Table, dict[str, Reading
                 readings["P1a.adapter/stock.p50@7k.worst"] = reading
             if baseline == "direct token-in":
                 token_in += pairs
+        cells.append(median([r["adapter"][0] - r["direct token-in"][0] for r in at]))
+        cells.append(median([r.get("adapter cpu", float("nan")) for r in at]))
         table.add(*cells, digits=2)
     readings["P1a.adapter/token-in.p50.worst"] = worst(token_in)
     return table, readings
@@ -292,6 +306,7 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
             upstream_per_call = len(proxy.exchanges) / (2 * len(recorded))
         with gym({"policy_model": adapter_instance(stock, splice="adapter")}) as running:
             adapter_url = running.urls["policy_model"]
+            adapter_pid = next(child.process.pid for child in running.children if child.name == "policy_model")
             for history in args.histories:
                 bodies = {}
                 for call in calls_of(history):
@@ -304,7 +319,7 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
                         call, tokenizer, recorded[(history, call.number)], adapter_url, stock
                     )
                 note(f"P1a: timing the adapter (splice: adapter) vs direct stock vLLM, history {history} ...")
-                timed = timed_rows(calls_of(history), args.sizes, bodies, args.splice_repeats)
+                timed = timed_rows(calls_of(history), args.sizes, bodies, args.splice_repeats, adapter_pid)
                 rows += [{**row, "history": history, "stock ids": stock_ids[(history, row["call"])]} for row in timed]
     summary, readings = splice_summary(rows)
     adapter_figure.tables += [

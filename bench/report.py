@@ -310,11 +310,13 @@ def headlines(figures: dict[str, Figure]) -> list[str]:
             at = [r for r in rows if r["size"] == size]
             stock = [ratio(r["adapter"][0], r["direct stock"][0]) for r in at]
             token_in = [ratio(r["adapter"][0], r["direct token-in"][0]) for r in at]
+            cpu = [r["adapter cpu"] for r in at if "adapter cpu" in r]
             row(
                 "P1a",
                 f"adapter (splice: adapter, stock vLLM) at about {size} history ids, p50 over {len(at)} histories: "
                 f"{fmt(median(stock), 2)} x direct stock (worst {fmt(max(stock), 2)}), {fmt(median(token_in), 2)} x "
-                f"direct token-in (worst {fmt(max(token_in), 2)})",
+                f"direct token-in (worst {fmt(max(token_in), 2)})"
+                + (f"; the adapter's CPU per call {fmt(median(cpu), 1)} ms (median)" if cpu else ""),
             )
     if (p2 := figures.get("P2")) and p2.data.get("histories"):
         histories = p2.data["histories"]

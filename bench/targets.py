@@ -78,7 +78,7 @@ TARGETS: tuple[Target, ...] = (
         "P1a",
         "P1a.adapter/token-in.p50.worst",
         "<=",
-        1.25,
+        1.15,
         "adapter (splice: adapter, stock vLLM) / direct token-in (its own final call), p50, the worst of every size "
         "(1k, 7k, 32k) and history",
     ),

@@ -61,13 +61,13 @@ def test_misses_come_first_then_unmeasured_then_met_in_table_order() -> None:
     assert "1.200" in report and "target <= 1: NOT met" in report
 
 
-def test_the_table_holds_issue_22s_thresholds_with_unique_keys() -> None:
+def test_the_table_holds_the_issues_thresholds_with_unique_keys() -> None:
     by_key = {target.key: target for target in TARGETS}
     assert len(by_key) == len(TARGETS)
     assert all(target.comparison in ("<=", ">=") for target in TARGETS)
     assert by_key["P1.own_share.p50@7k"].threshold == 1.10 and by_key["P1.own_share.p95@7k"].threshold == 1.10
     assert by_key["P1a.adapter/stock.p50@7k.worst"].threshold == 0.8
-    assert by_key["P1a.adapter/token-in.p50.worst"].threshold == 1.25
+    assert by_key["P1a.adapter/token-in.p50.worst"].threshold == 1.15  # issue 32
     assert by_key["P2.hook/stock.paired@7k.worst"].threshold == 0.8
     assert by_key["P3.adapter.per_spliced_turn"].threshold == 1.05
 

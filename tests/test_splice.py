@@ -316,6 +316,19 @@ def test_check_token_ids(ids, message) -> None:
     assert check_token_ids([0, 99], "f", vocab_size=100) == [0, 99]
 
 
+def test_types_checked_ids_are_still_held_to_the_vocabulary() -> None:
+    # The adapter's request model validated the lists already: only the vocabulary bound is left, and it still holds.
+    bundled = [
+        {"role": "assistant", "prompt_token_ids": [1, 2], "generation_token_ids": [150], "generation_log_probs": [0.0]}
+    ]
+    with pytest.raises(InvalidTokenIdsError, match=r"messages\[0\].generation_token_ids\[0\] = 150 is out of vocab"):
+        find_prefix_source(bundled, None, 100, types_checked=True)
+    with pytest.raises(InvalidTokenIdsError, match=r"required_prefix_token_ids\[1\] = 100 is out of vocabulary"):
+        find_prefix_source(bundled, [1, 100], 100, types_checked=True)
+    source = find_prefix_source(bundled, None, 151, types_checked=True)
+    assert source is not None and source.prefix == [1, 2, 150] and source.prompt_length == 2
+
+
 TEXT_CLOSED_TEMPLATE = (
     "{% for m in messages %}{% if m.role == 'user' %}### User: {{ m.content }}\n{% else %}### Assistant: "
     "{{ m.content }}\n{% endif %}{% endfor %}{% if add_generation_prompt %}### Assistant: {% endif %}"

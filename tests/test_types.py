@@ -6,6 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from nemo_gym_tok.types import ChatCompletionRequest, ChatMessage, ResponsesRequest
+from nemo_gym_tok.types.tokens import plain_token_ids
 
 BUNDLE = {"prompt_token_ids": [1, 2, 3], "generation_token_ids": [4, 5], "generation_log_probs": [-0.5, -1.25]}
 
@@ -70,6 +71,25 @@ def test_ids_must_be_non_negative_ints(bad) -> None:
     with pytest.raises(ValidationError) as info:
         ChatMessage.model_validate(assistant(**{**BUNDLE, "prompt_token_ids": [1, bad]}))
     assert info.value.errors()[0]["loc"] == ("prompt_token_ids", 1)
+
+
+@pytest.mark.parametrize("bad", [[1, 2**31], [1, 10**30], [1, -(10**12)], [1, 1e300], [1, {"id": 2}]])
+def test_ids_past_the_fast_check_are_judged_one_by_one(bad) -> None:
+    with pytest.raises(ValidationError) as info:
+        ChatMessage.model_validate(assistant(**{**BUNDLE, "prompt_token_ids": bad}))
+    assert info.value.errors()[0]["loc"] == ("prompt_token_ids", 1)
+
+
+@pytest.mark.parametrize(
+    ("ids", "plain"),
+    [([], True), ([0, 7, 999_999_999], True), ([2**31 - 1], False), ([True], False), ([3.0], False), ((1,), False)],
+)
+def test_plain_token_ids_takes_only_what_needs_no_item_check(ids, plain) -> None:
+    assert plain_token_ids(ids) is plain
+    # Either way the model takes every valid id list, as a copy of the caller's.
+    if all(type(value) is int for value in ids) and isinstance(ids, list):
+        message = ChatMessage.model_validate(assistant(**{**BUNDLE, "prompt_token_ids": ids}))
+        assert message.prompt_token_ids == ids and message.prompt_token_ids is not ids
 
 
 @pytest.mark.parametrize("bad", [[1, "2"], [-3], [False], "1,2", 5, [1.5]])

@@ -7,11 +7,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from nemo_gym_tok.contract.token_sources import PrefixMismatchError, check_prefix
 from nemo_gym_tok.splice._refusals import InvalidTokenIdsError, StalePrefixError
-from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
+from nemo_gym_tok.types.tokens import BUNDLE_FIELDS, plain_token_ids
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -34,17 +32,18 @@ class PrefixSource:
 
 
 def find_prefix_source(
-    messages: Sequence[Any], required_prefix: Any = None, vocab_size: int | None = None
+    messages: Sequence[Any], required_prefix: Any = None, vocab_size: int | None = None, *, types_checked: bool = False
 ) -> PrefixSource | None:
     """Where the request's prefix comes from: explicit `required_prefix_token_ids`, else the LAST bundled message.
 
     An explicit prefix belongs to the last assistant message (index -1 if there is none yet). Raises
-    InvalidTokenIdsError for malformed input.
+    InvalidTokenIdsError for malformed input. `types_checked`: the caller validated every id list as token ids
+    already (nemo_gym_tok.types' TokenIds, as the adapter's request model does), so only `vocab_size` is left to check.
     """
-    assistant_indices = [i for i, m in enumerate(messages) if message_field(m, "role") == "assistant"]
     if required_prefix is not None:
-        prefix = check_token_ids(required_prefix, PREFIX_KEY, vocab_size)
-        return PrefixSource(prefix, assistant_indices[-1] if assistant_indices else -1, explicit=True)
+        prefix = list(_checked_ids(required_prefix, PREFIX_KEY, vocab_size, types_checked))
+        assistants = (i for i in reversed(range(len(messages))) if message_field(messages[i], "role") == "assistant")
+        return PrefixSource(prefix, next(assistants, -1), explicit=True)
     for index in reversed(range(len(messages))):
         present = [key for key in BUNDLE_FIELDS if message_field(messages[index], key) is not None]
         if not present:
@@ -55,11 +54,14 @@ def find_prefix_source(
             raise InvalidTokenIdsError(f"{where}: token bundle is all or none; {missing} missing")
         if message_field(messages[index], "role") != "assistant":
             raise InvalidTokenIdsError(f"{where}: a token bundle belongs on an assistant message")
-        prompt = check_token_ids(
-            message_field(messages[index], "prompt_token_ids"), f"{where}.prompt_token_ids", vocab_size
+        prompt = _checked_ids(
+            message_field(messages[index], "prompt_token_ids"), f"{where}.prompt_token_ids", vocab_size, types_checked
         )
-        generation = check_token_ids(
-            message_field(messages[index], "generation_token_ids"), f"{where}.generation_token_ids", vocab_size
+        generation = _checked_ids(
+            message_field(messages[index], "generation_token_ids"),
+            f"{where}.generation_token_ids",
+            vocab_size,
+            types_checked,
         )
         return PrefixSource(prompt + generation, index, explicit=False, prompt_length=len(prompt))
     return None
@@ -84,11 +86,16 @@ def check_starts_with(template_full: Sequence[int], prefix: Sequence[int], decod
 
 def check_token_ids(ids: Any, field: str, vocab_size: int | None = None) -> list[int]:
     """`ids` as a list of non-negative ints (bools, floats and strings rejected), below `vocab_size` if given."""
+    return list(_checked_ids(ids, field, vocab_size, types_checked=False))
+
+
+def _checked_ids(ids: Any, field: str, vocab_size: int | None, types_checked: bool) -> list[int]:
+    """`ids` itself once checked (callers copy or concatenate it)."""
     if not isinstance(ids, list):
         raise InvalidTokenIdsError(f"{field} must be a list of token ids, got {type(ids).__name__}")
     # The common case checked at C speed (a prefix holds thousands of ids); the loop below names the first bad one.
-    if not ids or (_non_negative_ints(ids) and (vocab_size is None or max(ids) < vocab_size)):
-        return list(ids)
+    if not ids or ((types_checked or plain_token_ids(ids)) and (vocab_size is None or max(ids) < vocab_size)):
+        return ids
     for position, value in enumerate(ids):
         if type(value) is not int:
             raise InvalidTokenIdsError(f"{field}[{position}] must be an int token id, got {value!r}")
@@ -96,17 +103,7 @@ def check_token_ids(ids: Any, field: str, vocab_size: int | None = None) -> list
             raise InvalidTokenIdsError(f"{field}[{position}] must be non-negative, got {value}")
         if vocab_size is not None and value >= vocab_size:
             raise InvalidTokenIdsError(f"{field}[{position}] = {value} is out of vocabulary (size {vocab_size})")
-    return list(ids)
-
-
-def _non_negative_ints(ids: list[Any]) -> bool:
-    """Whether every item is a non-negative int (not a bool): its JSON is digits and commas only. orjson writes
-    bools as true/false, floats with a point or exponent, and raises past 64 bits (the loop then decides)."""
-    try:
-        written = orjson.dumps(ids)
-    except TypeError:
-        return False
-    return not written[1:-1].translate(None, b"0123456789,")
+    return ids
 
 
 def message_field(message: Any, key: str) -> Any:

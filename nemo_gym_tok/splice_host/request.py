@@ -18,11 +18,17 @@ class SpliceRequest:
 
 
 def read_splice_request(
-    messages: Sequence[Any], required_prefix: Any, new_segment: Any, vocab_size: int | None
+    messages: Sequence[Any],
+    required_prefix: Any,
+    new_segment: Any,
+    vocab_size: int | None,
+    *,
+    types_checked: bool = False,
 ) -> SpliceRequest:
     """The prefix of `messages` (the top-level `required_prefix` first, else the last bundle) and the request's
-    `start_token_segment` value; raises SpliceError naming what to fix."""
-    source = find_prefix_source(messages, required_prefix, vocab_size)
+    `start_token_segment` value; raises SpliceError naming what to fix. `types_checked`: every id list was validated
+    as token ids already (find_prefix_source)."""
+    source = find_prefix_source(messages, required_prefix, vocab_size, types_checked=types_checked)
     if new_segment is not None and not isinstance(new_segment, bool):
         raise SpliceError(f"{NEW_SEGMENT_KEY} must be true or false, got {new_segment!r}")
     return SpliceRequest(source, bool(new_segment))

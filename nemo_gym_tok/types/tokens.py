@@ -4,14 +4,43 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidatorFunctionWrapHandler, WrapValidator, model_validator
 
 MAX_TOKEN_ID = 2**31 - 1
 """vLLM keeps token ids as 32-bit ints; a larger id is a caller's mistake (past 64 bits orjson alone would read it as a
 float: the gym's reader, nemo_gym_tok.common.exact_json, leaves such text to the stdlib)."""
+_ID_LIST_CLASSES = bytes(
+    ord("0") if ord("0") <= byte <= ord("9") else byte if byte == ord(",") else ord("x") for byte in range(256)
+)
+"""Maps every digit to "0", keeps ",", and every other byte to "x": one pass tells a list of plain ids apart."""
+_TEN_DIGITS = b"0" * len(str(MAX_TOKEN_ID))
+"""A number this long may pass MAX_TOKEN_ID; shorter ones never do."""
+
+
+def plain_token_ids(ids: Any) -> bool:
+    """Whether `ids` is a list of ints from 0 to 999,999,999 (no bool, float, string or nesting): what every real id
+    list is, decided at C speed from its JSON, which orjson writes as digits and commas only (bools as true/false,
+    floats with a point or an exponent, negatives with a sign). False leaves the list to the item-by-item check, which
+    names the first bad id."""
+    if type(ids) is not list:
+        return False
+    try:
+        written = orjson.dumps(ids)
+    except TypeError:  # an int past 64 bits, or a value JSON cannot hold
+        return False
+    classes = written[1:-1].translate(_ID_LIST_CLASSES)
+    return b"x" not in classes and _TEN_DIGITS not in classes
+
+
+def _validated_ids(value: Any, validate: ValidatorFunctionWrapHandler) -> list[int]:
+    # A bundle holds thousands of ids, which pydantic checks one by one; the plain case is settled at C speed first.
+    return list(value) if plain_token_ids(value) else validate(value)
+
+
 # Strict: a bool, a float like 3.0 or a string "3" is a caller mistake, never silently coerced into an id.
 TokenId = Annotated[int, Strict(), Field(ge=0, le=MAX_TOKEN_ID)]
-TokenIds = list[TokenId]
+TokenIds = Annotated[list[TokenId], WrapValidator(_validated_ids)]
 LogProb = Annotated[float, Field(allow_inf_nan=True)]
 
 BUNDLE_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
@@ -138,6 +167,14 @@ class TokenBundleMixin(BaseModel):
 
     @model_validator(mode="after")
     def _bundle_is_all_or_none(self) -> TokenBundleMixin:
+        if (
+            self.prompt_token_ids is None
+            and self.generation_token_ids is None
+            and self.generation_log_probs is None
+            and self.generation_forced_mask is None
+            and self.weight_version_spans is None
+        ):  # most messages of a history: nothing to check (a lone weight_version is a string already)
+            return self
         present = [name for name in BUNDLE_FIELDS if getattr(self, name) is not None]
         if present and len(present) != len(BUNDLE_FIELDS):
             missing = [name for name in BUNDLE_FIELDS if name not in present]

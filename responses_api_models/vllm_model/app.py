@@ -267,6 +267,7 @@ class VLLMModel(ModelServer):
                 ),
                 server=url,
                 epoch=lambda: self.upstream.epoch(url),
+                validated=True,  # ChatCall checked every id list
             )
             body, telemetry, confirm, telemetry_ready = (
                 spliced.body,

@@ -115,18 +115,22 @@ class AdapterSplicer:
         tokenize_body: dict[str, Any],
         server: str = "",
         epoch: Callable[[], int] = lambda: 0,
+        validated: bool = False,
     ) -> SplicedCall:
         """The token-in chat body for `body` (a chat request as vLLM would get it) and its telemetry.
 
         `tokenize_body` is the /tokenize request that renders the same prompt; `server` names the vLLM server the
         request goes to and `epoch()` its connection epoch (VLLMUpstream.epoch), which the template proofs are kept
-        by. Raises ApiError: 400 for a prefix that cannot be proven exact (as the hook answers), 502 when the local
+        by; `validated`: `body` passed the adapter's request model (ChatCall), whose id lists are checked already.
+        Raises ApiError: 400 for a prefix that cannot be proven exact (as the hook answers), 502 when the local
         template is not the server's.
         """
         messages = body.get("messages") or []
         template = await self._template(get)
         try:
-            asked = read_splice_request(messages, body.get(PREFIX_KEY), body.get(NEW_SEGMENT_KEY), template.vocab_size)
+            asked = read_splice_request(
+                messages, body.get(PREFIX_KEY), body.get(NEW_SEGMENT_KEY), template.vocab_size, types_checked=validated
+            )
         except SpliceError as exc:
             raise ApiError(400, str(exc), param=PREFIX_KEY) from None
         sent = strip_token_fields(body)
@@ -375,11 +379,14 @@ def strip_token_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(body.get("messages"), list):
         stripped["messages"] = [
             {key: value for key, value in message.items() if key not in BUNDLE_FIELDS}
-            if isinstance(message, dict)
-            else message
+            if isinstance(message, dict) and not _BUNDLE_FIELD_SET.isdisjoint(message)
+            else message  # shared, not copied: most messages carry no bundle
             for message in body["messages"]
         ]
     return stripped
+
+
+_BUNDLE_FIELD_SET = frozenset(BUNDLE_FIELDS)
 
 
 def vllm_tool_dicts(tools: Any) -> list[dict[str, Any]] | None:

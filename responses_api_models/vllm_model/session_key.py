@@ -44,9 +44,14 @@ def _opening(body: Mapping[str, Any]) -> list[Any]:
         return [{"role": "user", "content": messages}]
     if not isinstance(messages, list):
         return [messages]
-    # Role and content only: a Responses client may resend a message item with `type` or `id` added.
-    normalized = [{"role": m.get("role"), "content": m.get("content")} if isinstance(m, dict) else m for m in messages]
-    for index, message in enumerate(normalized):
-        if isinstance(message, dict) and message["role"] == "user":
-            return normalized[: index + 1]
-    return normalized
+    # Role and content only: a Responses client may resend a message item with `type` or `id` added. Read up to the
+    # first user message, not the whole history.
+    opening: list[Any] = []
+    for message in messages:
+        if not isinstance(message, dict):
+            opening.append(message)
+            continue
+        opening.append({"role": message.get("role"), "content": message.get("content")})
+        if message.get("role") == "user":
+            break
+    return opening

@@ -35,6 +35,7 @@ def test_strip_token_fields_leaves_everything_else() -> None:
         "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
     }
     assert body["messages"][1]["prompt_token_ids"] == [1, 2]  # the caller's body is not modified
+    assert strip_token_fields(body)["messages"][0] is body["messages"][0]  # a message without a bundle is not copied
 
 
 @pytest.mark.parametrize(
