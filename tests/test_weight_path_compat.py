@@ -60,7 +60,10 @@ OTHERS = {
     "vllm/v1/worker/worker_base.py": "class WorkerBase: ...\n",
     "vllm/model_executor/layers/utils.py": "def dispatch_cpu_unquantized_gemm(layer, remove_weight): ...\n",
     "vllm/distributed/weight_transfer/nccl_engine.py": "class NCCLWeightTransferEngine: ...\n",
-    "vllm/entrypoints/serve/middleware/authenticate.py": 'GUARDED_PREFIX = ("/v1",)\n',
+    "vllm/entrypoints/serve/middleware/authenticate.py": (
+        'GUARDED_PREFIX = ("/v1",)\nclass AuthenticationMiddleware:\n'
+        "    def __call__(self, scope, receive, send):\n        return scope['path'].startswith(GUARDED_PREFIX)\n"
+    ),
 }
 
 
@@ -76,7 +79,8 @@ def test_a_029_shaped_release_with_body_keys_fits() -> None:
         (("vllm/entrypoints/serve/dev/rlhf/api_router.py", "weight_version: str", "label: str"), "/finish_weight_"),
         (("vllm/v1/worker/gpu_model_runner.py", "reload_weights", "load_again"), "GPUModelRunner.reload_weights"),
         (("vllm/v1/worker/gpu_model_runner.py", "weights_path", "path"), "takes no weights_path"),
-        (("vllm/entrypoints/serve/middleware/authenticate.py", "GUARDED_PREFIX", "GUARDED"), "GUARDED_PREFIX"),
+        (("vllm/entrypoints/serve/middleware/authenticate.py", "GUARDED_PREFIX =", "GUARDED ="), "GUARDED_PREFIX"),
+        (("vllm/entrypoints/serve/middleware/authenticate.py", "(GUARDED_PREFIX)", "(self.guarded)"), "does not read"),
     ],
 )
 def test_what_a_release_moved_is_named(change: tuple[str, str, str], problem: str) -> None:

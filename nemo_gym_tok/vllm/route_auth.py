@@ -5,19 +5,28 @@ With `VLLM_SERVER_DEV_MODE=1` vLLM serves `/pause`, `/resume`, `/collective_rpc`
 through without a key (it checks a fixed tuple of path prefixes, `GUARDED_PREFIX`). This module adds the paths of
 vLLM's development and RL routers to that tuple, so a server started with a key asks for it there too. Without a key
 vLLM installs no middleware at all: `ngt vllm-serve` then refuses to serve those routes beyond loopback
-(nemo_gym_tok.cli.vllm_serve). vLLM is imported inside functions.
+(nemo_gym_tok.cli.vllm_serve). It fails closed: where a vLLM release keeps its guard elsewhere (the tuple gone, or
+the middleware no longer reading it) and the development routes are on, the plugin raises RouteGuardMissing, which
+stops the server from starting, rather than serve those routes unguarded. vLLM is imported inside functions.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import os
+from collections.abc import Mapping
+from types import ModuleType
 
 logger = logging.getLogger("nemo_gym_tok.vllm.route_auth")
 
 AUTH_MODULE = "vllm.entrypoints.serve.middleware.authenticate"
 """Where vLLM's API-key middleware reads `GUARDED_PREFIX` on every request (0.29 to 0.33)."""
 GUARDED_NAME = "GUARDED_PREFIX"
+MIDDLEWARE_NAME = "AuthenticationMiddleware"
+"""The middleware in AUTH_MODULE whose `__call__` reads GUARDED_NAME: extending the tuple guards nothing otherwise."""
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+"""vLLM serves its development and RL routes (those that change weights) only with this set to 1."""
 # The routers vLLM adds with VLLM_SERVER_DEV_MODE=1, by release: their paths are read from the routers themselves, so
 # a route a release adds is guarded without a change here. 0.29 keeps the RL routes under serve/dev/rlhf.
 DEV_ROUTER_MODULES = (
@@ -61,17 +70,46 @@ def dev_route_paths() -> tuple[str, ...]:
     return tuple(sorted(paths))
 
 
-def guard_weight_routes() -> bool:
-    """Add the development routes to the prefixes vLLM's API-key middleware guards; idempotent. False (logged) when
-    the installed vLLM keeps its guard elsewhere: `ngt vllm-compat` names such a release."""
+class RouteGuardMissing(RuntimeError):
+    """vLLM's development routes are on, and its API-key guard is not where this module extends it."""
+
+
+def guard_problem(module: ModuleType | None) -> str | None:
+    """Why vLLM's API-key middleware cannot be extended through `module` (AUTH_MODULE, None when it does not import),
+    or None when GUARDED_NAME is a tuple of path prefixes that MIDDLEWARE_NAME reads on each request."""
+    if module is None:
+        return f"{AUTH_MODULE} does not import"
+    guarded = getattr(module, GUARDED_NAME, None)
+    if not isinstance(guarded, tuple) or not all(isinstance(prefix, str) for prefix in guarded):
+        return f"no tuple of path prefixes at {AUTH_MODULE}.{GUARDED_NAME}"
+    middleware = getattr(module, MIDDLEWARE_NAME, None)
+    call = vars(middleware).get("__call__") if isinstance(middleware, type) else None
+    # The middleware reads the module global at each request; a release that keeps the prefixes elsewhere (an
+    # attribute, a closure) leaves the tuple in place but unread, and extending it would guard nothing.
+    if GUARDED_NAME not in getattr(getattr(call, "__code__", None), "co_names", ()):
+        return f"{AUTH_MODULE}.{MIDDLEWARE_NAME}.__call__ does not read {GUARDED_NAME}"
+    return None
+
+
+def guard_weight_routes(environ: Mapping[str, str] | None = None) -> bool:
+    """Add the development routes to the prefixes vLLM's API-key middleware guards; idempotent. Where the installed
+    vLLM keeps its guard elsewhere (`ngt vllm-compat` names such a release): RouteGuardMissing when `environ`
+    (os.environ by default) turns the development routes on, else False, logged (no such route is served)."""
     try:
         module = importlib.import_module(AUTH_MODULE)
     except ImportError:
         module = None
-    guarded = getattr(module, GUARDED_NAME, None)
-    if not isinstance(guarded, tuple):
-        logger.warning("nemo_gym_tok: no API-key guard at %s.%s; weight routes unguarded", AUTH_MODULE, GUARDED_NAME)
+    problem = guard_problem(module)
+    if problem is not None:
+        if (os.environ if environ is None else environ).get(DEV_MODE_ENV) == "1":
+            raise RouteGuardMissing(
+                f"nemo_gym_tok: {DEV_MODE_ENV}=1 serves the routes that change weights (/pause, /collective_rpc, "
+                f"/update_weights, ...), and this vLLM keeps its API-key guard elsewhere ({problem}): refusing to "
+                f"serve them unguarded. Unset {DEV_MODE_ENV}, or run a vLLM release `ngt vllm-compat` passes"
+            )
+        logger.warning("nemo_gym_tok: %s; vLLM's development routes would be unguarded (they are off)", problem)
         return False
+    guarded = getattr(module, GUARDED_NAME)
     added = tuple(path for path in dev_route_paths() if not path.startswith(guarded))
     setattr(module, GUARDED_NAME, (*guarded, *added))
     return True

@@ -13,7 +13,7 @@ import ast
 from collections.abc import Iterator
 
 from nemo_gym_tok.vllm.exact_reload import PACKING_FUNCTION, RELOAD_METHOD, WORKER_CLASS
-from nemo_gym_tok.vllm.route_auth import AUTH_MODULE, DEV_ROUTER_MODULES, GUARDED_NAME
+from nemo_gym_tok.vllm.route_auth import AUTH_MODULE, DEV_ROUTER_MODULES, GUARDED_NAME, MIDDLEWARE_NAME
 from nemo_gym_tok.vllm_wheels.wheel_source import ModuleSources, parameter_names
 
 # What `ngt push-weights` calls (nemo_gym_tok.weights.replica), with the parameters it passes.
@@ -121,4 +121,8 @@ def weight_path_problems(sources: ModuleSources) -> list[str]:
     for module_name, name in (WORKER_CLASS, PACKING_FUNCTION, NCCL_ENGINE, (AUTH_MODULE, GUARDED_NAME)):
         if _top_level(sources, module_name, name) is None:
             problems.append(f"missing {module_name}.{name}")
+    # The guard extends the tuple only because the middleware reads it on each request (route_auth.guard_problem).
+    call = _method(sources, AUTH_MODULE, MIDDLEWARE_NAME, "__call__")
+    if call is None or not any(isinstance(node, ast.Name) and node.id == GUARDED_NAME for node in ast.walk(call)):
+        problems.append(f"{AUTH_MODULE}.{MIDDLEWARE_NAME}.__call__ does not read {GUARDED_NAME} (the key guard)")
     return problems
