@@ -13,6 +13,12 @@ PYTEST_ARGS ?=
 # needs transformers<5.18; 0.29 (what `nemo-gym[vllm]` 0.7.0 pins) declares only transformers>=5.10.4 and gets the
 # same pin (not tried without it).
 OLD_VLLM_TRANSFORMERS := transformers<5.18
+# NeMo Gym's own venv (the test-nemo-gym target below): defined here because `extra-venvs` names its stamp as a
+# prerequisite, and make expands a prerequisite list when it reads the rule, before any later definition.
+NEMO_GYM_VENV := .venv-nemo-gym
+NEMO_GYM_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13.*/bin/python3.13))
+NEMO_GYM_VERSION := 0.7.0
+NEMO_GYM_STAMP := $(NEMO_GYM_VENV)/.nemo-gym-$(NEMO_GYM_VERSION)
 # The tests that start a real hooked vLLM server or read its internals: what a vLLM release can break.
 # docs/vllm-versions.md names them and the deselections below; tests/test_doc_consistency.py keeps the two alike.
 HOOK_SERVER_TESTS := tests/test_hook_internals.py tests/test_hook_vllm.py tests/test_hook_exactness.py \
@@ -31,7 +37,7 @@ DESELECT_030 := --deselect tests/test_hook_vllm.py::test_tool_call_conversations
 DESELECT_029 := $(DESELECT_030)
 
 .PHONY: setup chromium test lint format test-gpt-oss demo train-demo clean test-families test-fleet soak template-sweep vllm-compat test-vllm-0.30 \
-	test-vllm-0.29 bench renderers-venv renderers-oracle clients-venv
+	test-vllm-0.29 bench renderers-venv renderers-oracle clients-venv test-nemo-gym extra-venvs
 
 setup: $(NGT_STAMP)
 
@@ -184,12 +190,6 @@ clean:
 # has 3.13.0, so pip installs it with --ignore-requires-python. No [vllm] extra (it pins vLLM 0.29 for GPUs): NeMo
 # Gym's servers only talk HTTP to vLLM. Its base dependencies pull no torch (ray, mlflow, wandb, datasets: ~1.4 GB,
 # ~90 s).
-.PHONY: test-nemo-gym extra-venvs
-NEMO_GYM_VENV := .venv-nemo-gym
-NEMO_GYM_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13.*/bin/python3.13))
-NEMO_GYM_VERSION := 0.7.0
-NEMO_GYM_STAMP := $(NEMO_GYM_VENV)/.nemo-gym-$(NEMO_GYM_VERSION)
-
 test-nemo-gym: setup $(NEMO_GYM_STAMP)
 	$(PY) -m pytest tests/nemo_gym -s $(PYTEST_ARGS)
 
