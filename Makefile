@@ -37,7 +37,8 @@ DESELECT_030 := --deselect tests/test_hook_vllm.py::test_tool_call_conversations
 DESELECT_029 := $(DESELECT_030)
 
 .PHONY: setup chromium test lint format test-gpt-oss demo train-demo clean test-families test-fleet soak template-sweep vllm-compat test-vllm-0.30 \
-	test-vllm-0.29 bench renderers-venv renderers-oracle clients-venv test-nemo-gym extra-venvs
+	test-vllm-0.29 bench renderers-venv renderers-oracle clients-venv vllm-wheels test-vllm-wheels test-nemo-gym \
+	extra-venvs
 
 setup: $(NGT_STAMP)
 
@@ -155,6 +156,16 @@ bench: setup
 vllm-compat: setup
 	$(VENV)/bin/ngt vllm-compat
 
+# The same wheels (about 1.6 GB in all, in ~/.cache/nemo_gym_tok/vllm-wheels or $NGT_CACHE_DIR/vllm-wheels) fetched
+# without checking them: .ci/run fetches them in the background (extra-venvs) while `make test` runs.
+vllm-wheels: setup
+	$(VENV)/bin/ngt vllm-compat --download-only
+
+# The stock-wheel tests (tests/vllm_wheels, not in `make test`), after `ngt vllm-compat` prints its table; a missing
+# wheel fails them here instead of skipping (NGT_REQUIRE_VLLM_WHEELS). Run by .ci/run after `make test`.
+test-vllm-wheels: vllm-compat
+	NGT_REQUIRE_VLLM_WHEELS=1 $(PY) -m pytest tests/vllm_wheels $(PYTEST_ARGS)
+
 # The hook's real-server tests on an older vLLM, in its own venv: `-e .[test]` is installed with the transformers pin
 # named in the same command, so pip keeps it.
 test-vllm-0.30: .venv-vllm-0.30/.ngt-installed
@@ -177,9 +188,10 @@ test-vllm-0.29: .venv-vllm-0.29/.ngt-installed
 	.venv-vllm-$*/bin/python -m pip install --quiet -e '.[test]' '$(OLD_VLLM_TRANSFORMERS)'
 	touch $@
 
-# Every side venv CI needs, installed without running anything: .ci/run builds them in the background while
-# `make test` runs (pip is mostly download and unpacking), one after the other (each installs this checkout with -e).
-extra-venvs: setup .venv-vllm-0.30/.ngt-installed .venv-vllm-0.29/.ngt-installed $(NEMO_GYM_STAMP)
+# Every side venv CI needs, and the stock vLLM wheels, installed or fetched without running anything: .ci/run builds
+# them in the background while `make test` runs (pip is mostly download and unpacking), one after the other (each
+# venv installs this checkout with -e).
+extra-venvs: setup .venv-vllm-0.30/.ngt-installed .venv-vllm-0.29/.ngt-installed $(NEMO_GYM_STAMP) vllm-wheels
 
 clean:
 	rm -rf $(VENV) .venv-vllm-0.30 .venv-vllm-0.29 $(RENDERERS_VENV) $(CLIENTS_VENV) $(NEMO_GYM_VENV)

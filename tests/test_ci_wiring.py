@@ -1,4 +1,4 @@
-"""What .ci/run relies on the Makefile for: the side venvs built while `make test` runs."""
+"""What .ci/run relies on the Makefile for: the side venvs and the stock vLLM wheels fetched while `make test` runs."""
 
 from __future__ import annotations
 
@@ -26,3 +26,17 @@ def test_extra_venvs_builds_the_nemo_gym_venv() -> None:
     """A prerequisite list is expanded when make reads the rule: a variable defined below it would be empty there."""
     commands = dry_run("extra-venvs")
     assert any("pip install" in line and "nemo-gym==" in line for line in commands), commands
+
+
+def test_extra_venvs_fetches_the_stock_wheels() -> None:
+    commands = dry_run("extra-venvs")
+    assert any(line.endswith("ngt vllm-compat --download-only") for line in commands), commands
+
+
+def test_ci_checks_the_stock_wheels_and_cannot_skip_them() -> None:
+    assert any(
+        "NGT_REQUIRE_VLLM_WHEELS=1" in line and "tests/vllm_wheels" in line for line in dry_run("test-vllm-wheels")
+    )
+    steps = [line.split("#")[0].split() for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()]
+    names = [words[1] for words in steps if words[:1] == ["step"]]
+    assert names.index("test-vllm-wheels") > names.index("test")

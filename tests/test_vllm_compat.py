@@ -1,5 +1,5 @@
-"""The static vLLM wheel check (`ngt vllm-compat`) on small hand-written sources (no download, no vLLM import), and on
-the stock wheels when they are in the cache."""
+"""The static vLLM wheel check (`ngt vllm-compat`) on small hand-written sources (no download, no vLLM import); the
+stock wheels are checked by tests/vllm_wheels (`make test-vllm-wheels`, in CI)."""
 
 from __future__ import annotations
 
@@ -408,17 +408,6 @@ def test_a_cached_wheel_is_reused_without_pip(tmp_path: Path, monkeypatch: pytes
     assert compat.download_wheel("0.31.0", tmp_path) == cached
 
 
-@pytest.mark.parametrize("version", compat.supported_releases())
-def test_the_cached_stock_wheels_fit(version: str) -> None:
-    """The real sources, when `ngt vllm-compat` has downloaded them (this test never downloads)."""
-    cached = sorted(compat.wheel_cache_dir().glob(f"vllm-{version}-*.whl"))
-    if not cached:
-        pytest.skip(f"no cached vllm {version} wheel in {compat.wheel_cache_dir()} (run `make vllm-compat`)")
-    report = compat.check_wheel(cached[0], version)
-    assert report.problems == []
-    assert report.splice_point == compat.SplicePoint(True, True, True, True, True)
-
-
 # --- weight versions (CompletionOutput.weight_versions, vLLM 0.32 on) ---------------------------------------------
 
 
@@ -440,12 +429,40 @@ def test_the_wheel_check_reads_which_releases_have_weight_versions() -> None:
     )
 
 
-@pytest.mark.parametrize("version", compat.supported_releases())
-def test_the_cached_wheels_say_where_weight_versions_start(version: str) -> None:
-    """From the stock wheels, when `ngt vllm-compat` has cached them: 0.32 is the first release with them."""
-    cached = sorted(compat.wheel_cache_dir().glob(f"vllm-{version}-*.whl"))
-    if not cached:
-        pytest.skip(f"no cached vllm {version} wheel in {compat.wheel_cache_dir()} (run `make vllm-compat`)")
-    report = compat.check_wheel(cached[0], version)
-    assert report.weight_versions == internals.field_expected(internals.WEIGHT_VERSIONS_FIELD, version)
-    assert report.problems == []
+def test_a_missing_stock_wheel_fails_where_the_wheels_are_expected(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tests/vllm_wheels skips without the wheels, except under NGT_REQUIRE_VLLM_WHEELS=1 (CI), where it fails."""
+    from tests.vllm_wheels.test_stock_wheels import REQUIRE_WHEELS_ENV, stock_wheel
+
+    monkeypatch.setenv("NGT_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(REQUIRE_WHEELS_ENV, raising=False)
+    with pytest.raises(pytest.skip.Exception, match="no cached vllm 0.33.0 wheel"):
+        stock_wheel("0.33.0")
+    monkeypatch.setenv(REQUIRE_WHEELS_ENV, "1")
+    with pytest.raises(pytest.fail.Exception, match=f"{REQUIRE_WHEELS_ENV}=1 expects it"):
+        stock_wheel("0.33.0")
+    wheel = tmp_path / "vllm-wheels" / "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    wheel.parent.mkdir()
+    wheel.write_bytes(b"")
+    assert stock_wheel("0.33.0") == wheel
+
+
+def test_the_download_only_run_fetches_and_checks_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ngt vllm-compat --download-only` (`make vllm-wheels`, in CI's background set-up) fills the cache, no table."""
+    from nemo_gym_tok import vllm_wheels
+    from nemo_gym_tok.cli import main
+
+    fetched = []
+
+    def download(version: str, directory: Path) -> Path:
+        fetched.append(version)
+        return directory / f"vllm-{version}-cp38-abi3-manylinux_2_28_x86_64.whl"
+
+    def no_check(*args: object) -> None:
+        raise AssertionError("--download-only checked a wheel")
+
+    monkeypatch.setattr(vllm_wheels, "download_wheel", download)
+    monkeypatch.setattr(vllm_wheels, "check_wheel", no_check)
+    assert main.main(["vllm-compat", "--download-only", "--wheel-dir", str(tmp_path)]) == 0
+    assert fetched == compat.supported_releases()

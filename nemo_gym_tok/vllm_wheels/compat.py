@@ -71,6 +71,12 @@ def wheel_cache_dir() -> Path:
     return cache_root() / "vllm-wheels"
 
 
+def cached_wheel(version: str, directory: Path | None = None) -> Path | None:
+    """The stock `vllm` wheel of `version` already in `directory` (default: wheel_cache_dir()), None if absent."""
+    cached = sorted((directory or wheel_cache_dir()).glob(f"vllm-{version}-*.whl"))
+    return cached[0] if cached else None
+
+
 @dataclass
 class ReleaseReport:
     """What one vLLM release's source offers the hook; `problems` is empty when the hook fits it."""
@@ -190,9 +196,9 @@ def _token_in_path(reader: SourceReader, module: str, preprocess: FunctionNode) 
 
 def download_wheel(version: str, directory: Path) -> Path:
     """The stock `vllm` wheel of `version` in `directory`, downloaded by pip (no dependencies) unless already there."""
-    cached = sorted(directory.glob(f"vllm-{version}-*.whl"))
-    if cached:
-        return cached[0]
+    cached = cached_wheel(version, directory)
+    if cached is not None:
+        return cached
     directory.mkdir(parents=True, exist_ok=True)
     command = [
         sys.executable,
@@ -202,17 +208,19 @@ def download_wheel(version: str, directory: Path) -> Path:
         "--quiet",
         "--no-deps",
         "--only-binary=:all:",
+        # The wheel is kept in `directory`; a second copy in pip's own cache would only double 1.6 GB of disk.
+        "--no-cache-dir",
         f"vllm=={version}",
         "--dest",
         str(directory),
     ]
     completed = subprocess.run(command, capture_output=True, text=True)
-    cached = sorted(directory.glob(f"vllm-{version}-*.whl"))
-    if completed.returncode != 0 or not cached:
+    cached = cached_wheel(version, directory)
+    if completed.returncode != 0 or cached is None:
         # pip's warnings about this machine's index configuration would bury the reason.
         reason = "\n".join(line for line in completed.stderr.splitlines() if not line.startswith("WARNING:"))
         raise RuntimeError(f"pip could not download vllm=={version}: {reason.strip()[-2000:]}")
-    return cached[0]
+    return cached
 
 
 def check_wheel(wheel: Path, version: str) -> ReleaseReport:
