@@ -17,6 +17,7 @@ _SUBCOMMAND_MODULES = (
     "nemo_gym_tok.cli.inspect_cmd",
     "nemo_gym_tok.cli.demo",
     "nemo_gym_tok.cli.train_demo",
+    "nemo_gym_tok.cli.train_async",
     "nemo_gym_tok.cli.template_sweep",
     "nemo_gym_tok.cli.vllm_compat",
     "nemo_gym_tok.cli.push_weights",

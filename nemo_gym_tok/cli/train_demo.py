@@ -7,6 +7,9 @@ import sys
 import warnings
 from pathlib import Path
 
+from nemo_gym_tok.train.correction import CORRECTION_MODES, DEFAULT_TIS_CAP, Correction
+from nemo_gym_tok.weights import PAUSE_MODES
+
 TIME_LIMIT_SECONDS = 600.0
 MODELS = ("train", "default")
 
@@ -19,8 +22,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "Build the tiny model's training variant (cached), start a hooked vLLM with vLLM's weight routes "
             "(VLLM_SERVER_DEV_MODE=1) on a copy of it, start the non_ascii environment, the vllm_model adapter and an "
             "agent, and run TRL's GRPOTrainer on the CPU with nemo_gym_tok's rollout_func: before each step the "
-            "trainer's weights are pushed to vLLM and every episode is collected through the agent, token-exact "
-            "and on those weights. One line per step: mean reward, the learner-versus-sampler log-prob gap on the "
+            "trainer's weights are pushed to vLLM (each push proven by a log-prob probe) and the step's episodes are "
+            "collected through the agent, token-exact and on those weights; with --max-staleness K collection runs up "
+            "to K steps ahead of the trainer, every token labelled with the weights that drew it and weighed by "
+            "--correction. One line per step: mean reward, the learner-versus-sampler log-prob gap on the "
             "exact ids, what a text pipeline (the final messages re-rendered and re-tokenized) would feed the "
             "learner instead, the push time and the contiguous episodes. Records, a per-step metrics JSONL and a "
             "plot go to the output directory. Exit status 0 when the targets are met (docs/training.md)."
@@ -49,12 +54,55 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=Path(".ngt/train-demo"),
         help="where records, metrics.jsonl and train-demo.png go (default .ngt/train-demo); each run replaces them",
     )
+    add_async_arguments(parser)
     parser.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def add_async_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of collection running ahead of the trainer (train-demo and train-async alike)."""
+    parser.add_argument(
+        "--max-staleness",
+        type=int,
+        default=0,
+        help="how many pushes behind the trainer a sampled token may be: collection of step N's episodes starts "
+        "once step N - K's weights are served (default 0: each step collects after its own push, the synchronous loop)",
+    )
+    parser.add_argument(
+        "--correction",
+        choices=CORRECTION_MODES,
+        default="tis",
+        help="how tokens of older weights enter the loss: tis (token-level truncated importance sampling against the "
+        "sampler's own log probs, capped at --tis-cap; the default), mask (tokens more than --mask-lag pushes behind "
+        "leave the loss), none",
+    )
+    parser.add_argument("--tis-cap", type=float, default=DEFAULT_TIS_CAP, help="the ratio cap of tis (default 2)")
+    parser.add_argument("--mask-lag", type=int, default=0, help="mask keeps tokens at most this lag (default 0)")
+    parser.add_argument(
+        "--pause-mode",
+        choices=PAUSE_MODES,
+        default="keep",
+        help="how pushes treat requests in flight: keep (frozen, then go on with the new weights, the ids of each "
+        "version told apart; the default) or wait (finish on the old weights first)",
+    )
+
+
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """A usage mistake in the shared flags, or None."""
     if min(args.steps, args.num_generations, args.prompts_per_step) < 1 or args.num_generations < 2:
-        print("train-demo: steps and prompts per step must be >= 1, num-generations >= 2", file=sys.stderr)
+        return "steps and prompts per step must be >= 1, num-generations >= 2"
+    if args.max_staleness < 0 or args.mask_lag < 0:
+        return "--max-staleness and --mask-lag must be >= 0"
+    try:
+        Correction(args.correction, tis_cap=args.tis_cap, mask_lag=args.mask_lag)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    problem = check_arguments(args)
+    if problem is not None:
+        print(f"train-demo: {problem}", file=sys.stderr)
         return 2
     warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions")
     # Imported here: `ngt --help` and the other commands do not pay for torch, TRL or the test harnesses.
@@ -73,6 +121,9 @@ def run(args: argparse.Namespace) -> int:
         num_generations=args.num_generations,
         prompts_per_step=args.prompts_per_step,
         learning_rate=args.learning_rate,
+        max_staleness=args.max_staleness,
+        correction=Correction(args.correction, tis_cap=args.tis_cap, mask_lag=args.mask_lag),
+        pause_mode=args.pause_mode,
     )
     settings = DemoSettings(model_dir, args.output_dir, plan, served_dtype=args.dtype)
     result = run_train_demo(

@@ -4,6 +4,7 @@ only the prompts)."""
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,3 +61,24 @@ class PromptRows:
             return self._by_prompt[prompt_key(prompt)]
         except KeyError:
             raise KeyError(f"no row has the prompt {prompt_key(prompt)[:200]}") from None
+
+    def schedule(self, steps: int, prompts_per_step: int, num_generations: int, seed: int = 0) -> list[list[Any]]:
+        """The rows each step trains on, fixed before training starts so collection can run ahead of the trainer:
+        step N's `prompts_per_step` rows, each repeated `num_generations` times in a row (as TRL hands them to a
+        rollout_func), the rows walked in a seeded shuffle, one shuffle per pass over them."""
+        if min(steps, prompts_per_step, num_generations) < 1:
+            raise ValueError("steps, prompts_per_step and num_generations must be >= 1")
+        order: list[dict[str, Any]] = []
+        shuffler = random.Random(seed)
+        while len(order) < steps * prompts_per_step:
+            passing = list(self.rows)
+            shuffler.shuffle(passing)
+            order += passing
+        return [
+            [
+                row
+                for row in order[step * prompts_per_step : (step + 1) * prompts_per_step]
+                for _ in range(num_generations)
+            ]
+            for step in range(steps)
+        ]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nemo_gym_tok.train.correction import CorrectionFigures
 from nemo_gym_tok.train.logprob_gap import KINDS, GapFigures
 from nemo_gym_tok.train.text_pipeline import TextPipelineFigures
 
@@ -30,6 +31,15 @@ class StepMetrics:
     collect_seconds: float
     measure_seconds: float
     notes: list[str] = field(default_factory=list)
+    wait_seconds: float = 0.0
+    """How long the trainer waited for the step's episodes after its push (all of the collection when it runs on
+    demand; none when a collector running ahead had them ready)."""
+    probe_seconds: float = 0.0
+    """The push's proof: every server's probe, in parallel (part of push_seconds)."""
+    lags: dict[int, int] = field(default_factory=dict)
+    """Sampled tokens per lag: how many pushes behind the trainer's weights the weights that drew them were."""
+    correction: CorrectionFigures | None = None
+    """Capped or masked tokens, and the sampler-versus-learner gap per lag."""
 
     @property
     def reward_mean(self) -> float:
@@ -51,7 +61,13 @@ class StepMetrics:
                 f"text: ids differ {_percent(self.text.differing_share)}, gap mean {self.text.gap.mean:.3f} "
                 f"max {self.text.gap.max:.2f}, clip {_percent(self.text.gap.clip_share)}"
             )
-        parts.append(f"push {self.push_seconds:.2f}s")
+        if any(lag > 0 for lag in self.lags):
+            total_tokens = sum(self.lags.values())
+            parts.append("lag " + " ".join(f"{lag}:{_percent(n / total_tokens)}" for lag, n in self.lags.items()))
+        if self.correction is not None and (self.correction.capped or self.correction.masked):
+            parts.append(f"capped {self.correction.capped} masked {self.correction.masked}")
+        parts.append(f"push {self.push_seconds:.2f}s (probe {1000 * self.probe_seconds:.0f} ms)")
+        parts.append(f"waited {self.wait_seconds:.1f}s")
         parts.append(f"contiguous {self.contiguous}/{self.episodes}")
         return " | ".join(parts)
 
@@ -75,10 +91,18 @@ class StepMetrics:
             row.update(_gap_fields("text", self.text.gap))
         row.update(
             push_seconds=self.push_seconds,
+            probe_seconds=self.probe_seconds,
             collect_seconds=self.collect_seconds,
+            wait_seconds=self.wait_seconds,
             measure_seconds=self.measure_seconds,
+            lag_tokens={str(lag): count for lag, count in self.lags.items()},
             notes=self.notes,
         )
+        if self.correction is not None:
+            row.update(correction_tokens=self.correction.tokens, capped=self.correction.capped,
+                       masked=self.correction.masked)  # fmt: skip
+            for lag, figures in self.correction.by_lag.items():
+                row.update(_gap_fields(f"lag{lag}", figures))
         return {key: (None if isinstance(value, float) and math.isnan(value) else value) for key, value in row.items()}
 
 

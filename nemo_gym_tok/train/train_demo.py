@@ -7,7 +7,8 @@ import json
 import math
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,12 @@ FRESH_ENTRIES = ("records", "checkpoints", "served-model", "trainer", METRICS_FI
 GAP_TARGET = 0.01
 REWARD_GAIN_TARGET = 0.2
 WINDOW = 5
+
+
+def _on_policy_gap(metrics: StepMetrics) -> float:
+    if metrics.correction is None or not metrics.correction.by_lag:
+        return metrics.exact["free"].mean
+    return metrics.correction.by_lag[0].mean if 0 in metrics.correction.by_lag else math.nan
 
 
 def vllm_args(dtype: str) -> tuple[str, ...]:
@@ -76,6 +83,10 @@ class DemoResult:
     seconds: float
     setup_seconds: float
     files: dict[str, Path] = field(default_factory=dict)
+    train_seconds: float = math.nan
+    """trainer.train() alone: the window the idle shares are of."""
+    sampler_busy_share: float = math.nan
+    """The share of the training window the collector spent collecting."""
 
     def window(self, last: bool) -> float:
         rewards = [m.reward_mean for m in self.metrics]
@@ -88,8 +99,9 @@ class DemoResult:
 
     @property
     def worst_exact_gap(self) -> float:
-        """The largest per-step mean free-turn gap."""
-        return max((m.exact["free"].mean for m in self.metrics), default=math.nan)
+        """The largest per-step mean free-turn gap over the tokens the trainer's own weights drew (lag 0: every token
+        of the synchronous loop; an older token's gap is the policy's move, not the pipeline's)."""
+        return max((_on_policy_gap(m) for m in self.metrics), default=math.nan)
 
     def exact_total(self) -> GapFigures:
         """Free turns over every step."""
@@ -120,7 +132,12 @@ class DemoResult:
             )
         pushes = [m.push_seconds for m in self.metrics]
         if pushes:
-            lines.append(f"weight push: {sum(pushes) / len(pushes):.2f} s mean, {max(pushes):.2f} s max")
+            probe = sum(m.probe_seconds for m in self.metrics) / len(self.metrics)
+            step_seconds = self.train_seconds / len(self.metrics)
+            lines.append(
+                f"weight push: {sum(pushes) / len(pushes):.2f} s mean, {max(pushes):.2f} s max; its probe "
+                f"{1000 * probe:.0f} ms mean ({100 * probe / step_seconds:.2f}% of a step)"
+            )
         contiguous = sum(m.contiguous for m in self.metrics)
         lines.append(f"token-contiguous episodes: {contiguous}/{episodes}")
         lines.append(f"time: {self.seconds:.0f} s ({self.setup_seconds:.0f} s start-up)")
@@ -139,6 +156,120 @@ class DemoResult:
         }
 
 
+@dataclass
+class DemoServers:
+    """A hooked dev-mode vLLM on a copy of the model and the train gym, for one or several runs."""
+
+    vllm: VLLMServer
+    gym: Gym
+
+    @property
+    def agent_url(self) -> str:
+        return self.gym.urls[AGENT]
+
+
+@contextmanager
+def demo_servers(settings: DemoSettings, out: Path, say: Callable[[str], None] = print) -> Iterator[DemoServers]:
+    """Start vLLM (serving `settings.served_dtype`, weight routes on) on `out/served-model` and the gym; both stopped
+    on the way out."""
+    served = out / "served-model"
+    shutil.rmtree(served, ignore_errors=True)
+    shutil.copytree(settings.model_dir, served)
+    say(f"starting a hooked vLLM ({settings.served_dtype}, weight routes on) on a copy of {settings.model_dir}...")
+    vllm = VLLMServer(
+        served,
+        served_model_name=SERVED_MODEL_NAME,
+        extra_args=vllm_args(settings.served_dtype),
+        env={DEV_MODE_ENV: "1"},
+        log_path=out / "vllm.log",
+    ).start()
+    try:
+        overrides = [
+            f"policy_base_url={vllm.base_url}/v1",
+            f"policy_model_name={SERVED_MODEL_NAME}",
+            "head_server.port=0",
+        ]
+        with Gym(load_config([GYM_CONFIG], overrides)) as gym:
+            yield DemoServers(vllm, gym)
+    finally:
+        vllm.stop()
+
+
+def clean_output(out: Path, entries: Sequence[str]) -> None:
+    """Remove what an earlier run wrote under `out`, so a run starts clean."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in entries:
+        entry = out / name
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink(missing_ok=True)
+
+
+def train_once(
+    servers: DemoServers,
+    settings: DemoSettings,
+    out: Path,
+    *,
+    label_prefix: str = "",
+    say: Callable[[str], None] = print,
+    on_step: Callable[[StepMetrics], None] | None = None,
+) -> DemoResult:
+    """One training run on running servers, from the model's initial weights (the first push puts them back):
+    records, metrics.jsonl and TRL's log under `out`. Pushes are labelled `label_prefix + step`."""
+    started = time.monotonic()
+    metrics_path = out / METRICS_FILE
+
+    def step_done(metrics: StepMetrics) -> None:
+        append_metrics(metrics_path, metrics)
+        if on_step is not None:
+            on_step(metrics)
+
+    plan = settings.plan
+    model, tokenizer = load_policy(settings.model_dir)
+    rows = PromptRows([loads_exact(line) for line in ROWS_FILE.read_text().splitlines() if line.strip()])
+    rollout = GymRollout(
+        rows,
+        agent_url=servers.agent_url,
+        vllm_urls=[servers.vllm.base_url],
+        model_dir=settings.model_dir,
+        tokenizer=tokenizer,
+        work_dir=out,
+        agent=AGENT,
+        auth_token=servers.gym.auth_token,
+        version_label=lambda step: f"{label_prefix}{step}",
+        text_pipeline=settings.text_pipeline,
+        on_step=step_done,
+        schedule=plan.schedule(rows),
+        max_staleness=plan.max_staleness,
+        correction=plan.correction,
+        pause_mode=plan.pause_mode,
+    )
+    trainer = grpo_trainer(model, tokenizer, rows, rollout, plan, out / "trainer")
+    say(
+        f"training {plan.steps} steps of {plan.episodes_per_step} episodes ({plan.prompts_per_step} prompts x "
+        f"{plan.num_generations}), staleness {plan.max_staleness}, correction {plan.correction.describe()}, "
+        f"pauses {plan.pause_mode}"
+    )
+    trainer.remove_callback(PrinterCallback)  # the step lines are ours; TRL's own logs go to a file
+    training_started = time.monotonic()
+    try:
+        trainer.train()
+    finally:
+        rollout.close()
+    ended = time.monotonic()
+    result = DemoResult(rollout.metrics, ended - started, 0.0)
+    result.train_seconds = ended - training_started
+    if rollout.collector is not None and rollout.collector.started_at is not None:
+        window = ended - rollout.collector.started_at
+        result.sampler_busy_share = rollout.collector.busy_seconds(ended) / window if window > 0 else math.nan
+    trl_log = out / TRL_LOG_FILE
+    trl_log.write_text("".join(json.dumps(entry) + "\n" for entry in trainer.state.log_history), encoding="utf-8")
+    result.files = {"records": rollout.records_dir, "metrics": metrics_path, "TRL's log": trl_log}
+    shutil.rmtree(rollout.checkpoints_dir, ignore_errors=True)
+    return result
+
+
 def run_train_demo(
     settings: DemoSettings,
     *,
@@ -148,66 +279,12 @@ def run_train_demo(
     """Start vLLM and the gym, train, write records, metrics and the plot; servers stopped on the way out."""
     started = time.monotonic()
     out = settings.output_dir
-    out.mkdir(parents=True, exist_ok=True)
-    for name in FRESH_ENTRIES:
-        entry = out / name
-        if entry.is_dir():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink(missing_ok=True)
-    served = shutil.copytree(settings.model_dir, out / "served-model")
-    say(f"starting a hooked vLLM ({settings.served_dtype}, weight routes on) on a copy of {settings.model_dir}...")
-    vllm = VLLMServer(
-        served,
-        served_model_name=SERVED_MODEL_NAME,
-        extra_args=vllm_args(settings.served_dtype),
-        env={DEV_MODE_ENV: "1"},
-        log_path=out / "vllm.log",
-    ).start()
-    metrics_path = out / METRICS_FILE
-
-    def step_done(metrics: StepMetrics) -> None:
-        append_metrics(metrics_path, metrics)
-        if on_step is not None:
-            on_step(metrics)
-
-    try:
-        overrides = [
-            f"policy_base_url={vllm.base_url}/v1",
-            f"policy_model_name={SERVED_MODEL_NAME}",
-            "head_server.port=0",
-        ]
-        with Gym(load_config([GYM_CONFIG], overrides)) as gym:
-            model, tokenizer = load_policy(settings.model_dir)
-            rows = PromptRows([loads_exact(line) for line in ROWS_FILE.read_text().splitlines() if line.strip()])
-            rollout = GymRollout(
-                rows,
-                agent_url=gym.urls[AGENT],
-                vllm_urls=[vllm.base_url],
-                model_dir=settings.model_dir,
-                tokenizer=tokenizer,
-                work_dir=out,
-                agent=AGENT,
-                auth_token=gym.auth_token,
-                text_pipeline=settings.text_pipeline,
-                on_step=step_done,
-            )
-            trainer = grpo_trainer(model, tokenizer, rows, rollout, settings.plan, out / "trainer")
-            setup_seconds = time.monotonic() - started
-            say(
-                f"servers up ({setup_seconds:.0f} s); training {settings.plan.steps} steps of "
-                f"{settings.plan.episodes_per_step} episodes ({settings.plan.prompts_per_step} prompts x "
-                f"{settings.plan.num_generations})"
-            )
-            trainer.remove_callback(PrinterCallback)  # the step lines are ours; TRL's own logs go to a file
-            trainer.train()
-    finally:
-        vllm.stop()
-    result = DemoResult(rollout.metrics, time.monotonic() - started, setup_seconds)
-    trl_log = out / TRL_LOG_FILE
-    trl_log.write_text("".join(json.dumps(entry) + "\n" for entry in trainer.state.log_history), encoding="utf-8")
-    result.files = {"records": rollout.records_dir, "metrics": metrics_path, "TRL's log": trl_log}
+    clean_output(out, FRESH_ENTRIES)
+    with demo_servers(settings, out, say) as servers:
+        setup_seconds = time.monotonic() - started
+        say(f"servers up ({setup_seconds:.0f} s)")
+        result = train_once(servers, settings, out, say=say, on_step=on_step)
+    result.seconds, result.setup_seconds = time.monotonic() - started, setup_seconds
     if result.metrics:
         result.files["plot"] = plot_steps(result.metrics, out / PLOT_FILE)
-    shutil.rmtree(rollout.checkpoints_dir, ignore_errors=True)
     return result

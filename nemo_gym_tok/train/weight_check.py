@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from nemo_gym_tok.records.training import TrainingSequence
+from nemo_gym_tok.train.staleness import StaleWeightsError
 
-
-class StaleWeightsError(RuntimeError):
-    """A collected turn was not sampled (wholly) by the version the step pushed: the step's data is not on-policy."""
+__all__ = ["StaleWeightsError", "check_weight_versions", "version_problems"]
 
 
 def version_problems(sequence: TrainingSequence, expected: str) -> list[str]:
