@@ -21,7 +21,7 @@ from tests.weights_support import pause_keeping_requests, resume, set_weight_ver
 # --- reading CompletionOutput.weight_versions -----------------------------------------------------------------------
 
 
-def span(version: str, start: int, end: int) -> SimpleNamespace:
+def span(version: object, start: int, end: int) -> SimpleNamespace:
     """vllm.outputs.WeightVersionSpan's shape."""
     return SimpleNamespace(version=version, start=start, end=end)
 
@@ -58,6 +58,14 @@ def test_spans_past_the_ids_are_cut_where_vllm_trimmed_and_ones_that_do_not_fit_
     assert internals.weight_version_fields(completion([1, 2, 3], [span("v1", 1, 3)]), 3) == {}
     gap = [span("v1", 0, 1), span("v2", 2, 3)]
     assert internals.weight_version_fields(completion([1, 2, 3], gap), 3) == {}
+
+
+@pytest.mark.parametrize("label", [None, 7])
+def test_a_span_without_a_string_label_says_unknown_not_its_text(label: object) -> None:
+    """vLLM types the label as str; a null one is no version called "None" (nor an int one "7")."""
+    assert internals.weight_version_fields(completion([1, 2, 3], [span(label, 0, 3)]), 3) == {}
+    later = [span("v1", 0, 2), span(label, 2, 3)]
+    assert internals.weight_version_fields(completion([1, 2, 3], later), 3) == {}
 
 
 class Message(SimpleNamespace):

@@ -129,7 +129,9 @@ def weight_version_fields(completion: Any, generation_length: int) -> dict[str, 
     spans = getattr(completion, WEIGHT_VERSIONS_FIELD[2], None)
     if not spans or generation_length <= 0:
         return {}
-    plain = [{"version": str(span.version), "start": int(span.start), "end": int(span.end)} for span in spans]
+    # The version as vLLM gave it, not str() of it: a None (or any non-string) label must read as unknown, never as
+    # the text "None"; weight_versions_problem below turns it into {}.
+    plain = [{"version": span.version, "start": int(span.start), "end": int(span.end)} for span in spans]
     plain = [span for span in plain if span["start"] < generation_length]
     if not plain:
         return {}

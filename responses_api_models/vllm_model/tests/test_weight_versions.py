@@ -4,6 +4,7 @@ paths a real server cannot be made to take on cue; the stock and the hooked vLLM
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from openai import OpenAI
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from nemo_gym_tok.vllm_server import VLLMServer
 from responses_api_models.vllm_model.tests.conftest import adapter
+from responses_api_models.vllm_model.weight_versions import WeightVersionReads
 from tests.weights_support import set_weight_version, weight_version
 
 PROMPT = [11, 12, 13]
@@ -100,6 +102,16 @@ def test_a_version_that_changed_during_the_call_is_unknown() -> None:
         message = call(url)
         assert message["weight_version"] is None  # never a guess: not step-3, not step-4
         assert call(url)["weight_version"] == "step-4"  # the next call, wholly under step-4
+
+
+@pytest.mark.parametrize("body", [b'{"weight_version": null}', b'{"weight_version": 7}', b"{}", b"[]"])
+def test_a_label_that_is_not_a_string_reads_as_unknown(body: bytes) -> None:
+    """A null label stays None (no bundle says "None"); a number or a missing one is no label either."""
+
+    async def get(url: str, path: str) -> tuple[int, bytes]:
+        return 200, body
+
+    assert asyncio.run(WeightVersionReads(get).read("http://vllm")) is None
 
 
 def test_a_server_without_the_route_is_asked_once() -> None:
