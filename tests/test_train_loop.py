@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from nemo_gym_tok.config import load_config
-from nemo_gym_tok.records.contiguity import bundled_turns
+from nemo_gym_tok.records.contiguity import bundled_turns, check_file
 from nemo_gym_tok.servers.launcher import Gym
 from nemo_gym_tok.vllm_server import VLLMServer
 from tests.servers import hooked_server
@@ -111,19 +111,25 @@ def test_each_step_pushed_and_trained_on_its_own_weights(trained) -> None:
     assert trainer.state.global_step == STEPS
     assert [m.step for m in rollout.metrics] == list(range(STEPS))
     for metrics in rollout.metrics:
-        assert metrics.version == f"{prefix}{metrics.step}"
         records = (rollout.records_dir / f"step-{metrics.step:03d}.jsonl").read_text().splitlines()
         turns = [turn for line in records for turn in bundled_turns(json.loads(line))]
-        assert turns and {turn.weight_version for turn in turns} == {metrics.version}
+        # The label this test gave the step, against the one vLLM stamped on every bundle the step's records hold.
+        assert turns and {turn.weight_version for turn in turns} == {f"{prefix}{metrics.step}"}
+        assert metrics.version == turns[0].weight_version
         assert all(turn.weight_version_spans is None for turn in turns)
 
 
 def test_every_episode_is_contiguous_and_the_exact_gap_is_small(trained) -> None:
     _, rollout, _, _, plan = trained
     for metrics in rollout.metrics:
-        assert metrics.contiguous == metrics.episodes == plan.episodes_per_step
+        path = rollout.records_dir / f"step-{metrics.step:03d}.jsonl"
+        # `ngt check`'s own walk of the step's records, not the loop's count of the episodes it converted.
+        report = check_file(path)
+        assert report.contiguous == report.rollouts == metrics.contiguous == metrics.episodes == plan.episodes_per_step
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        generated = sum(len(turn.generation_token_ids) for record in records for turn in bundled_turns(record))
         free = metrics.exact["free"]
-        assert free.tokens == metrics.sampled_tokens > 0
+        assert free.tokens == metrics.sampled_tokens == generated > 0
         assert free.mean < GAP_NATS, metrics.line()
         assert metrics.exact["constrained"].tokens == 0  # free sampling only
         assert metrics.text is not None and metrics.text.positions == metrics.sampled_tokens
@@ -142,8 +148,14 @@ def test_the_rollout_output_has_the_shapes_grpo_trainer_requires(trained) -> Non
             assert set(mask) == {0, 1} and mask[0] == 1  # the completion opens with the first sampled id
             assert all(lp == 0.0 for lp, m in zip(logprobs, mask) if not m)
             assert all(lp <= 0.0 for lp in logprobs)
-        assert sum(map(sum, output["env_mask"])) == metrics.sampled_tokens
-        assert output["gym_reward"] == metrics.rewards and all(0.0 <= r <= 1.0 for r in metrics.rewards)
+        # Re-read from the step's records (in the rows' order, as the loop collects them): every sampled id is one
+        # the records say was generated, every reward the environment's.
+        lines = (rollout.records_dir / f"step-{metrics.step:03d}.jsonl").read_text().splitlines()
+        records = sorted((json.loads(line) for line in lines if line.strip()), key=lambda r: r["rollout_id"]["row"])
+        generated = sum(len(turn.generation_token_ids) for record in records for turn in bundled_turns(record))
+        assert sum(map(sum, output["env_mask"])) == generated
+        rewards = [record["reward"] for record in records]
+        assert output["gym_reward"] == rewards and all(0.0 <= r <= 1.0 for r in rewards)
 
 
 def test_a_step_labelled_with_another_version_is_refused(trained) -> None:
