@@ -13,8 +13,9 @@ from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_E
 from tests.servers import hooked_server
 from tests.weights_support import DEV_MODE_ENV, copy_model_dir
 
-# The fake agent's fixtures (`behaviour`, `agent_url`), shared by the collect tests.
-pytest_plugins = ["tests.fixtures.collect_agent"]
+# The fake agent's fixtures (`behaviour`, `agent_url`), shared by the collect tests; the training tests' float32
+# vLLM and gym (`train_vllm_server`, `train_gym`, `train_model_dir`).
+pytest_plugins = ["tests.fixtures.collect_agent", "tests.fixtures.train_servers"]
 
 SERVED_MODEL_NAME = "tiny-qwen3"
 # vLLM's Cohere v2 routes (tests/test_routes_cohere.py) on the shared hooked server, so they need no server of their

@@ -2,35 +2,30 @@
 before each step. Each step's episodes carry the pushed version, are token-contiguous, reach TRL in the shapes it
 requires, and the learner's log probs of the sampled ids match the sampler's.
 
-The server is this module's own: float32, as `ngt train-demo` serves. The shared `rl_vllm_server` serves bfloat16,
-which rounds the float32 learner's updated weights: measured with the training variant, the first step after an
-update was off by 0.020 nats mean (docs/training.md), over the 0.01 this test holds the loop to."""
+The server is the training tests' float32 one (tests/fixtures/train_servers.py), as `ngt train-demo` serves. The shared
+`rl_vllm_server` serves bfloat16, which rounds the float32 learner's updated weights: measured with the training
+variant, the first step after an update was off by 0.020 nats mean (docs/training.md), over the 0.01 this test holds
+the loop to."""
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from nemo_gym_tok.config import load_config
 from nemo_gym_tok.records.contiguity import bundled_turns, check_file
 from nemo_gym_tok.servers.launcher import Gym
 from nemo_gym_tok.vllm_server import VLLMServer
-from tests.servers import hooked_server
-from tests.weights_support import DEV_MODE_ENV, copy_model_dir
 
 # TRL 1.16 warns on import that it was tried up to vLLM 0.31; nothing here uses TRL's vLLM paths.
 pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore:TRL currently supports vLLM versions")]
 
 ROOT = Path(__file__).resolve().parents[1]
-GYM_CONFIG = ROOT / "configs" / "train_demo.yaml"
 ROWS_FILE = ROOT / "resources_servers" / "non_ascii" / "data" / "example.jsonl"
 AGENT = "non_ascii_agent"
-MODEL = "tiny-qwen3"
 STEPS = 2
 GAP_NATS = 0.01
 
@@ -49,51 +44,22 @@ class Recording:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """What the trainer starts from and the server first serves: a private copy of the tiny model."""
-    return copy_model_dir(tiny_model_dir, tmp_path_factory.mktemp("train-loop-model") / "step-0")
-
-
-@pytest.fixture(scope="module")
-def float32_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """A hooked float32 vLLM with vLLM's weight routes, as `ngt train-demo` starts it. NGT_TEST_TRAIN_VLLM_URL reuses
-    one started the same way (local iteration only)."""
-    from nemo_gym_tok.train.train_demo import vllm_args
-
-    with hooked_server(
-        model_dir,
-        served_model_name=MODEL,
-        extra_args=vllm_args("float32"),
-        env={DEV_MODE_ENV: "1"},
-        log_path=tmp_path_factory.mktemp("train-loop-vllm") / "vllm.log",
-        reuse_env="NGT_TEST_TRAIN_VLLM_URL",
-        what="hooked float32 vLLM with weight routes: ",
-    ) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def gym(float32_server: VLLMServer) -> Iterator[Gym]:
-    overrides = [f"policy_base_url={float32_server.base_url}/v1", f"policy_model_name={MODEL}", "head_server.port=0"]
-    with Gym(load_config([GYM_CONFIG], overrides)) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def trained(gym: Gym, float32_server: VLLMServer, model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+def trained(
+    train_gym: Gym, train_vllm_server: VLLMServer, train_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+):
     from nemo_gym_tok.train.prompts import PromptRows
     from nemo_gym_tok.train.rollout import GymRollout
     from nemo_gym_tok.train.trainer import TrainingPlan, grpo_trainer, load_policy
 
     work = tmp_path_factory.mktemp("train-loop")
     prefix = f"train-loop-{uuid.uuid4().hex[:8]}-"  # new labels, also on a server reused from a URL
-    model, tokenizer = load_policy(model_dir)
+    model, tokenizer = load_policy(train_model_dir)
     rows = PromptRows([json.loads(line) for line in ROWS_FILE.read_text().splitlines() if line.strip()])
     rollout = GymRollout(
         rows,
-        agent_url=gym.urls[AGENT],
-        vllm_urls=[float32_server.base_url],
-        model_dir=model_dir,
+        agent_url=train_gym.urls[AGENT],
+        vllm_urls=[train_vllm_server.base_url],
+        model_dir=train_model_dir,
         tokenizer=tokenizer,
         work_dir=work,
         agent=AGENT,

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 from transformers import PrinterCallback
 
 from nemo_gym_tok.common.exact_json import loads_exact
@@ -25,6 +26,7 @@ from nemo_gym_tok.train.step_metrics import StepMetrics, append_metrics
 from nemo_gym_tok.train.text_pipeline import TextPipelineFigures
 from nemo_gym_tok.train.trainer import TrainingPlan, grpo_trainer, load_policy
 from nemo_gym_tok.vllm_server import VLLMServer
+from nemo_gym_tok.weights import PROBE_TOKEN_IDS, Replica
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GYM_CONFIG = REPO_ROOT / "configs" / "train_demo.yaml"
@@ -184,6 +186,8 @@ def demo_servers(settings: DemoSettings, out: Path, say: Callable[[str], None] =
         log_path=out / "vllm.log",
     ).start()
     try:
+        with httpx.Client(timeout=300) as http:  # vLLM's first prompt-log-prob request is slow: not the first probe's
+            Replica(vllm.base_url, http).prompt_log_probs(PROBE_TOKEN_IDS, SERVED_MODEL_NAME)
         overrides = [
             f"policy_base_url={vllm.base_url}/v1",
             f"policy_model_name={SERVED_MODEL_NAME}",
