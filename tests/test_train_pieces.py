@@ -11,6 +11,7 @@ import pytest
 
 from nemo_gym_tok.records.logprob_check import NaiveSequence
 from nemo_gym_tok.records.training import TrainingSequence
+from nemo_gym_tok.train.correction import CorrectionFigures
 from nemo_gym_tok.train.episodes import SUPPLIED_LOG_PROB, episode_from_sequence, rollout_output
 from nemo_gym_tok.train.logprob_gap import GapFigures, exact_gap, gap_figures, sampled_positions, total
 from nemo_gym_tok.train.prompts import PromptRows, prompt_key
@@ -190,12 +191,18 @@ def test_step_metrics_print_one_line_and_write_json_without_nan() -> None:
         push_seconds=0.4,
         collect_seconds=1.0,
         measure_seconds=0.5,
+        wait_seconds=0.25,
+        probe_seconds=0.06,
+        lags={0: 90, 1: 6},
+        correction=CorrectionFigures(tokens=96, capped=2, by_lag={0: gap_figures([-1.0], [-1.0])}),
     )
     line = metrics.line()
     assert line.startswith("step  4 | reward 0.500 | exact gap free mean 2.0e-03 max 2.0e-03 clip 0.0%")
     assert "text: ids differ 25.0%, gap mean 0.500 max 1.00, clip 50.0%" in line
-    assert "push 0.40s | contiguous 8/8" in line
+    assert "lag 0:93.8% 1:6.2% | capped 2 masked 0 | push 0.40s (probe 60 ms) | waited 0.2s | contiguous 8/8" in line
     row = metrics.to_json()
+    assert row["lag_tokens"] == {"0": 90, "1": 6} and row["capped"] == 2 and row["lag0_gap_mean"] == 0.0
+    assert row["probe_seconds"] == 0.06 and row["wait_seconds"] == 0.25
     assert row["exact_constrained_gap_mean"] is None and row["text_differing_share"] == 0.25
     assert row["reward_mean"] == 0.5 and row["weight_version"] == "4"
     json.dumps(row, allow_nan=False)
