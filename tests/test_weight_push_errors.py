@@ -1,5 +1,6 @@
 """Weight-push error paths a real server cannot be made to produce on cue (a reload failing on one of two servers, a
-rollback failing), against a fake of vLLM's weight routes; the usage checks of `ngt push-weights` and `vllm-serve`."""
+rollback failing, an answer that is not JSON, a Ctrl-C part-way), against a fake of vLLM's weight routes; the usage
+checks of `ngt push-weights` and `vllm-serve`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+import nemo_gym_tok.weights.push as push_module
 from nemo_gym_tok.cli.main import main as ngt
 from nemo_gym_tok.cli.vllm_serve import exposed_weight_routes
 from nemo_gym_tok.vllm.exact_reload import STATUS_METHOD as WORKER_STATUS_METHOD
@@ -20,49 +22,7 @@ from nemo_gym_tok.weights import (
     push_weights,
     server_root,
 )
-
-
-class FakeVLLM:
-    """vLLM's weight routes for several hosts, each with its weights, version and pause state; `fail` makes one
-    host's route answer 500 (`reload` of a given path, `resume`, ...)."""
-
-    def __init__(self, hosts: list[str], *, exact: bool = True, device: str = "cpu") -> None:
-        self.state = {host: {"version": "v0", "weights": "/w/0", "paused": False} for host in hosts}
-        self.fail: dict[tuple[str, str], str | None] = {}
-        self.calls: list[tuple[str, str, dict]] = []
-        self.exact, self.device = exact, device
-
-    def handler(self, request: httpx.Request) -> httpx.Response:
-        host, path = f"{request.url.scheme}://{request.url.netloc.decode()}", request.url.path
-        body = json.loads(request.content) if request.content else {}
-        self.calls.append((host, path, {**dict(request.url.params), **body}))
-        state = self.state[host]
-        route = body.get("method", path) if path == "/collective_rpc" else path
-        failing = (host, route) in self.fail
-        if failing and self.fail[(host, route)] in (None, body.get("kwargs", {}).get("weights_path")):
-            return httpx.Response(500, json={"error": f"{route} failed"})
-        if path == "/weight_info":
-            return httpx.Response(200, json={"weight_version": state["version"]})
-        if route == STATUS_METHOD:
-            if not self.exact:
-                return httpx.Response(500, json={"error": "Method not implemented"})
-            weights = {"exact_reload": True, "device": self.device, "weights_path": state["weights"]}
-            return httpx.Response(200, json={"results": [{**weights, "tie_word_embeddings": True}]})
-        if path == "/server_info":
-            config = {"model_config": {"model": state["weights"]}, "device_config": {"device_type": self.device}}
-            return httpx.Response(200, json={"vllm_config": config})
-        if route == "reload_weights":
-            state["weights"] = body["kwargs"]["weights_path"]
-        elif path == "/update_weight_version":
-            state["version"] = body["new_version"]
-        elif path in ("/pause", "/resume"):
-            state["paused"] = path == "/pause"
-        elif path == "/reset_prefix_cache":
-            return httpx.Response(200, json={"success": True})
-        return httpx.Response(200, json={})
-
-
-HOSTS = ["http://a:8000", "http://b:8000"]
+from tests.fake_vllm import HOSTS, FakeVLLM
 
 
 @pytest.fixture
@@ -98,6 +58,58 @@ def test_a_server_that_cannot_be_put_back_stays_paused_and_is_named(checkpoint: 
     assert refused.value.left_paused == ("http://b:8000",)
     assert fake.state["http://a:8000"] == {"version": "v0", "weights": "/w/0", "paused": False}
     assert fake.state["http://b:8000"]["paused"] is True
+
+
+def test_an_answer_that_is_not_json_part_way_puts_every_server_back_and_names_it(checkpoint: Path) -> None:
+    fake = FakeVLLM(HOSTS)
+    fake.garbage.add(("http://a:8000", "/reset_prefix_cache"))
+    with pytest.raises(WeightPushError, match="could not reset.*http://a:8000.*not JSON") as refused:
+        push(fake, checkpoint)
+    assert refused.value.replicas == ("http://a:8000",) and refused.value.left_paused == ()
+    assert "put back" in str(refused.value) and refused.value.unproven_version is None
+    assert fake.back_as_before()
+
+
+def test_a_keyboard_interrupt_part_way_rolls_every_server_back_then_is_raised_again(checkpoint: Path) -> None:
+    fake = FakeVLLM(HOSTS)
+    fake.interrupt.add(("http://b:8000", "/update_weight_version"))
+    with pytest.raises(KeyboardInterrupt) as interrupted:
+        push(fake, checkpoint)
+    notes = " ".join(getattr(interrupted.value, "__notes__", []))
+    assert "stopped part-way by KeyboardInterrupt" in notes and "every server was put back" in notes
+    assert fake.back_as_before()
+
+
+def test_an_exception_of_the_push_itself_part_way_rolls_back_and_chains_it(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not a server's answer but a fault on this side (a bug, MemoryError, ...) once the servers are paused: every
+    server is put back, and the error names the cause, chained to it."""
+    calls = {"count": 0}
+    real = push_module.try_each
+
+    def failing_on_the_reload(replicas: list, action: object) -> list:
+        calls["count"] += 1
+        if calls["count"] == 4:  # preflight, pause, then this is the reload step
+            raise RuntimeError("planted fault")
+        return real(replicas, action)
+
+    monkeypatch.setattr(push_module, "try_each", failing_on_the_reload)
+    fake = FakeVLLM(HOSTS)
+    with pytest.raises(WeightPushError, match="stopped part-way by RuntimeError: planted fault") as stopped:
+        push(fake, checkpoint)
+    assert isinstance(stopped.value.__cause__, RuntimeError) and "every server was put back" in str(stopped.value)
+    assert fake.back_as_before()
+
+
+def test_a_compensating_resume_that_fails_after_a_refused_pause_is_named(checkpoint: Path) -> None:
+    fake = FakeVLLM(HOSTS)
+    fake.fail[("http://b:8000", "/pause")] = None
+    fake.fail[("http://a:8000", "/resume")] = None
+    with pytest.raises(WeightPushError, match="could not pause.*left paused.*http://a:8000") as refused:
+        push(fake, checkpoint)
+    assert refused.value.replicas == ("http://b:8000",) and refused.value.left_paused == ("http://a:8000",)
+    assert fake.state["http://a:8000"]["paused"] is True and fake.state["http://a:8000"]["weights"] == "/w/0"
 
 
 def test_keep_mode_drops_the_kv_of_frozen_requests_and_wait_mode_does_not(checkpoint: Path) -> None:

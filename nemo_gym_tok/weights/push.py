@@ -1,11 +1,11 @@
-"""A weight update over every vLLM server of a gym, all or none: pause, reload, prefix-cache reset, version, resume."""
+"""A weight update over every vLLM server of a gym, all or none: pause, reload, prefix-cache reset, version, resume,
+and (given a probe) the proof that every server serves the pushed weights."""
 
 from __future__ import annotations
 
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,9 +14,9 @@ from typing import TypeVar
 import httpx
 
 from nemo_gym_tok.common.net import shared_ssl_context
-from nemo_gym_tok.router import is_vllm_router, list_workers
 from nemo_gym_tok.weights.checkpoint import Checkpoint, check_checkpoint_dir, check_version_label
-from nemo_gym_tok.weights.replica import PAUSE_MODES, PauseMode, Replica, ReplicaError, server_root
+from nemo_gym_tok.weights.probe import ProbeResult, WeightProbe, describe_failures, probe_replica
+from nemo_gym_tok.weights.replica import PAUSE_MODES, PauseMode, Replica, ReplicaError, server_roots, try_each
 
 T = TypeVar("T")
 EXACT_RELOAD_HINT = (
@@ -27,12 +27,24 @@ EXACT_RELOAD_HINT = (
 
 class WeightPushError(RuntimeError):
     """A push did not happen on every server. `replicas` names the servers that failed; `left_paused` the servers
-    that could not be put back as they were and stay paused (nothing is served there on mixed weights)."""
+    that could not be put back as they were and stay paused (nothing is served there on mixed weights);
+    `unproven_version` the label that was served between the resume and a failed proof (a trainer refuses every turn
+    labelled with it), None when no turn can carry the pushed label; `probes` the probe results that were measured."""
 
-    def __init__(self, message: str, replicas: Sequence[str] = (), left_paused: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        message: str,
+        replicas: Sequence[str] = (),
+        left_paused: Sequence[str] = (),
+        *,
+        unproven_version: str | None = None,
+        probes: Sequence[ProbeResult] = (),
+    ) -> None:
         super().__init__(message)
         self.replicas = tuple(replicas)
         self.left_paused = tuple(left_paused)
+        self.unproven_version = unproven_version
+        self.probes = tuple(probes)
 
 
 @dataclass(frozen=True)
@@ -47,18 +59,29 @@ class ReplicaState:
 
 @dataclass(frozen=True)
 class PushReport:
-    """A push that reached every server: the version, the checkpoint, the servers and how long each phase took."""
+    """A push that reached every server: the version, the checkpoint, the servers, how long each phase took, and (when
+    the push was given a probe) each server's proof that it serves the pushed weights."""
 
     version: str
     checkpoint_dir: str
     replicas: tuple[ReplicaState, ...]
     seconds: float
     phases: dict[str, float] = field(default_factory=dict)
+    probes: tuple[ProbeResult, ...] = ()
 
     def format(self) -> str:
         phases = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in self.phases.items())
         servers = ", ".join(f"{state.url} ({state.weight_version} -> {self.version})" for state in self.replicas)
-        return f"pushed {self.checkpoint_dir} as version {self.version} in {self.seconds:.2f}s ({phases}): {servers}"
+        text = f"pushed {self.checkpoint_dir} as version {self.version} in {self.seconds:.2f}s ({phases}): {servers}"
+        if not self.probes:
+            return text
+        worst = max(self.probes, key=lambda result: result.mean_gap)
+        slowest = max(result.seconds for result in self.probes)
+        return (
+            f"{text}; proven on {len(self.probes)} server(s) (probe {self.phases.get('probe', slowest):.3f}s, the "
+            f"slowest server {slowest * 1000:.0f} ms): worst gap {worst.mean_gap:.4f} nats mean "
+            f"({max(result.max_gap for result in self.probes):.4f} max)"
+        )
 
 
 def push_weights(
@@ -70,15 +93,20 @@ def push_weights(
     pause_mode: PauseMode = "wait",
     timeout: float = 300.0,
     http: httpx.Client | None = None,
+    probe: WeightProbe | None = None,
 ) -> PushReport:
     """Load the checkpoint at `checkpoint_dir` into every vLLM server in `urls` under the label `version`, or into none.
 
     Every server is asked first (weight routes served, key accepted, a reload that will be exact, the label new);
-    then all pause (`pause_mode`), reload, drop their prefix caches, take the label and resume. A server that fails
-    at any step is named in the WeightPushError, after every server was put back on the weights and label it had.
-    `checkpoint_dir` is a path the servers can read (a Hugging Face directory: config.json and safetensors).
-    `http` is the client to call them with (default: a new one with `timeout`). A URL where vllm-router answers
-    stands for every worker it lists: a fleet behind a router moves to the new weights together or not at all.
+    then all pause (`pause_mode`), reload, drop their prefix caches, take the label and resume. With `probe` (the
+    pushed weights' log probs of fixed ids, as the trainer computes them), every server then serves those ids'
+    prompt log probs, and one off by more than `probe.max_mean_gap` nats mean fails the push. A server that fails at
+    any step is named in the WeightPushError, after every server was put back on the weights and label it had; so is
+    any other exception part-way (an answer unlike vLLM's, a KeyboardInterrupt: that one is raised again, the
+    rollback's outcome in its notes). `checkpoint_dir` is a path the servers can read (a Hugging Face directory:
+    config.json and safetensors). `http` is the client to call them with (default: a new one with `timeout`). A URL
+    where vllm-router answers stands for every worker it lists: a fleet behind a router moves to the new weights
+    together or not at all.
     """
     if pause_mode not in PAUSE_MODES:
         raise ValueError(f"pause_mode must be one of {', '.join(PAUSE_MODES)}, got {pause_mode!r}")
@@ -89,23 +117,36 @@ def push_weights(
     started, phases = time.perf_counter(), {}
     own = None if http is not None else httpx.Client(timeout=timeout, verify=shared_ssl_context())
     with own if own is not None else contextlib.nullcontext(http) as client:
-        # One server named twice (its root and its /v1 URL, say, or by itself and by its router) is pushed once.
-        servers = dict.fromkeys(server for url in urls for server in _servers_at(server_root(url), client))
-        replicas = [Replica(url, client, api_key) for url in servers]
+        replicas = [Replica(url, client, api_key) for url in server_roots(urls, client)]
         with _timed(phases, "preflight"):
             states = _each(replicas, lambda replica: _preflight(replica, checkpoint, version))
-        pushing = _Push(replicas, states, pause_mode)
-        with _timed(phases, "pause"):
-            pushing.pause_all()
-        with _timed(phases, "reload"):
-            pushing.step(lambda replica: replica.reload(checkpoint.path), "reload")
-        with _timed(phases, "reset"):
-            pushing.step(lambda replica: replica.reset_prefix_cache(running_requests=pause_mode == "keep"), "reset")
-        with _timed(phases, "version"):
-            pushing.step(lambda replica: replica.set_weight_version(version), "set the version")
-        with _timed(phases, "resume"):
-            pushing.resume_all()
-    return PushReport(version, checkpoint.path, tuple(states), time.perf_counter() - started, phases)
+            # The probe's model name is read now, so that its cost after the resume is the probe's call alone.
+            models = _each(replicas, Replica.served_model) if probe is not None else {}
+        pushing = _Push(replicas, states, pause_mode, version)
+        try:
+            with _timed(phases, "pause"):
+                pushing.pause_all()
+            with _timed(phases, "reload"):
+                pushing.step(lambda replica: replica.reload(checkpoint.path), "reload")
+            with _timed(phases, "reset"):
+                pushing.step(lambda replica: replica.reset_prefix_cache(running_requests=pause_mode == "keep"), "reset")
+            with _timed(phases, "version"):
+                pushing.step(lambda replica: replica.set_weight_version(version), "set the version")
+            with _timed(phases, "resume"):
+                pushing.resume_all(proving=probe is not None)
+            probes: tuple[ProbeResult, ...] = ()
+            if probe is not None:
+                # vLLM serves no completion while paused: the proof comes after the resume, hence unproven_version.
+                with _timed(phases, "probe"):
+                    probes = pushing.prove(probe, models)
+        except WeightPushError:
+            raise
+        except Exception as exc:
+            raise pushing.abandon(exc) from exc
+        except BaseException as exc:  # KeyboardInterrupt, SystemExit: still theirs to raise, once every server is back
+            exc.add_note(str(pushing.abandon(exc)))
+            raise
+    return PushReport(version, checkpoint.path, tuple(states.values()), time.perf_counter() - started, phases, probes)
 
 
 def _preflight(replica: Replica, checkpoint: Checkpoint, version: str) -> ReplicaState:
@@ -141,87 +182,129 @@ def _preflight(replica: Replica, checkpoint: Checkpoint, version: str) -> Replic
 
 
 class _Push:
-    """The servers of one push and the rollback that puts every one of them back."""
+    """The servers of one push, what was done to them so far, and the rollback that puts every one of them back."""
 
-    def __init__(self, replicas: list[Replica], states: list[ReplicaState], pause_mode: PauseMode) -> None:
-        self.replicas, self.states, self.pause_mode = replicas, states, pause_mode
-        self.changed = False
+    def __init__(
+        self, replicas: list[Replica], states: dict[str, ReplicaState], pause_mode: PauseMode, version: str
+    ) -> None:
+        self.replicas, self.states, self.pause_mode, self.version = replicas, states, pause_mode, version
+        self.touched = False
+        """A pause was asked of some server: from here on, an interrupted push rolls every server back."""
+        self.resumed = False
+        """A resume was asked: the new label may have been served, so a push that fails from here leaves it unproven."""
 
     def pause_all(self) -> None:
+        self.touched = True
         paused: list[Replica] = []
-        failures = _try_each(self.replicas, lambda replica: (replica.pause(self.pause_mode), paused.append(replica)))
+        failures = try_each(self.replicas, lambda replica: (replica.pause(self.pause_mode), paused.append(replica)))
         if failures:
-            _try_each(paused, Replica.resume)
-            raise _error("could not pause", failures, [])
+            # Nothing changed but the pause: the servers that took it resume; one that cannot is named, still paused.
+            stuck = [failure.url for failure in try_each(paused, Replica.resume)]
+            raise _error(f"could not pause on {len(failures)} server(s)", failures, stuck)
 
     def step(self, action: Callable[[Replica], None], what: str) -> None:
-        self.changed = True
-        failures = _try_each(self.replicas, action)
+        failures = try_each(self.replicas, action)
         if failures:
             left_paused = self.roll_back()
-            raise _error(f"could not {what}", failures, left_paused, rolled_back=True)
+            raise _error(f"could not {what} on {len(failures)} server(s)", failures, left_paused, rolled_back=True)
 
-    def roll_back(self) -> list[str]:
-        """Every server back on its previous weights and label, then resumed; the URLs where that failed, which stay
-        paused."""
-        by_url = {state.url: state for state in self.states}
+    def roll_back(self, *, pause_first: bool = False) -> list[str]:
+        """Every server back on its previous weights and label, then resumed (paused first when it may be serving);
+        the URLs where that failed, which stay paused (or no longer answer)."""
 
         def restore(replica: Replica) -> None:
-            state = by_url[replica.url]
+            state = self.states[replica.url]
+            if pause_first:
+                replica.pause(self.pause_mode)
             replica.reload(state.weights_path)
             replica.reset_prefix_cache(running_requests=self.pause_mode == "keep")
             replica.set_weight_version(state.weight_version)
             replica.resume()
 
-        return [error.url for error in _try_each(self.replicas, restore)]
+        return [error.url for error in try_each(self.replicas, restore)]
 
-    def resume_all(self) -> None:
-        failures = _try_each(self.replicas, Replica.resume)
-        if failures:
-            raise _error("pushed, but could not resume", failures, [failure.url for failure in failures])
+    def resume_all(self, *, proving: bool) -> None:
+        self.resumed = True
+        failures = try_each(self.replicas, Replica.resume)
+        if not failures:
+            return
+        if not proving:
+            raise _error(
+                f"pushed, but could not resume on {len(failures)} server(s)", failures, [f.url for f in failures]
+            )
+        # A server that cannot resume cannot be proven, and the others serve what is then an unproven label.
+        left_paused = self.roll_back(pause_first=True)
+        head = f"could not resume on {len(failures)} server(s), so the push cannot be proven"
+        raise _error(head, failures, left_paused, rolled_back=True, unproven_version=self.version)
+
+    def prove(self, probe: WeightProbe, models: dict[str, str]) -> tuple[ProbeResult, ...]:
+        """Every server's probe; a server off the expected log probs (or silent) rolls every server back."""
+        results: dict[str, ProbeResult] = {}
+
+        def ask(replica: Replica) -> None:
+            results[replica.url] = probe_replica(replica, probe, models.get(replica.url))
+
+        errors = try_each(self.replicas, ask)
+        ordered = tuple(results[replica.url] for replica in self.replicas if replica.url in results)
+        failing = [result for result in ordered if not result.ok(probe.max_mean_gap)]
+        if not failing and not errors:
+            return ordered
+        left_paused = self.roll_back(pause_first=True)
+        named = [*(result.url for result in failing), *(error.url for error in errors)]
+        head = f"the probe failed on {len(named)} server(s): {describe_failures(failing, errors, probe.max_mean_gap)}"
+        raise _error(
+            head, [], left_paused, rolled_back=True, unproven_version=self.version, named=named, probes=ordered
+        )
+
+    def abandon(self, cause: BaseException) -> WeightPushError:
+        """The error for a push stopped part-way by `cause` (not a server's refusal), every server rolled back first."""
+        what = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+        if not self.touched:
+            return WeightPushError(f"push stopped before any change by {what}; no server was changed")
+        left_paused = self.roll_back(pause_first=True)
+        unproven = self.version if self.resumed else None
+        return _error(f"push stopped part-way by {what}", [], left_paused, rolled_back=True, unproven_version=unproven)
 
 
-def _error(what: str, failures: list[ReplicaError], left_paused: list[str], rolled_back: bool = False) -> Exception:
-    lines = [f"{what} on {len(failures)} server(s): " + "; ".join(str(failure) for failure in failures)]
-    if rolled_back:
-        lines.append("every server was put back on the weights and version it had" if not left_paused else "")
+def _error(
+    head: str,
+    failures: list[ReplicaError],
+    left_paused: list[str],
+    *,
+    rolled_back: bool = False,
+    unproven_version: str | None = None,
+    named: Sequence[str] = (),
+    probes: Sequence[ProbeResult] = (),
+) -> WeightPushError:
+    lines = [f"{head}: " + "; ".join(str(failure) for failure in failures) if failures else head]
+    if rolled_back and not left_paused:
+        lines.append("every server was put back on the weights and version it had")
     if left_paused:
         lines.append(
             f"left paused (could not be put back, so they serve nothing rather than mixed weights): "
             f"{', '.join(left_paused)}; push again, or POST /resume there once their weights are right"
         )
-    failed = [failure.url for failure in failures]
-    return WeightPushError(". ".join(line for line in lines if line), failed, left_paused)
+    if unproven_version is not None:
+        lines.append(
+            f"version {unproven_version!r} was served between the resume and the failure and is unproven: refuse "
+            f"every turn labelled {unproven_version!r}"
+        )
+    failed = [*named, *(failure.url for failure in failures)]
+    return WeightPushError(". ".join(lines), failed, left_paused, unproven_version=unproven_version, probes=probes)
 
 
-def _each(replicas: Sequence[Replica], action: Callable[[Replica], T]) -> list[T]:
-    """`action` on every server at once; the first failure raised as a WeightPushError naming every failing one."""
-    results: list[T | None] = [None] * len(replicas)
+def _each(replicas: Sequence[Replica], action: Callable[[Replica], T]) -> dict[str, T]:
+    """`action` on every server at once, before any change; its results by URL, or a WeightPushError naming every
+    failing server."""
+    results: dict[str, T] = {}
 
-    def run(index: int) -> None:
-        results[index] = action(replicas[index])
+    def run(replica: Replica) -> None:
+        results[replica.url] = action(replica)
 
-    failures = _try_each(list(range(len(replicas))), run)
+    failures = try_each(replicas, run)
     if failures:
-        raise _error("refused before any change", failures, [])
-    return [result for result in results if result is not None]
-
-
-def _try_each(items: Sequence[T], action: Callable[[T], object]) -> list[ReplicaError]:
-    """`action` on every item in parallel threads (one per server); the ReplicaErrors raised, in item order."""
-    if not items:
-        return []
-
-    def attempt(item: T) -> ReplicaError | None:
-        try:
-            action(item)
-        except ReplicaError as exc:
-            return exc
-        return None
-
-    with ThreadPoolExecutor(max_workers=len(items)) as pool:
-        outcomes = list(pool.map(attempt, items))
-    return [outcome for outcome in outcomes if outcome is not None]
+        raise _error(f"refused before any change on {len(failures)} server(s)", failures, [])
+    return {replica.url: results[replica.url] for replica in replicas}
 
 
 @contextmanager
@@ -231,10 +314,3 @@ def _timed(phases: dict[str, float], name: str) -> Iterator[None]:
         yield
     finally:
         phases[name] = time.perf_counter() - started
-
-
-def _servers_at(url: str, client: httpx.Client) -> list[str]:
-    """The vLLM servers `url` names: the workers of the vllm-router there, else the server itself."""
-    if not is_vllm_router(url, client):
-        return [url]
-    return [server_root(worker) for worker in list_workers(url, http=client)]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import httpx
 
 from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.common.remote_errors import error_message
+from nemo_gym_tok.router import is_vllm_router, list_workers
 
 PauseMode = Literal["wait", "keep"]
 PAUSE_MODES: tuple[PauseMode, ...] = ("wait", "keep")
@@ -58,7 +61,7 @@ class Replica:
                 f"{method} {path} answered 401: the server requires its API key (--api-key / VLLM_API_KEY); pass it "
                 "as --api-key, or the adapter's api_key in the config",
             )
-        if response.status_code == 404:
+        if response.status_code == 404 and not path.startswith("/v1/"):  # a /v1 404 is vLLM's own (a model unknown)
             raise ReplicaError(
                 self.url,
                 f"{method} {path} answered 404: the server does not serve vLLM's weight routes; start it with "
@@ -70,9 +73,20 @@ class Replica:
             raise ReplicaError(self.url, message, response.status_code)
         return response
 
+    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        """The route's answer read as JSON; an answer that is not (a proxy's page, a cut body) names the server."""
+        response = self._call(method, path, **kwargs)
+        try:
+            return loads_exact(response.content)
+        except ValueError as exc:
+            raise ReplicaError(self.url, f"{method} {path} answered {response.status_code}, not JSON: {exc}") from exc
+
     def weight_version(self) -> str:
         """The label vLLM's engine has for the weights it serves (`default` until a version was set)."""
-        return str(loads_exact(self._call("GET", "/weight_info").content)["weight_version"])
+        answer = self._json("GET", "/weight_info")
+        if not isinstance(answer, dict) or "weight_version" not in answer:
+            raise ReplicaError(self.url, f"GET /weight_info answered without a weight_version: {str(answer)[:200]}")
+        return str(answer["weight_version"])
 
     def reload_status(self) -> dict[str, Any] | None:
         """What the worker-side exact reload reports (nemo_gym_tok.vllm.exact_reload), or None: a vLLM without it."""
@@ -82,14 +96,18 @@ class Replica:
             if exc.status != 500:
                 raise
             return None  # vLLM answers 500 for a method its worker does not have
-        results = loads_exact(response.content).get("results") or [None]
+        try:
+            answer = loads_exact(response.content)
+        except ValueError as exc:
+            raise ReplicaError(self.url, f"POST /collective_rpc ({STATUS_METHOD}) answered, not JSON: {exc}") from exc
+        results = (answer.get("results") if isinstance(answer, dict) else None) or [None]
         return results[0] if isinstance(results[0], dict) else None
 
     def served_weights(self) -> tuple[str, str, bool | None]:
         """(weights path, device type, tied embeddings or None) from vLLM's `/server_info`, for a server without
         the exact reload."""
-        answer = self._call("GET", "/server_info", params={"config_format": "json"})
-        info = loads_exact(answer.content).get("vllm_config", {})
+        answer = self._json("GET", "/server_info", params={"config_format": "json"})
+        info = (answer.get("vllm_config") if isinstance(answer, dict) else None) or {}
         model = info.get("model_config") or {}
         device = (info.get("device_config") or {}).get("device_type") or (info.get("device_config") or {}).get("device")
         hf_config = model.get("hf_config")
@@ -111,9 +129,66 @@ class Replica:
         """Drop the KV blocks computed with the old weights; `running_requests` also those of frozen requests
         (pause mode `keep`), which vLLM then computes again with the new weights."""
         params = {"reset_running_requests": "true" if running_requests else "false"}
-        answer = loads_exact(self._call("POST", "/reset_prefix_cache", params=params).content)
+        answer = self._json("POST", "/reset_prefix_cache", params=params)
         if isinstance(answer, dict) and answer.get("success") is False:
             raise ReplicaError(self.url, "POST /reset_prefix_cache answered success=false (blocks still held)")
 
     def set_weight_version(self, version: str) -> None:
         self._call("POST", "/update_weight_version", json={"new_version": version})
+
+    def served_model(self) -> str:
+        """The name the server serves its model under (the first of `GET /v1/models`)."""
+        answer = self._json("GET", "/v1/models")
+        models = answer.get("data") if isinstance(answer, dict) else None
+        if not models or not isinstance(models[0], dict) or not models[0].get("id"):
+            raise ReplicaError(self.url, f"GET /v1/models lists no model: {str(answer)[:200]}")
+        return str(models[0]["id"])
+
+    def prompt_log_probs(self, token_ids: Sequence[int], model: str) -> list[float]:
+        """log p(token_ids[i+1] | token_ids[:i+1]) as the server computes them (its prompt log probs, one greedy
+        token generated beside them): what the weight probe compares."""
+        body = {"model": model, "prompt": list(token_ids), "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0}
+        answer = self._json("POST", "/v1/completions", json=body)
+        try:
+            positions = answer["choices"][0]["prompt_logprobs"]
+            return [float(positions[i + 1][str(token_ids[i + 1])]["logprob"]) for i in range(len(token_ids) - 1)]
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise ReplicaError(
+                self.url, f"POST /v1/completions answered without the prompt's log probs ({exc!r}): {str(answer)[:200]}"
+            ) from exc
+
+
+def server_roots(urls: Sequence[str], http: httpx.Client) -> list[str]:
+    """The vLLM servers `urls` name, each once, by its root: a URL where vllm-router answers stands for every worker
+    it lists, and a server named twice (its root and its /v1 URL, or by itself and by its router) counts once."""
+    roots: dict[str, None] = {}
+    for url in urls:
+        root = server_root(url)
+        workers = (
+            [server_root(worker) for worker in list_workers(root, http=http)] if is_vllm_router(root, http) else []
+        )
+        roots.update(dict.fromkeys(workers or [root]))
+    return list(roots)
+
+
+def try_each(replicas: Sequence[Replica], action: Callable[[Replica], object]) -> list[ReplicaError]:
+    """`action` on every server at once (a thread each); the failures, in the servers' order, as ReplicaErrors. Any
+    other exception a server's call raised (an answer unlike vLLM's, a bug) becomes one naming that server, the
+    original as its cause: one server's surprise must not leave the others' outcomes unknown."""
+    if not replicas:
+        return []
+
+    def attempt(replica: Replica) -> ReplicaError | None:
+        try:
+            action(replica)
+        except ReplicaError as exc:
+            return exc
+        except Exception as exc:
+            error = ReplicaError(replica.url, f"failed unexpectedly: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            return error
+        return None
+
+    with ThreadPoolExecutor(max_workers=len(replicas)) as pool:
+        outcomes = list(pool.map(attempt, replicas))
+    return [outcome for outcome in outcomes if outcome is not None]
