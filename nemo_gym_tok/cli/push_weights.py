@@ -9,7 +9,15 @@ from pathlib import Path
 from typing import Any
 
 from nemo_gym_tok.config import ConfigError, load_config
-from nemo_gym_tok.weights import PAUSE_MODES, WeightPushError, push_weights
+from nemo_gym_tok.weights import (
+    DEFAULT_MAX_MEAN_GAP,
+    PAUSE_MODES,
+    PROBE_TOKEN_IDS,
+    WeightProbe,
+    WeightPushError,
+    probe_from_checkpoint,
+    push_weights,
+)
 
 MODEL_KIND = "responses_api_models"
 
@@ -25,8 +33,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "(routes served, key accepted, an exact reload, a new version), then pause all, reload DIR in place, "
             "reset the prefix caches, set the weight version, resume. A server that fails is named, and every server "
             "is put back on the weights and version it had; one that cannot be put back stays paused. Bundles "
-            "collected afterwards carry the new version (`weight_version`). Prints the time each phase took. "
-            "Exit 0 pushed, 1 not pushed (a server failed), 2 a usage mistake."
+            "collected afterwards carry the new version (`weight_version`). With --probe, every server must then "
+            f"serve the prompt log probs of {len(PROBE_TOKEN_IDS)} fixed token ids that transformers computes from "
+            "DIR itself (float32, CPU) to within --probe-bound nats mean, or every server is put back and the "
+            "version is reported unproven (turns sampled under it meanwhile are to be refused). Prints the time "
+            "each phase took. Exit 0 pushed, 1 not pushed (a server failed), 2 a usage mistake."
         ),
     )
     parser.add_argument("checkpoint_dir", metavar="DIR", help="checkpoint directory (save_pretrained) the servers read")
@@ -47,6 +58,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--api-key", help="the servers' API key (default: the config adapters' api_key, else $VLLM_API_KEY)"
+    )
+    parser.add_argument(
+        "--probe",
+        action="store_true",
+        help="after the resume, prove every server serves DIR's weights: its prompt log probs of fixed token ids "
+        "against those transformers computes from DIR (needs torch and transformers here, and DIR readable here)",
+    )
+    parser.add_argument(
+        "--probe-bound",
+        type=float,
+        metavar="NATS",
+        help=f"with --probe: the largest mean |served - expected| log prob a server may show (default "
+        f"{DEFAULT_MAX_MEAN_GAP:g})",
     )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds for each route call (default 300)")
     parser.add_argument(
@@ -90,6 +114,10 @@ def run(args: argparse.Namespace) -> int:
     version = args.version or Path(args.checkpoint_dir).expanduser().resolve().name
     api_key = args.api_key or config_key or os.environ.get("VLLM_API_KEY")
     try:
+        if args.probe_bound is not None and not args.probe:
+            raise ValueError("--probe-bound is a bound of --probe: give --probe too")
+        bound = DEFAULT_MAX_MEAN_GAP if args.probe_bound is None else args.probe_bound
+        probe = checkpoint_probe(args.checkpoint_dir, bound) if args.probe else None
         report = push_weights(
             urls,
             args.checkpoint_dir,
@@ -97,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
             api_key=api_key,
             pause_mode=args.pause_mode,
             timeout=args.timeout,
+            probe=probe,
         )
     except ValueError as exc:
         print(f"ngt: {exc}", file=sys.stderr)
@@ -106,3 +135,16 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(report.format(), flush=True)
     return 0
+
+
+def checkpoint_probe(checkpoint_dir: str, bound: float) -> WeightProbe:
+    """The probe of DIR's own weights (transformers, float32, CPU): a ValueError, a usage mistake, when DIR is not a
+    readable model directory here or the bound is not a positive number."""
+    if not 0 < bound < float("inf"):
+        raise ValueError(f"--probe-bound must be a positive number of nats, got {bound}")
+    if not Path(checkpoint_dir).expanduser().is_dir():
+        raise ValueError(f"--probe reads the checkpoint here, and {checkpoint_dir} is not a directory on this machine")
+    try:
+        return probe_from_checkpoint(Path(checkpoint_dir).expanduser(), PROBE_TOKEN_IDS, bound)
+    except (OSError, ImportError) as exc:
+        raise ValueError(f"--probe could not compute {checkpoint_dir}'s log probs: {exc}") from exc
