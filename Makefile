@@ -36,7 +36,7 @@ DESELECT_030 := --deselect tests/test_hook_vllm.py::test_tool_call_conversations
 # only 2 of the stock detection test's 6 histories drift.
 DESELECT_029 := $(DESELECT_030)
 
-.PHONY: setup chromium test lint format test-gpt-oss demo train-demo clean test-families test-fleet soak template-sweep vllm-compat test-vllm-0.30 \
+.PHONY: setup chromium test lint format test-gpt-oss demo train-demo train-async clean test-families test-fleet soak template-sweep vllm-compat test-vllm-0.30 \
 	test-vllm-0.29 bench renderers-venv renderers-oracle clients-venv vllm-wheels test-vllm-wheels test-nemo-gym \
 	extra-venvs
 
@@ -144,6 +144,13 @@ demo: setup
 train-demo: setup
 	$(PY) -c "import matplotlib, trl" 2>/dev/null || $(PIP) install --quiet -e '.[train]'
 	$(VENV)/bin/ngt train-demo
+
+# The staleness table (docs/training.md, "Asynchronous RL"): the train demo at staleness 0, 1, 2 and 4 with token TIS
+# and 4 uncorrected, one after the other on one hooked float32 vLLM, collection running ahead of the trainer; the
+# table (table.json, table.md) and train-async.png in .ngt/train-async/. About 30 to 45 minutes on 2 cores.
+train-async: setup
+	$(PY) -c "import matplotlib, trl" 2>/dev/null || $(PIP) install --quiet -e '.[train]'
+	$(VENV)/bin/ngt train-async $(TRAIN_ASYNC_ARGS)
 
 # The benchmarks (bench/README.md): every figure on one long-context bench server (the tiny model built with a
 # 32,768-position limit), then docs/performance.md and docs/performance.png regenerated. 9 to 11 minutes on 2 cores.

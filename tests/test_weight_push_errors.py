@@ -176,3 +176,12 @@ def test_vllm_serve_refuses_weight_routes_beyond_loopback_without_a_key() -> Non
     assert exposed_weight_routes(["--host", "0.0.0.0"], {**dev, "VLLM_API_KEY": "k"}) is None
     assert exposed_weight_routes([], dev) is None  # loopback by default
     assert exposed_weight_routes(["--host", "0.0.0.0"], {}) is None  # no weight routes served
+
+
+def test_a_null_weight_version_is_refused_never_taken_as_the_label_none(checkpoint: Path) -> None:
+    fake = FakeVLLM(HOSTS)
+    fake.state["http://b:8000"]["version"] = None
+    with pytest.raises(WeightPushError, match="weight_version that is not a label: None") as refused:
+        push(fake, checkpoint)
+    assert refused.value.replicas == ("http://b:8000",)
+    assert all(state["version"] != "None" and not state["paused"] for state in fake.state.values())

@@ -86,7 +86,11 @@ class Replica:
         answer = self._json("GET", "/weight_info")
         if not isinstance(answer, dict) or "weight_version" not in answer:
             raise ReplicaError(self.url, f"GET /weight_info answered without a weight_version: {str(answer)[:200]}")
-        return str(answer["weight_version"])
+        label = answer["weight_version"]
+        if not isinstance(label, str) or not label:
+            # Never str() it: a null label would become the version "None", and a rollback would set it back.
+            raise ReplicaError(self.url, f"GET /weight_info answered a weight_version that is not a label: {label!r}")
+        return label
 
     def reload_status(self) -> dict[str, Any] | None:
         """What the worker-side exact reload reports (nemo_gym_tok.vllm.exact_reload), or None: a vLLM without it."""
