@@ -10,7 +10,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from nemo_gym_tok.common.exact_json import loads_exact
+from nemo_gym_tok.records.training import rollout_to_training_sequence
 from nemo_gym_tok.train.correction import Correction, CorrectionFigures
+from nemo_gym_tok.train.staleness import token_versions
 from nemo_gym_tok.train.step_metrics import StepMetrics
 from nemo_gym_tok.train.train_demo import WINDOW, DemoResult, DemoSettings, clean_output, demo_servers, train_once
 
@@ -100,10 +103,23 @@ def run_figures(run: TableRun, result: DemoResult) -> RunFigures:
         gap_by_lag={str(lag): figures.mean for lag, figures in sorted(corrections.by_lag.items())},
         episodes=sum(step.episodes for step in metrics),
         contiguous=sum(step.contiguous for step in metrics),
-        unknown_versions=0,  # a token of unknown version fails its step (StaleWeightsError): a finished run has none
+        unknown_versions=unknown_versions(result.files["records"]),
         probe_ms_mean=1000 * _mean([step.probe_seconds for step in metrics]),
         step_seconds_mean=train_seconds / len(metrics) if metrics else math.nan,
     )
+
+
+def unknown_versions(records_dir: Path) -> int:
+    """Sampled ids of unknown weight version in a run's record files, read again (the run refuses a step with one,
+    so a finished run should have none: this counts what the files say, not what the run believed)."""
+    count = 0
+    for path in sorted(records_dir.glob("step-[0-9][0-9][0-9].jsonl")):  # not the rows beside them
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                sequence = rollout_to_training_sequence(loads_exact(line))
+                versions = token_versions(sequence)
+                count += sum(1 for version, sampled in zip(versions, sequence.loss_mask) if sampled and version is None)
+    return count
 
 
 def steps_to_reach(rewards: Sequence[float], level: float = REACH, window: int = REACH_WINDOW) -> int | None:
