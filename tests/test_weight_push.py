@@ -134,9 +134,11 @@ def test_two_servers_take_a_push_together_or_not_at_all(
     tmp_path: Path,
 ) -> None:
     urls = [rl_vllm_server.base_url, second_replica.base_url]
-    code = ngt(["push-weights", str(checkpoints["step-1"]), "--version", "both-1", *(f"--url={u}/v1" for u in urls)])
+    pushed = ["push-weights", str(checkpoints["step-1"]), "--version", "both-1", "--probe"]
+    code = ngt([*pushed, *(f"--url={u}/v1" for u in urls)])
     printed = capsys.readouterr().out
-    assert code == 0 and "version both-1" in printed and "reload" in printed
+    print(printed)
+    assert code == 0 and "version both-1" in printed and "reload" in printed and "proven on 2 server(s)" in printed
     for url in urls:
         assert weight_version(url) == "both-1"
         assert_serves(url, checkpoints["step-1"])
