@@ -172,3 +172,50 @@ def test_a_collection_failure_reaches_the_trainer_and_a_stopped_collector_says_s
     blocked.stop()
     waiter.join(5)
     assert not waiter.is_alive()
+
+
+def test_the_table_reads_its_rows_reach_and_targets() -> None:
+    from nemo_gym_tok.train.staleness_table import RunFigures, markdown_table, steps_to_reach, targets
+
+    assert steps_to_reach([0.1, 0.9, 0.9, 0.7, 0.9, 0.9]) == 3  # trailing 3-step means: 0.633, then 0.833
+    assert steps_to_reach([0.9, 0.9]) is None and steps_to_reach([0.5, 0.8, 0.9, 0.9]) == 3
+
+    def row(staleness: int, correction: str, first: float, last: float, **changes: Any) -> RunFigures:
+        fields: dict[str, Any] = dict(
+            name=f"staleness-{staleness}", max_staleness=staleness, correction=correction, steps=30,
+            reward_first=first, reward_last=last, version_reward_first=first, version_reward_last=last,
+            steps_to_reach=9, train_seconds=300.0, trainer_idle_share=0.1, sampler_idle_share=0.5,
+            lag_shares={"0": 0.25, "2": 0.75}, capped_share=0.01, masked_share=0.0, gap_by_lag={"0": 3e-7, "2": 0.2},
+            episodes=240, contiguous=240, unknown_versions=0, probe_ms_mean=60.0, step_seconds_mean=10.0,
+        )  # fmt: skip
+        return RunFigures(**{**fields, **changes})
+
+    tis = Correction("tis").describe()
+    rows = [row(0, tis, 0.3, 0.9), row(2, tis, 0.32, 0.88)]
+    assert all(targets(rows).values())
+    assert not targets([row(0, tis, 0.3, 0.9), row(2, tis, 0.3, 0.8)])[
+        "staleness 2 with correction: reward gain within 0.05 of the synchronous run's"
+    ]
+    assert not targets([*rows, row(4, "none", 0.3, 0.9, unknown_versions=3)])["every token's weights known (0 unknown)"]
+    table = markdown_table(rows)
+    assert (
+        table.count("\n") == 4
+        and "| 2 | token TIS (cap 2) | 0.320 / 0.880 (+0.560) | 0.320 / 0.880 (+0.560) | 9 |" in table
+    )
+    assert "0: 25.0%, 2: 75.0%" in table and "0: 3e-07, 2: 0.2" in table
+
+
+def test_the_docs_staleness_table_is_the_committed_runs() -> None:
+    """docs/training.md shows the table `make train-async` wrote for the run committed as docs/train-async.json."""
+    from pathlib import Path
+
+    from nemo_gym_tok.train.staleness_table import RunFigures, markdown_table, read_table
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    rows = [
+        RunFigures(**{k: v for k, v in row.items() if k != "reward_gain"})
+        for row in read_table(docs / "train-async.json")
+    ]
+    assert [row.max_staleness for row in rows] == [0, 1, 2, 4, 4]
+    assert markdown_table(rows) in (docs / "training.md").read_text(encoding="utf-8")
+    assert all(row.contiguous == row.episodes == 240 and row.unknown_versions == 0 for row in rows)

@@ -57,6 +57,12 @@ class RunFigures:
     steps: int
     reward_first: float
     reward_last: float
+    """Mean reward of the first and last WINDOW steps' episodes."""
+    version_reward_first: float
+    version_reward_last: float
+    """The mean over the first and last WINDOW versions that drew episodes of each version's mean reward (a
+    staleness-K run's step N trains on episodes of version N - K: by step, its first K + 1 steps all show the start-up
+    policy's reward)."""
     steps_to_reach: int | None
     """The first step whose trailing REACH_WINDOW-step mean reward is at least REACH; None: never."""
     train_seconds: float
@@ -76,9 +82,15 @@ class RunFigures:
     def reward_gain(self) -> float:
         return self.reward_last - self.reward_first
 
+    @property
+    def version_reward_gain(self) -> float:
+        return self.version_reward_last - self.version_reward_first
 
-def run_figures(run: TableRun, result: DemoResult) -> RunFigures:
+
+def run_figures(run: TableRun, result: DemoResult, label_prefix: str) -> RunFigures:
     metrics = result.metrics
+    by_version = rewards_by_version(result.files["records"], label_prefix)
+    versions = sorted(by_version)
     corrections = CorrectionFigures()
     for step in metrics:
         if step.correction is not None:
@@ -93,6 +105,8 @@ def run_figures(run: TableRun, result: DemoResult) -> RunFigures:
         steps=len(metrics),
         reward_first=result.window(False),
         reward_last=result.window(True),
+        version_reward_first=_mean([_mean(by_version[v]) for v in versions[:WINDOW]]),
+        version_reward_last=_mean([_mean(by_version[v]) for v in versions[-WINDOW:]]),
         steps_to_reach=steps_to_reach([step.reward_mean for step in metrics]),
         train_seconds=train_seconds,
         trainer_idle_share=waited / train_seconds if train_seconds > 0 else math.nan,
@@ -107,6 +121,22 @@ def run_figures(run: TableRun, result: DemoResult) -> RunFigures:
         probe_ms_mean=1000 * _mean([step.probe_seconds for step in metrics]),
         step_seconds_mean=train_seconds / len(metrics) if metrics else math.nan,
     )
+
+
+def rewards_by_version(records_dir: Path, label_prefix: str) -> dict[int, list[float]]:
+    """Each episode's reward under the push that drew its first sampled id (`label_prefix` + step), from the run's
+    record files."""
+    found: dict[int, list[float]] = {}
+    for path in sorted(records_dir.glob("step-[0-9][0-9][0-9].jsonl")):  # not the rows beside them
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if not line.strip():
+                continue
+            record = loads_exact(line)
+            label = rollout_to_training_sequence(record).weight_versions[0]
+            if label is None or not label.startswith(label_prefix):
+                raise ValueError(f"{path}: an episode drawn by {label!r}, not by a push of this run ({label_prefix}N)")
+            found.setdefault(int(label.removeprefix(label_prefix)), []).append(float(record["reward"]))
+    return found
 
 
 def unknown_versions(records_dir: Path) -> int:
@@ -156,7 +186,7 @@ def run_staleness_table(
                 say=say,
                 on_step=None if on_step is None else lambda metrics, name=run.name: on_step(name, metrics),
             )
-            figures.append(run_figures(run, result))
+            figures.append(run_figures(run, result, f"{run.name}-{nonce}-"))
             steps[run.name] = result.metrics
             write_table(out / TABLE_FILE, figures)
             say(format_row(figures[-1]))
@@ -166,7 +196,10 @@ def run_staleness_table(
 
 
 def write_table(path: Path, figures: Sequence[RunFigures]) -> None:
-    rows = [{**asdict(row), "reward_gain": row.reward_gain} for row in figures]
+    rows = [
+        {**asdict(row), "reward_gain": row.reward_gain, "version_reward_gain": row.version_reward_gain}
+        for row in figures
+    ]
     path.write_text(json.dumps(_json_safe(rows), indent=1) + "\n", encoding="utf-8")
 
 
@@ -187,6 +220,10 @@ def targets(figures: Sequence[RunFigures]) -> dict[str, bool]:
         result[f"staleness 2 with correction: reward gain within {GAIN_TOLERANCE} of the synchronous run's"] = (
             abs(corrected_2.reward_gain - sync.reward_gain) <= GAIN_TOLERANCE
         )
+        result[
+            f"staleness 2 with correction: reward gain by drawing weights within {GAIN_TOLERANCE} of the synchronous "
+            "run's"
+        ] = abs(corrected_2.version_reward_gain - sync.version_reward_gain) <= GAIN_TOLERANCE
     return result
 
 
@@ -195,7 +232,8 @@ def format_row(row: RunFigures) -> str:
     gaps = " ".join(f"{lag}:{gap:.1e}" for lag, gap in row.gap_by_lag.items())
     reach = "-" if row.steps_to_reach is None else str(row.steps_to_reach)
     return (
-        f"{row.name}: reward {row.reward_first:.3f} -> {row.reward_last:.3f} ({row.reward_gain:+.3f}), 0.8 at step "
+        f"{row.name}: reward {row.reward_first:.3f} -> {row.reward_last:.3f} ({row.reward_gain:+.3f}; by drawing "
+        f"weights {row.version_reward_first:.3f} -> {row.version_reward_last:.3f}), 0.8 at step "
         f"{reach}, {row.train_seconds:.0f} s, idle trainer {100 * row.trainer_idle_share:.0f}% sampler "
         f"{100 * row.sampler_idle_share:.0f}%, lags {lags}, capped {_percent(row.capped_share)} masked "
         f"{_percent(row.masked_share)}, gap by lag {gaps}, contiguous {row.contiguous}/{row.episodes}"
@@ -204,7 +242,8 @@ def format_row(row: RunFigures) -> str:
 
 def markdown_table(figures: Sequence[RunFigures]) -> str:
     head = (
-        f"| staleness | correction | reward, first / last {WINDOW} steps (gain) | steps to {REACH} | training time, s "
+        f"| staleness | correction | reward, first / last {WINDOW} steps (gain) | reward by drawing weights, first / "
+        f"last {WINDOW} versions (gain) | steps to {REACH} | training time, s "
         "| trainer idle | sampler idle | tokens by lag | capped / masked | gap by lag, nats mean | probe per push, ms |"
     )
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
@@ -214,9 +253,10 @@ def markdown_table(figures: Sequence[RunFigures]) -> str:
         reach = "not reached" if row.steps_to_reach is None else str(row.steps_to_reach)
         lines.append(
             f"| {row.max_staleness} | {row.correction} | {row.reward_first:.3f} / {row.reward_last:.3f} "
-            f"({row.reward_gain:+.3f}) | {reach} | {row.train_seconds:.0f} | {_percent(row.trainer_idle_share)} | "
-            f"{_percent(row.sampler_idle_share)} | {lags} | {_percent(row.capped_share)} / "
-            f"{_percent(row.masked_share)} | {gaps} | {row.probe_ms_mean:.0f} |"
+            f"({row.reward_gain:+.3f}) | {row.version_reward_first:.3f} / {row.version_reward_last:.3f} "
+            f"({row.version_reward_gain:+.3f}) | {reach} | {row.train_seconds:.0f} | "
+            f"{_percent(row.trainer_idle_share)} | {_percent(row.sampler_idle_share)} | {lags} | "
+            f"{_percent(row.capped_share)} / {_percent(row.masked_share)} | {gaps} | {row.probe_ms_mean:.0f} |"
         )
     return "\n".join(lines) + "\n"
 
