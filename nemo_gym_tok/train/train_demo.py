@@ -103,7 +103,8 @@ class DemoResult:
     def worst_exact_gap(self) -> float:
         """The largest per-step mean free-turn gap over the tokens the trainer's own weights drew (lag 0: every token
         of the synchronous loop; an older token's gap is the policy's move, not the pipeline's)."""
-        return max((_on_policy_gap(m) for m in self.metrics), default=math.nan)
+        gaps = [gap for gap in map(_on_policy_gap, self.metrics) if not math.isnan(gap)]  # steps with lag-0 tokens
+        return max(gaps, default=math.nan)
 
     def exact_total(self) -> GapFigures:
         """Free turns over every step."""
@@ -153,7 +154,9 @@ class DemoResult:
             >= REWARD_GAIN_TARGET,
             "every episode token-contiguous": bool(self.metrics)
             and all(m.contiguous == m.episodes for m in self.metrics),
-            f"exact free-turn gap <= {GAP_TARGET} nats mean at every step": self.worst_exact_gap <= GAP_TARGET,
+            f"exact gap of the tokens the trainer's own weights drew <= {GAP_TARGET} nats mean at every step": (
+                self.worst_exact_gap <= GAP_TARGET
+            ),
             f"wall time <= {time_limit:.0f} s, vLLM's start included": self.seconds <= time_limit,
         }
 
