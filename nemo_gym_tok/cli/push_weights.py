@@ -6,20 +6,19 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
-from nemo_gym_tok.config import ConfigError, load_config
+from nemo_gym_tok.config import ConfigError
+from nemo_gym_tok.servers.model_targets import push_targets
 from nemo_gym_tok.weights import (
     DEFAULT_MAX_MEAN_GAP,
     PAUSE_MODES,
     PROBE_TOKEN_IDS,
     WeightProbe,
     WeightPushError,
+    describe_dropped,
     probe_from_checkpoint,
     push_weights,
 )
-
-MODEL_KIND = "responses_api_models"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,10 +27,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="load a checkpoint directory into every vLLM server of a config, all or none, under a weight version",
         description=(
             "Through vLLM's own weight routes (served with VLLM_SERVER_DEV_MODE=1), on every vLLM server the "
-            "config's model adapters name (their base_url, or every worker of their router) and every --url (a "
-            "vllm-router's URL stands for every worker it lists): ask each one first "
+            "config's model adapters name and every --url (a vllm-router's URL stands for every worker it lists "
+            "now). An adapter with a `router` field stands for the workers of its running router (named by the head "
+            "of the config's `ngt run`, else found at the router's own port), or for its router.worker_urls when no "
+            "router answers; a line says which. Ask each server first "
             "(routes served, key accepted, an exact reload, a new version), then pause all, reload DIR in place, "
-            "reset the prefix caches, set the weight version, resume. A server that fails is named, and every server "
+            "reset the prefix caches, set the weight version, resume. A worker a router lists that gives no answer "
+            "at all (connection refused, timed out) is taken out of that router and the push goes on over the live "
+            "workers; it is named on the printed line. Any other server that fails is named, and every server "
             "is put back on the weights and version it had; one that cannot be put back stays paused. Bundles "
             "collected afterwards carry the new version (`weight_version`). With --probe, every server must then "
             f"serve the prompt log probs of {len(PROBE_TOKEN_IDS)} fixed token ids that transformers computes from "
@@ -47,7 +50,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--url", action="append", default=[], help="a vLLM server (root or /v1 URL); repeatable")
     parser.add_argument(
-        "-c", "--config", action="append", default=[], metavar="FILE", help="gym config whose vllm_model URLs to use"
+        "-c",
+        "--config",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="gym config whose model adapters' vLLMs to push to (a routed adapter: the workers its running router "
+        "lists, the router found through the config's head_server, else its router.worker_urls)",
     )
     parser.add_argument(
         "--pause-mode",
@@ -79,35 +88,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def vllm_targets(config_paths: list[str], overrides: list[str]) -> tuple[list[str], str | None]:
-    """Every vLLM URL the config's model adapters name, in order, and their API key (the first that sets one)."""
-    config = load_config(config_paths, overrides)
-    urls: list[str] = []
-    api_key: str | None = None
-    for instance in config.instances.values():
-        if instance.kind != MODEL_KIND:
-            continue
-        fields: dict[str, Any] = instance.fields
-        base_url = fields.get("base_url")
-        urls.extend([base_url] if isinstance(base_url, str) else list(base_url or []))
-        router = fields.get("router")  # the workers of a router `ngt run` starts (a running router is asked)
-        if isinstance(router, dict) and isinstance(router.get("worker_urls"), list):
-            urls.extend(str(url) for url in router["worker_urls"])
-        key = fields.get("api_key")
-        if api_key is None and isinstance(key, str) and key and key != "EMPTY":
-            api_key = key
-    return urls, api_key
-
-
 def run(args: argparse.Namespace) -> int:
     urls, config_key = list(args.url), None
     if args.config:
         try:
-            config_urls, config_key = vllm_targets(args.config, args.overrides)
+            targets = push_targets(args.config, args.overrides)
         except ConfigError as exc:
             print(f"ngt: {exc}", file=sys.stderr)
             return 2
-        urls = [*config_urls, *urls]
+        for note in targets.notes:
+            print(f"ngt: {note}", flush=True)
+        urls, config_key = [*targets.urls, *urls], targets.api_key
     if not urls:
         print("ngt: no vLLM server named: give -c CONFIG (its vllm_model base_url) or --url URL", file=sys.stderr)
         return 2
@@ -131,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"ngt: {exc}", file=sys.stderr)
         return 2
     except WeightPushError as exc:
-        print(f"ngt: not pushed: {exc}", file=sys.stderr)
+        dropped = f"\nngt: {describe_dropped(exc.dropped)}" if exc.dropped else ""
+        print(f"ngt: not pushed: {exc}{dropped}", file=sys.stderr)
         return 1
     print(report.format(), flush=True)
     return 0

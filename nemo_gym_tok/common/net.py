@@ -29,3 +29,12 @@ def shared_ssl_context() -> ssl.SSLContext:
     import certifi
 
     return ssl.create_default_context(cafile=certifi.where())
+
+
+def client_host(host: str) -> str:
+    """Where a client on this machine reaches a server bound to `host` (a wildcard address is reached on loopback)."""
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host

@@ -138,6 +138,7 @@ class Gym:
         head = ServerInstance(HEAD_NAME, "head", "head", {"host": head_host, "servers": self.urls}, {})
         try:
             self._start_routers(routed)
+            head.fields["routers"] = {name: router.url for name, router in self.routers.items()}
             self._spawn(head, ports[HEAD_NAME], self.head_url)
             for name, instance in launched.items():
                 if name in nemo_gym:

@@ -14,9 +14,10 @@ from typing import TypeVar
 import httpx
 
 from nemo_gym_tok.common.net import shared_ssl_context
+from nemo_gym_tok.router import RouterError, remove_worker
 from nemo_gym_tok.weights.checkpoint import Checkpoint, check_checkpoint_dir, check_version_label
 from nemo_gym_tok.weights.probe import ProbeResult, WeightProbe, describe_failures, probe_replica
-from nemo_gym_tok.weights.replica import PAUSE_MODES, PauseMode, Replica, ReplicaError, server_roots, try_each
+from nemo_gym_tok.weights.replica import PAUSE_MODES, PauseMode, Replica, ReplicaError, routed_roots, try_each
 
 T = TypeVar("T")
 EXACT_RELOAD_HINT = (
@@ -45,6 +46,8 @@ class WeightPushError(RuntimeError):
         self.left_paused = tuple(left_paused)
         self.unproven_version = unproven_version
         self.probes = tuple(probes)
+        self.dropped: dict[str, str] = {}
+        """Workers a router listed that gave no answer, taken out of that router before the push: URL -> why."""
 
 
 @dataclass(frozen=True)
@@ -68,11 +71,16 @@ class PushReport:
     seconds: float
     phases: dict[str, float] = field(default_factory=dict)
     probes: tuple[ProbeResult, ...] = ()
+    dropped: dict[str, str] = field(default_factory=dict)
+    """Workers a router listed that gave no answer: taken out of that router and left out of the push (URL -> why).
+    Pushed or not, they serve nothing through the router until someone puts them back (FleetKeeper resyncs them)."""
 
     def format(self) -> str:
         phases = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in self.phases.items())
         servers = ", ".join(f"{state.url} ({state.weight_version} -> {self.version})" for state in self.replicas)
         text = f"pushed {self.checkpoint_dir} as version {self.version} in {self.seconds:.2f}s ({phases}): {servers}"
+        if self.dropped:
+            text += "; " + describe_dropped(self.dropped)
         if not self.probes:
             return text
         worst = max(self.probes, key=lambda result: result.mean_gap)
@@ -117,13 +125,18 @@ def push_weights(
     started, phases = time.perf_counter(), {}
     own = None if http is not None else httpx.Client(timeout=timeout, verify=shared_ssl_context())
     with own if own is not None else contextlib.nullcontext(http) as client:
-        replicas = [Replica(url, client, api_key) for url in server_roots(urls, client)]
+        routers = routed_roots(urls, client)
+        if not routers:
+            raise WeightPushError(f"no vLLM server to push to: the router at {', '.join(urls)} lists no worker")
+        replicas = [Replica(url, client, api_key) for url in routers]
         with _timed(phases, "preflight"):
-            states = _each(replicas, lambda replica: _preflight(replica, checkpoint, version))
+            states, dropped = _preflight_live(replicas, routers, checkpoint, version, client)
+            replicas = [replica for replica in replicas if replica.url in states]
             # The probe's model name is read now, so that its cost after the resume is the probe's call alone.
             models = _each(replicas, Replica.served_model) if probe is not None else {}
         pushing = _Push(replicas, states, pause_mode, version)
         try:
+            # From here a failure is about the live workers; the dropped ones are named on it as well.
             with _timed(phases, "pause"):
                 pushing.pause_all()
             with _timed(phases, "reload"):
@@ -139,14 +152,67 @@ def push_weights(
                 # vLLM serves no completion while paused: the proof comes after the resume, hence unproven_version.
                 with _timed(phases, "probe"):
                     probes = pushing.prove(probe, models)
-        except WeightPushError:
+        except WeightPushError as exc:
+            exc.dropped = dropped
             raise
         except Exception as exc:
-            raise pushing.abandon(exc) from exc
+            error = pushing.abandon(exc)
+            error.dropped = dropped
+            raise error from exc
         except BaseException as exc:  # KeyboardInterrupt, SystemExit: still theirs to raise, once every server is back
             exc.add_note(str(pushing.abandon(exc)))
             raise
-    return PushReport(version, checkpoint.path, tuple(states.values()), time.perf_counter() - started, phases, probes)
+    seconds = time.perf_counter() - started
+    return PushReport(version, checkpoint.path, tuple(states.values()), seconds, phases, probes, dropped)
+
+
+def describe_dropped(dropped: dict[str, str]) -> str:
+    """The line that names the workers a push took out of their router, and why."""
+    return f"taken out of the router, not answering: {'; '.join(f'{url} ({why})' for url, why in dropped.items())}"
+
+
+def _preflight_live(
+    replicas: list[Replica],
+    routers: dict[str, str | None],
+    checkpoint: Checkpoint,
+    version: str,
+    http: httpx.Client,
+) -> tuple[dict[str, ReplicaState], dict[str, str]]:
+    """Every server's preflight, by URL, and the workers dropped: one that a router listed and that gives no answer
+    at all (connection refused, timed out) is down, so it is taken out of that router and the push goes on over the
+    live fleet without it. A server that answers and refuses, or one named by itself that does not answer, refuses
+    the push before any change (no router is edited then)."""
+    states: dict[str, ReplicaState] = {}
+
+    def run(replica: Replica) -> None:
+        states[replica.url] = _preflight(replica, checkpoint, version)
+
+    failures = try_each(replicas, run)
+    down = [failure for failure in failures if failure.unreachable and routers.get(failure.url)]
+    refused = [failure for failure in failures if failure not in down]
+    if refused:
+        error = _error(f"refused before any change on {len(refused)} server(s)", refused, [])
+        if down:
+            error.add_note(f"not answering either: {', '.join(failure.url for failure in down)}")
+        raise error
+    dropped: dict[str, str] = {}
+    for failure in down:
+        router = routers[failure.url]
+        assert router is not None
+        try:
+            remove_worker(router, failure.url, http=http)
+        except RouterError as exc:
+            raise _error(
+                f"{failure.url} does not answer and could not be taken out of its router ({exc}); nothing was pushed",
+                [failure],
+                [],
+            ) from exc
+        dropped[failure.url] = str(failure).removeprefix(f"{failure.url}: ")
+    if not states:
+        error = WeightPushError(f"no worker answered, so nothing was pushed; {describe_dropped(dropped)}", [*dropped])
+        error.dropped = dropped
+        raise error
+    return states, dropped
 
 
 def _preflight(replica: Replica, checkpoint: Checkpoint, version: str) -> ReplicaState:

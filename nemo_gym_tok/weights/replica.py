@@ -30,6 +30,11 @@ class ReplicaError(RuntimeError):
         self.status = status
         """The HTTP status the server answered, None when it did not answer."""
 
+    @property
+    def unreachable(self) -> bool:
+        """The server gave no HTTP answer at all (connection refused, reset, timed out): it is down, not refusing."""
+        return self.status is None and isinstance(self.__cause__, httpx.TransportError)
+
 
 def server_root(url: str) -> str:
     """The server's root for a base URL as configs give it (`http://host:8000/v1` -> `http://host:8000`)."""
@@ -165,14 +170,21 @@ class Replica:
 def server_roots(urls: Sequence[str], http: httpx.Client) -> list[str]:
     """The vLLM servers `urls` name, each once, by its root: a URL where vllm-router answers stands for every worker
     it lists, and a server named twice (its root and its /v1 URL, or by itself and by its router) counts once."""
-    roots: dict[str, None] = {}
+    return list(routed_roots(urls, http))
+
+
+def routed_roots(urls: Sequence[str], http: httpx.Client) -> dict[str, str | None]:
+    """server_roots, each with the router that listed it (its root URL), or None for a server named by itself: a
+    server named both ways counts as named by itself."""
+    roots: dict[str, str | None] = {}
     for url in urls:
         root = server_root(url)
-        workers = (
-            [server_root(worker) for worker in list_workers(root, http=http)] if is_vllm_router(root, http) else []
-        )
-        roots.update(dict.fromkeys(workers or [root]))
-    return list(roots)
+        if is_vllm_router(root, http):
+            for worker in list_workers(root, http=http):
+                roots.setdefault(server_root(worker), root)
+        else:
+            roots[root] = None
+    return roots
 
 
 def try_each(replicas: Sequence[Replica], action: Callable[[Replica], object]) -> list[ReplicaError]:
