@@ -97,12 +97,16 @@ def test_a_worker_back_on_its_start_up_weights_between_two_polls_is_dropped_for_
 
 def test_a_resync_whose_probe_fails_keeps_the_worker_out_until_it_passes(checkpoint: Path) -> None:
     fleet = fleet_on(checkpoint)
-    with keeper_for(fleet, FleetWeights("v1", str(checkpoint), probe())) as keeper:
+    with keeper_for(fleet, FleetWeights("v1", str(checkpoint), probe()), retry_seconds=0.3) as keeper:
         fleet.kill(B)
         keeper.wait_for("dropped", B, timeout=5)
         fleet.restart(B, stale=[-3.0] * len(SERVED))  # whatever it loads, it serves other log probs
         failed = keeper.wait_for("resync_failed", B, timeout=5)
-        time.sleep(0.3)  # several retries: each rolled back, none let in
+        reloads = [call for call in fleet.timeline if call == (B, "/collective_rpc")]
+        while len([call for call in fleet.timeline if call == (B, "/collective_rpc")]) < len(reloads) + 4:
+            time.sleep(0.05)  # more tries, each rolled back
+        while keeper.states()[B] != "out":
+            time.sleep(0.01)  # between two tries (0.3 s apart): its rollback done
         assert B not in fleet.workers
         assert fleet.vllm.state[B] == {"version": "default", "weights": "/w/start", "paused": False}
         assert len([e for e in keeper.events if e.kind == "resync_failed"]) == 1  # the same failure logged once

@@ -1,5 +1,6 @@
 """The soak: a long collection behind vllm-router while a replica, the environment, the agent or the collector is
-SIGKILLed and restarted; counts rollouts lost and written twice, contiguity and every gym process's memory.
+SIGKILLed and restarted; counts rollouts lost and written twice, contiguity, every gym process's memory and, with a
+pushed checkpoint kept by a FleetKeeper, the weight version of every bundle.
 
 `make soak` runs about 20 minutes (`python -m nemo_gym_tok.testing.soak --help`); `make test-fleet` runs a
 three-minute version with one kill of each kind (tests/fleet/test_soak.py).
@@ -28,8 +29,16 @@ from nemo_gym_tok.config import load_config
 from nemo_gym_tok.records.contiguity import check_file
 from nemo_gym_tok.servers.launcher import Gym
 from nemo_gym_tok.testing.gym_configs import demo_config_behind_router
+from nemo_gym_tok.testing.soak_weights import (
+    KeepWeights,
+    bundle_versions,
+    replica_figures,
+    start_keeper,
+    wait_readmitted,
+)
 from nemo_gym_tok.testing.tiny_model.build import build_tiny_model
 from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
+from nemo_gym_tok.weights import DEV_MODE_ENV, probe_from_checkpoint
 
 KINDS = ("replica", "environment", "agent", "collector")
 ENVIRONMENT, AGENT = "number_guess", "number_guess_agent"
@@ -56,6 +65,21 @@ class SoakReport:
     kills: list[dict[str, Any]] = field(default_factory=list)
     rss_kib: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Per gym process (by server name): RSS after warm-up and at the end."""
+    pushed_version: str | None = None
+    """The version pushed before the collection and kept by a FleetKeeper (None: no push, no keeper)."""
+    versions: dict[str, int] = field(default_factory=dict)
+    """Model calls per weight version, over every bundle written."""
+    replicas: list[dict[str, Any]] = field(default_factory=list)
+    """Per replica kill, with a keeper: seconds to its drop, to its readmission, its resync (soak_weights.py)."""
+    routed_at_end: list[str] = field(default_factory=list)
+
+    @property
+    def weights_kept(self) -> bool:
+        """No keeper, or every bundle on the pushed version and every killed replica readmitted."""
+        if self.pushed_version is None:
+            return True
+        readmitted = all(figure["readmitted"] for figure in self.replicas)
+        return set(self.versions) == {self.pushed_version} and readmitted
 
     @property
     def worst_rss_growth(self) -> float:
@@ -69,6 +93,7 @@ class SoakReport:
             and self.torn_lines == 0
             and self.contiguous == self.expected
             and self.worst_rss_growth < MAX_RSS_GROWTH
+            and self.weights_kept
         )
 
     def format(self) -> str:
@@ -85,8 +110,31 @@ class SoakReport:
             lines.append(f"  RSS {name}: {start / 1024:.1f} MiB -> {end / 1024:.1f} MiB ({growth:+.1%})")
         for kill in self.kills:
             lines.append(f"  kill at {kill['at']:.0f} s: {kill['kind']} {kill['target']} ({kill['note']})")
+        if self.pushed_version is not None:
+            lines.append(
+                f"weights: pushed {self.pushed_version!r}, kept by a FleetKeeper; bundles per version {self.versions}; "
+                f"routed at the end {self.routed_at_end}"
+            )
+        for figure in self.replicas:
+            lines.append(
+                f"  replica {figure['url']}: dropped {_seconds(figure['drop_seconds'])} after its kill "
+                f"({figure['dropped_because']}); routed again {_seconds(figure['ready_to_routed_seconds'])} after it "
+                f"was up, its resync {_seconds(figure['resync_seconds'])}, {_relative(figure)}: {figure['readmitted']}"
+            )
         lines.append("soak: OK" if self.ok else "soak: FAILED")
         return "\n".join(lines)
+
+
+def _seconds(value: float | None) -> str:
+    return "never" if value is None else f"{value:.2f} s"
+
+
+def _relative(figure: dict[str, Any]) -> str:
+    """When the replica was readmitted against the collection's end."""
+    left = figure["collecting_after_readmission"]
+    if left is None:
+        return "never readmitted"
+    return f"{left:.0f} s before the collection ended" if left >= 0 else f"{-left:.0f} s after the collection ended"
 
 
 class Replica:
@@ -126,7 +174,7 @@ def owned_replicas(count: int, workdir: Path) -> Iterator[list[Replica]]:
                 model,
                 served_model_name=MODEL_NAME,
                 extra_args=(*CPU_SERVING_ARGS, *TEST_BED_ARGS),
-                env=dict(TEST_BED_ENV),
+                env={**TEST_BED_ENV, DEV_MODE_ENV: "1"},  # loopback: the weight routes the push and the keeper use
                 log_path=workdir / f"replica-{index}.log",
             ).start()
             replica = Replica(server, owned=True)
@@ -138,7 +186,8 @@ def owned_replicas(count: int, workdir: Path) -> Iterator[list[Replica]]:
 class Soak:
     """One soak run: the demo gym behind a router over `replicas`, `rollouts` number_guess rollouts at `concurrency`,
     kills from `schedule` ((seconds, kind) pairs) or, without one, every `kill_every` seconds at random, from the
-    moment a tenth of the rollouts are written (the memory readings after warm-up come first)."""
+    moment a tenth of the rollouts are written (the memory readings after warm-up come first). With `keep`, its
+    checkpoint is pushed first and a FleetKeeper keeps the replicas on it (they need VLLM_SERVER_DEV_MODE=1)."""
 
     def __init__(
         self,
@@ -152,6 +201,7 @@ class Soak:
         kinds: Sequence[str] = KINDS,
         seed: int = 0,
         log: Callable[[str], None] = print,
+        keep: KeepWeights | None = None,
     ) -> None:
         rows = sum(1 for line in ROWS.read_text().splitlines() if line.strip())
         if rollouts % rows:
@@ -160,7 +210,10 @@ class Soak:
         self.repeats, self.expected, self.concurrency = rollouts // rows, rollouts, concurrency
         self.schedule = list(schedule) if schedule is not None else None
         self.kill_every, self.kinds, self.random = kill_every, tuple(kinds), random.Random(seed)
-        self.log = log
+        self.log, self.keep = log, keep
+        self.routed_at_end: list[str] = []
+        self.collected_at = 0.0
+        self.keeper_events: list[Any] = []
         self.output = workdir / "rollouts.jsonl"
         self.kills: list[dict[str, Any]] = []
         self._collector: subprocess.Popen[bytes] | None = None
@@ -177,7 +230,11 @@ class Soak:
         )
         self._started = time.monotonic()
         stop_supervising = threading.Event()
-        with Gym(config) as gym:
+        with Gym(config) as gym, ExitStack() as keeping:
+            (router,) = gym.routers.values()
+            keeper = start_keeper(router.url, self.keep, self.log) if self.keep is not None else None
+            if keeper is not None:
+                keeping.callback(keeper.stop)
             supervisor = threading.Thread(target=self._supervise, args=(gym, stop_supervising), daemon=True)
             supervisor.start()
             killer = threading.Thread(target=self._kill_loop, args=(gym,), daemon=True)
@@ -185,9 +242,13 @@ class Soak:
             warm_rss: dict[str, int] = {}
             try:
                 runs = self._collect_until_complete(gym, warm_rss)
+                self.collected_at = self._elapsed()
                 self._done.set()
                 killer.join()
                 end_rss = gym_rss(gym)
+                if keeper is not None:  # a killed replica may still be starting: the report says whether it got back
+                    self.routed_at_end = wait_readmitted(keeper, router.url, [r.url for r in self.replicas])
+                    self.keeper_events = list(keeper.events)
             finally:
                 self._done.set()
                 # The servers ngt run restarted were started from the supervising thread and die with it
@@ -278,8 +339,12 @@ class Soak:
         if kind == "replica":
             replica = self.random.choice([r for r in self.replicas if r.owned])
             replica.kill_and_restart()
-            note = f"restarted on its port in {self._elapsed() - at:.0f} s; the router's health check takes it back"
-            target = replica.url
+            ready_at = self._elapsed()
+            back = "the fleet keeper resyncs it" if self.keep else "the router's health check takes it back"
+            note = f"restarted on its port in {ready_at - at:.0f} s; {back}"
+            self.kills.append({"at": at, "kind": kind, "target": replica.url, "note": note, "ready_at": ready_at})
+            self.log(f"soak: {at:.0f} s: killed {kind} {replica.url}: {note}")
+            return
         elif kind == "collector":
             with self._collector_lock:
                 collector = self._collector
@@ -320,6 +385,12 @@ class Soak:
             seconds=self._elapsed(),
             kills=self.kills,
             rss_kib={name: (warm_rss[name], end_rss[name]) for name in warm_rss if name in end_rss},
+            pushed_version=self.keep.version if self.keep else None,
+            versions=dict(bundle_versions(self.output)) if self.keep else {},
+            replicas=replica_figures(self.keeper_events, self.kills, self._started, self.collected_at)
+            if self.keep
+            else [],
+            routed_at_end=self.routed_at_end,
         )
 
 
@@ -343,12 +414,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m nemo_gym_tok.testing.soak",
         description=(
-            "Start two hooked vLLM replicas of the tiny model, the demo gym behind vllm-router over them, and collect "
-            "number_guess rollouts while a replica, the environment, the agent or the collector is SIGKILLed every "
-            "--kill-every seconds (each restarted: a replica on its port, the servers by ngt run, the collector by "
-            "resuming). Prints rollouts expected / written / lost / duplicated, contiguity, every gym process's RSS "
-            "after warm-up and at the end, and the kills; exit 1 unless nothing was lost or doubled, every rollout is "
-            f"contiguous and no process grew {MAX_RSS_GROWTH:.0%} or more."
+            "Start two hooked vLLM replicas of the tiny model, the demo gym behind vllm-router over them, push the "
+            "tiny model to both as version soak-1 and start a FleetKeeper on the router, and collect number_guess "
+            "rollouts while a replica, the environment, the agent or the collector is SIGKILLed every --kill-every "
+            "seconds (each restarted: a replica on its port, taken back by the keeper once resynced and proven; the "
+            "servers by ngt run; the collector by resuming). Prints rollouts expected / written / lost / duplicated, "
+            "contiguity, every gym process's RSS after warm-up and at the end, the kills, the bundles per weight "
+            "version and the keeper's figures; exit 1 unless nothing was lost or doubled, every rollout is "
+            f"contiguous, no process grew {MAX_RSS_GROWTH:.0%} or more, every bundle carries soak-1 and every killed "
+            "replica was readmitted."
         ),
     )
     parser.add_argument(
@@ -363,8 +437,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0, help="of the kills' timing and targets (0)")
     parser.add_argument("--workdir", type=Path, default=Path(".ngt/soak"), help="logs, rollouts, report (.ngt/soak)")
+    parser.add_argument(
+        "--no-keep-weights",
+        action="store_true",
+        help="skip the push of the tiny model as version soak-1 before the collection and the FleetKeeper that keeps "
+        "every replica on it (by default every bundle must carry soak-1 and a killed replica be readmitted)",
+    )
     args = parser.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
+    keep = None
+    if not args.no_keep_weights:
+        model = build_tiny_model()
+        keep = KeepWeights(model, "soak-1", probe_from_checkpoint(model))
     with owned_replicas(2, args.workdir) as replicas:
         soak = Soak(
             replicas,
@@ -374,6 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             kill_every=tuple(args.kill_every),
             seed=args.seed,
             log=lambda line: print(line, flush=True),
+            keep=keep,
         )
         report = soak.run()
     print(report.format(), flush=True)

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,6 +113,10 @@ class FleetKeeper:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._resyncs: list[threading.Thread] = []
+        # Each worker's check runs on its own and a poll does not wait for it: a worker slow to answer (a busy
+        # engine) must not hold up the drop of one that died.
+        self._checks = ThreadPoolExecutor(max_workers=32, thread_name_prefix="ngt-fleet-check")
+        self._checking: dict[str, Future[None]] = {}
         self._notes: dict[str, str] = {}
         self._own: list[httpx.Client] = []
         if http is None:
@@ -240,7 +244,7 @@ class FleetKeeper:
             self._fleet = FleetWeights(self._common_label(listed))
         if self._fleet.version != STARTUP_VERSION:
             self._stale.add(STARTUP_VERSION)
-        self._cycle()
+        wait(self._cycle())  # every listed worker checked once before start() returns
         self._thread = threading.Thread(target=self._run, name="ngt-fleet-keeper", daemon=True)
         self._thread.start()
         return self
@@ -250,6 +254,7 @@ class FleetKeeper:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        self._checks.shutdown(wait=True)
         for thread in list(self._resyncs):
             thread.join(timeout=self.push_timeout)
         for client in self._own:
@@ -285,12 +290,14 @@ class FleetKeeper:
                 logger.exception("fleet keeper: a watch cycle failed")
                 self._note("router", self.router_url, f"a watch cycle failed: {type(exc).__name__}: {exc}")
 
-    def _cycle(self) -> None:
+    def _cycle(self) -> list[Future[None]]:
+        """One poll: the router's list read, each due worker's check started unless its last one is still running;
+        the checks started."""
         try:
             listed = set(list_workers(self.router_url, http=self._watch_http))
         except RouterError as exc:
             self._note("router", self.router_url, f"the router did not answer /list_workers: {exc}")
-            return
+            return []
         now = time.monotonic()
         with self._lock:
             for url in listed - self._workers.keys():
@@ -306,9 +313,13 @@ class FleetKeeper:
                     worker.state = ROUTED
             due = [w for w in self._workers.values() if w.state in (ROUTED, _MISSING) or self._due(w, now)]
             pushing = self._pushing
-        if due:
-            with ThreadPoolExecutor(max_workers=min(32, len(due))) as pool:
-                list(pool.map(lambda worker: self._check(worker, pushing), due))
+        started = []
+        for worker in due:
+            running = self._checking.get(worker.url)
+            if running is None or running.done():
+                self._checking[worker.url] = self._checks.submit(self._check, worker, pushing)
+                started.append(self._checking[worker.url])
+        return started
 
     def _due(self, worker: _Worker, now: float) -> bool:
         return worker.state == OUT and now >= worker.next_try
