@@ -142,6 +142,8 @@ def sweep_line(pattern: str, group: str = "value") -> Callable[[str], str]:
 
 
 SWEEP = "`ngt template-sweep`"
+TRAIN_ASYNC_RUNS = ("s0", "s1", "s2", "s4", "s4-none")
+TRAIN_ASYNC_FIGURES = ("first", "last", "gain", "gap-max-lag", "capped")
 
 
 def _pytest(step: str, outcome: str) -> Figure:
@@ -189,6 +191,14 @@ FIGURES: dict[str, Figure] = {
     "bench.p2.token-in.min": Figure(command="docs/performance.md (`make bench`)", compute="bench_token_in_min"),
     "bench.p2.token-in.max": Figure(command="docs/performance.md (`make bench`)", compute="bench_token_in_max"),
     "bench.p4.adapter-cpu": Figure(command="docs/performance.md (`make bench`)", compute="bench_adapter_cpu"),
+    # The staleness table's committed run (docs/train-async.json, `make train-async`'s table.json).
+    **{
+        f"train-async.{run}.{name}": Figure(
+            command="`make train-async` (docs/train-async.json)", compute=f"train_async_{run}_{name}"
+        )
+        for run in TRAIN_ASYNC_RUNS
+        for name in TRAIN_ASYNC_FIGURES
+    },
     # Measured by hand (`ngt check --logprobs ... --naive` on the demo, docs/training.md): every mention agrees.
     **{
         f"logprobs.{name}": Figure(command="`ngt check --logprobs --naive` (docs/training.md)")

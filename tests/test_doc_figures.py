@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -80,7 +81,39 @@ def collected() -> str:
     return match[1]
 
 
+TRAIN_ASYNC_TABLE = ROOT / "docs" / "train-async.json"
+TRAIN_ASYNC_NAMES = {
+    "s0": "staleness-0-tis",
+    "s1": "staleness-1-tis",
+    "s2": "staleness-2-tis",
+    "s4": "staleness-4-tis",
+    "s4-none": "staleness-4-none",
+}
+
+
+def train_async_figures(run: str) -> dict[str, str]:
+    """One row of the committed staleness table, as docs/training.md quotes it."""
+    row = next(
+        row
+        for row in json.loads(TRAIN_ASYNC_TABLE.read_text(encoding="utf-8"))
+        if row["name"] == TRAIN_ASYNC_NAMES[run]
+    )
+    last_lag = max(row["gap_by_lag"], key=int)
+    return {
+        "first": f"{row['reward_first']:.3f}",
+        "last": f"{row['reward_last']:.3f}",
+        "gain": f"{row['reward_gain']:.3f}",
+        "gap-max-lag": f"{row['gap_by_lag'][last_lag]:.3f}",
+        "capped": f"{100 * row['capped_share']:.1f}%",
+    }
+
+
 REPO_SOURCES = {
+    **{
+        f"train_async_{run}_{name}": (lambda run=run, name=name: train_async_figures(run)[name])
+        for run in TRAIN_ASYNC_NAMES
+        for name in ("first", "last", "gain", "gap-max-lag", "capped")
+    },
     "collected": collected,
     "compat_methods": compat_methods,
     "compat_methods_029": lambda: str(_methods_due("0.29.0")),
