@@ -12,7 +12,7 @@ import pytest
 
 from nemo_gym_tok.records.training import TrainingSequence
 from nemo_gym_tok.train.ahead import AheadCollector, CollectorStoppedError
-from nemo_gym_tok.train.correction import Correction, token_weights
+from nemo_gym_tok.train.correction import Correction, loss_fields, token_weights
 from nemo_gym_tok.train.prompts import PromptRows, prompt_key, prompt_of
 from nemo_gym_tok.train.staleness import PushLog, StaleWeightsError, lag_counts, token_lags, token_versions
 
@@ -99,6 +99,13 @@ def test_mask_drops_tokens_beyond_the_mask_lag_and_none_keeps_all() -> None:
     kept, figures = token_weights(Correction("none"), sampler, learner, lags)
     assert kept == [1.0, 1.0, 0.0] and (figures.capped, figures.masked) == (0, 0)
     assert figures.lag_share(1) == pytest.approx(0.5)
+
+
+def test_the_rollout_output_carries_the_weights_or_the_mask() -> None:
+    weights = [[1.0, 0.0, 1.5], [0.0, 2.0]]
+    assert loss_fields(Correction("tis"), weights) == {"token_weight": weights}
+    assert loss_fields(Correction("mask"), [[1.0, 0.0, 1.0], [0.0, 1.0]]) == {"env_mask": [[1, 0, 1], [0, 1]]}
+    assert loss_fields(Correction("none"), weights) == {}
 
 
 def test_bad_corrections_are_refused() -> None:

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from trl import GRPOTrainer
 
-TOKEN_WEIGHT_KEY = "token_weight"
-"""The rollout_func's extra key: per episode, one weight per completion id (0.0 where the model did not sample)."""
+from nemo_gym_tok.train.correction import TOKEN_WEIGHT_KEY
+
 LINEAR_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 """TRL loss types whose per-token policy term is the advantage times a non-negative factor: weighing the advantage
 weighs the term (TRL's own vLLM correction multiplies the per-token loss, the same thing for these)."""

@@ -6,13 +6,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from nemo_gym_tok.train.logprob_gap import GapFigures, gap_figures
 
 CorrectionMode = Literal["none", "tis", "mask"]
 CORRECTION_MODES: tuple[CorrectionMode, ...] = ("none", "tis", "mask")
 DEFAULT_TIS_CAP = 2.0
+TOKEN_WEIGHT_KEY = "token_weight"
+"""The rollout_func's extra key: per episode, one weight per completion id (0.0 where the model did not sample)."""
 
 
 @dataclass(frozen=True)
@@ -99,3 +101,15 @@ def token_weights(
         else:
             weights.append(1.0)
     return weights, figures
+
+
+def loss_fields(correction: Correction, weights: Sequence[Sequence[float]]) -> dict[str, list[list[Any]]]:
+    """What the rollout output carries for `correction`, given each episode's weights over its completion ids: the
+    weights under TOKEN_WEIGHT_KEY for `tis` (CorrectedGRPOTrainer scales each token's loss term by them); for `mask`
+    an `env_mask` without the masked tokens (TRL leaves a token whose env_mask is 0 out of the loss, as it does
+    supplied ids); nothing for `none`."""
+    if correction.mode == "tis":
+        return {TOKEN_WEIGHT_KEY: [list(row) for row in weights]}
+    if correction.mode == "mask":
+        return {"env_mask": [[int(weight > 0.0) for weight in row] for row in weights]}
+    return {}

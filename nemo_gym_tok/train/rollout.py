@@ -15,8 +15,7 @@ from nemo_gym_tok.records.logprob_check import naive_sequence
 from nemo_gym_tok.records.training import TrainingSequence, rollout_to_training_sequence
 from nemo_gym_tok.train.ahead import AheadCollector
 from nemo_gym_tok.train.checkpoints import save_checkpoint
-from nemo_gym_tok.train.corrected_trainer import TOKEN_WEIGHT_KEY
-from nemo_gym_tok.train.correction import Correction, CorrectionFigures, token_weights
+from nemo_gym_tok.train.correction import Correction, CorrectionFigures, loss_fields, token_weights
 from nemo_gym_tok.train.episodes import episode_from_sequence, rollout_output
 from nemo_gym_tok.train.learner_logprobs import learner_log_probs
 from nemo_gym_tok.train.logprob_gap import KINDS, GapFigures, exact_gap, sampled_positions
@@ -161,15 +160,8 @@ class GymRollout:
         self.metrics.append(metrics)
         if self.on_step is not None:
             self.on_step(metrics)
-        output = rollout_output(episodes, REWARD_KEY)
-        starts = [sequence.turns[0][0] for sequence in sequences]
-        if self.correction.mode == "tis":
-            output[TOKEN_WEIGHT_KEY] = [weights[start:] for (weights, _), start in zip(weighed, starts)]
-        elif self.correction.mode == "mask":  # a masked token leaves the loss as supplied ids do: TRL's env_mask
-            output["env_mask"] = [
-                [int(weight > 0.0) for weight in weights[start:]] for (weights, _), start in zip(weighed, starts)
-            ]
-        return output
+        completions = [weights[sequence.turns[0][0] :] for (weights, _), sequence in zip(weighed, sequences)]
+        return {**rollout_output(episodes, REWARD_KEY), **loss_fields(self.correction, completions)}
 
     def close(self) -> None:
         """Stop the collector running ahead, if any (a batch under way finishes on its own)."""
