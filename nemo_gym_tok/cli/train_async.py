@@ -7,7 +7,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from nemo_gym_tok.cli.train_demo import MODELS
+from nemo_gym_tok.cli.train_demo import MODELS, training_plan
 
 DEFAULT_STALENESS = "0,1,2,4"
 DEFAULT_UNCORRECTED = "4"
@@ -55,10 +55,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def bounds(text: str) -> list[int]:
     """`0,1,2,4` -> [0, 1, 2, 4]; ValueError for anything but non-negative integers."""
-    values = [int(part) for part in text.split(",") if part.strip()] if text.strip() else []
-    if any(value < 0 for value in values):
-        raise ValueError(f"staleness bounds must be >= 0, got {text!r}")
-    return values
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not all(part.isdigit() for part in parts):
+        raise ValueError(f"staleness bounds are integers >= 0 separated by commas (0,1,2,4), got {text!r}")
+    return [int(part) for part in parts]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,20 +81,13 @@ def run(args: argparse.Namespace) -> int:
     from nemo_gym_tok.train.correction import Correction
     from nemo_gym_tok.train.staleness_table import TableRun, run_staleness_table, targets
     from nemo_gym_tok.train.train_demo import DemoSettings
-    from nemo_gym_tok.train.trainer import TrainingPlan
 
     transformers_logging.disable_progress_bar()
     runs = [TableRun(bound, Correction("tis")) for bound in corrected]
     runs += [TableRun(bound, Correction("none")) for bound in uncorrected]
     model_dir = build_tiny_model(variant=TRAIN_VARIANT if args.model == "train" else None)
     print(f"model: {model_dir}; runs: {', '.join(run.name for run in runs)}", flush=True)
-    plan = TrainingPlan(
-        steps=args.steps,
-        num_generations=args.num_generations,
-        prompts_per_step=args.prompts_per_step,
-        learning_rate=args.learning_rate,
-        pause_mode="keep",
-    )
+    plan = training_plan(args, pause_mode="keep")
     settings = DemoSettings(model_dir, args.output_dir, plan)
     figures = run_staleness_table(
         settings,

@@ -6,6 +6,7 @@ import argparse
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 from nemo_gym_tok.train.correction import CORRECTION_MODES, DEFAULT_TIS_CAP, Correction
 from nemo_gym_tok.weights import PAUSE_MODES
@@ -86,6 +87,19 @@ def add_async_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def training_plan(args: argparse.Namespace, **choices: Any) -> Any:
+    """The TrainingPlan of the sizes both commands take (steps, group, prompts, learning rate) and `choices`."""
+    from nemo_gym_tok.train.trainer import TrainingPlan  # torch and TRL: only once a command runs
+
+    return TrainingPlan(
+        steps=args.steps,
+        num_generations=args.num_generations,
+        prompts_per_step=args.prompts_per_step,
+        learning_rate=args.learning_rate,
+        **choices,
+    )
+
+
 def check_arguments(args: argparse.Namespace) -> str | None:
     """A usage mistake in the shared flags, or None."""
     if min(args.steps, args.num_generations, args.prompts_per_step) < 1 or args.num_generations < 2:
@@ -110,17 +124,13 @@ def run(args: argparse.Namespace) -> int:
 
     from nemo_gym_tok.testing.tiny_model import TRAIN_VARIANT, build_tiny_model
     from nemo_gym_tok.train.train_demo import DemoSettings, run_train_demo
-    from nemo_gym_tok.train.trainer import TrainingPlan
 
     transformers_logging.disable_progress_bar()  # a bar per checkpoint saved would bury the step lines
 
     model_dir = build_tiny_model(variant=TRAIN_VARIANT if args.model == "train" else None)
     print(f"model: {model_dir}", flush=True)
-    plan = TrainingPlan(
-        steps=args.steps,
-        num_generations=args.num_generations,
-        prompts_per_step=args.prompts_per_step,
-        learning_rate=args.learning_rate,
+    plan = training_plan(
+        args,
         max_staleness=args.max_staleness,
         correction=Correction(args.correction, tis_cap=args.tis_cap, mask_lag=args.mask_lag),
         pause_mode=args.pause_mode,
