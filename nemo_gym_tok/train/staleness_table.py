@@ -204,7 +204,7 @@ def write_table(path: Path, figures: Sequence[RunFigures]) -> None:
 
 
 def read_table(path: Path) -> list[dict[str, Any]]:
-    return json.loads(path.read_text(encoding="utf-8"))
+    return loads_exact(path.read_text(encoding="utf-8"))
 
 
 def targets(figures: Sequence[RunFigures]) -> dict[str, bool]:
