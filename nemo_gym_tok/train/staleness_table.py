@@ -86,6 +86,11 @@ class RunFigures:
     def version_reward_gain(self) -> float:
         return self.version_reward_last - self.version_reward_first
 
+    @classmethod
+    def from_json(cls, row: dict[str, Any]) -> RunFigures:
+        """A row of table.json (which also carries the gains, computed)."""
+        return cls(**{name: value for name, value in row.items() if name not in ("reward_gain", "version_reward_gain")})
+
 
 def run_figures(run: TableRun, result: DemoResult, label_prefix: str) -> RunFigures:
     metrics = result.metrics
