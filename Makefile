@@ -150,7 +150,7 @@ train-demo: setup
 
 # The staleness table (docs/training.md, "Asynchronous RL"): the train demo at staleness 0, 1, 2 and 4 with token TIS
 # and 4 uncorrected, one after the other on one hooked float32 vLLM, collection running ahead of the trainer; the
-# table (table.json, table.md) and train-async.png in .ngt/train-async/. About 30 to 45 minutes on 2 cores.
+# table (table.json, table.md) and train-async.png in .ngt/train-async/. About 25 to 50 minutes on 2 cores (48 on a loaded machine).
 train-async: setup
 	$(PY) -c "import matplotlib, trl" 2>/dev/null || $(PIP) install --quiet -e '.[train]'
 	$(VENV)/bin/ngt train-async $(TRAIN_ASYNC_ARGS)
