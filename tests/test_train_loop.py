@@ -275,9 +275,9 @@ def test_a_push_refused_by_its_probe_marks_its_version_and_raises(
     from nemo_gym_tok.train.trainer import load_policy
     from nemo_gym_tok.weights import WeightPushError
 
-    honest = rollout_module.learner_log_probs
+    honest = rollout_module.expected_log_probs
     monkeypatch.setattr(
-        rollout_module, "learner_log_probs", lambda *args: [[value + 0.5 for value in row] for row in honest(*args)]
+        rollout_module, "expected_log_probs", lambda *args: tuple(value + 0.5 for value in honest(*args))
     )
     model, tokenizer = load_policy(train_model_dir)
     rows = PromptRows([json.loads(line) for line in ROWS_FILE.read_text().splitlines() if line.strip()])

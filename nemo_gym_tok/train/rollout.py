@@ -25,7 +25,14 @@ from nemo_gym_tok.train.staleness import PushLog, lag_counts, token_lags
 from nemo_gym_tok.train.step_collect import collect_step
 from nemo_gym_tok.train.step_metrics import StepMetrics
 from nemo_gym_tok.train.text_pipeline import TextPipelineFigures, compared_positions, text_pipeline_figures
-from nemo_gym_tok.weights import PROBE_TOKEN_IDS, PauseMode, WeightProbe, WeightPushError, push_weights
+from nemo_gym_tok.weights import (
+    PROBE_TOKEN_IDS,
+    PauseMode,
+    WeightProbe,
+    WeightPushError,
+    expected_log_probs,
+    push_weights,
+)
 
 DEFAULT_PROBE_BOUND = 0.01
 """Nats, mean over the probe's ids: a float32 server matches the float32 trainer to about 0.001 (docs/training.md)."""
@@ -175,8 +182,7 @@ class GymRollout:
         checkpoint = save_checkpoint(model, self.model_dir, self.checkpoints_dir / f"step-{step}")
         probe = None
         if self.probe_bound is not None:
-            expected = learner_log_probs(model, [PROBE_TOKEN_IDS])[0][1:]
-            probe = WeightProbe(PROBE_TOKEN_IDS, tuple(expected), self.probe_bound)
+            probe = WeightProbe(PROBE_TOKEN_IDS, expected_log_probs(model), self.probe_bound)
         try:
             report = push_weights(
                 self.vllm_urls,
