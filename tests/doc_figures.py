@@ -143,7 +143,7 @@ def sweep_line(pattern: str, group: str = "value") -> Callable[[str], str]:
 
 SWEEP = "`ngt template-sweep`"
 TRAIN_ASYNC_RUNS = ("s0", "s1", "s2", "s4", "s4-none")
-TRAIN_ASYNC_FIGURES = ("first", "last", "gain", "gap-max-lag", "capped")
+TRAIN_ASYNC_FIGURES = ("first", "last", "gain", "version-gain", "gap-max-lag", "capped")
 
 
 def _pytest(step: str, outcome: str) -> Figure:

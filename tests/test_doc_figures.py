@@ -15,7 +15,17 @@ from nemo_gym_tok.cli.main import build_parser
 from nemo_gym_tok.vllm.internals import PATCHED_METHODS, USED_SYMBOLS
 from nemo_gym_tok.vllm.routes import ROUTE_METHODS, absent_by_design
 from nemo_gym_tok.vllm_wheels import supported_releases
-from tests.doc_figures import FIGURES, ROOT, Mention, check, docs, extract, pytest_counts, sweep_row
+from tests.doc_figures import (
+    FIGURES,
+    ROOT,
+    TRAIN_ASYNC_FIGURES,
+    Mention,
+    check,
+    docs,
+    extract,
+    pytest_counts,
+    sweep_row,
+)
 
 PERFORMANCE = ROOT / "docs" / "performance.md"
 
@@ -103,6 +113,7 @@ def train_async_figures(run: str) -> dict[str, str]:
         "first": f"{row['reward_first']:.3f}",
         "last": f"{row['reward_last']:.3f}",
         "gain": f"{row['reward_gain']:.3f}",
+        "version-gain": f"{row['version_reward_gain']:.3f}",
         "gap-max-lag": f"{row['gap_by_lag'][last_lag]:.3f}",
         "capped": f"{100 * row['capped_share']:.1f}%",
     }
@@ -112,7 +123,7 @@ REPO_SOURCES = {
     **{
         f"train_async_{run}_{name}": (lambda run=run, name=name: train_async_figures(run)[name])
         for run in TRAIN_ASYNC_NAMES
-        for name in ("first", "last", "gain", "gap-max-lag", "capped")
+        for name in TRAIN_ASYNC_FIGURES
     },
     "collected": collected,
     "compat_methods": compat_methods,

@@ -206,3 +206,8 @@ def test_step_metrics_print_one_line_and_write_json_without_nan() -> None:
     assert row["exact_constrained_gap_mean"] is None and row["text_differing_share"] == 0.25
     assert row["reward_mean"] == 0.5 and row["weight_version"] == "4"
     json.dumps(row, allow_nan=False)
+    # Read back, the step prints the same line and writes the same row: a committed metrics file is recomputed by the
+    # code that printed it.
+    again = StepMetrics.from_json(json.loads(json.dumps(row)))
+    assert again.line() == line and again.to_json() == row
+    assert again.exact["constrained"].tokens == 0 and again.text is not None and again.text.gap.clipped == 1

@@ -200,9 +200,14 @@ def test_the_table_reads_its_rows_reach_and_targets() -> None:
     tis = Correction("tis").describe()
     rows = [row(0, tis, 0.3, 0.9), row(2, tis, 0.32, 0.88)]
     assert all(targets(rows).values())
-    assert not targets([row(0, tis, 0.3, 0.9), row(2, tis, 0.3, 0.8)])[
-        "staleness 2 with correction: reward gain within 0.05 of the synchronous run's"
-    ]
+    gain = "staleness 2 with correction: reward gain by drawing weights within 0.05 of the synchronous run's"
+    last = "staleness 2 with correction: last 5 steps' reward within 0.05 of the synchronous run's"
+    assert not targets([row(0, tis, 0.3, 0.9), row(2, tis, 0.3, 0.8)])[gain]
+    # A lower first window by step (older weights' episodes) is not a miss; a lower end is, whatever the gain.
+    lagged_start = row(2, tis, 0.15, 0.9, version_reward_first=0.31)
+    assert all(targets([row(0, tis, 0.3, 0.9), lagged_start]).values())
+    low_end = row(2, tis, 0.2, 0.84, version_reward_first=0.2, version_reward_last=0.8)
+    assert targets([row(0, tis, 0.3, 0.9), low_end]) == {**targets(rows), last: False}
     assert not targets([*rows, row(4, "none", 0.3, 0.9, unknown_versions=3)])["every token's weights known (0 unknown)"]
     table = markdown_table(rows)
     assert (

@@ -23,7 +23,8 @@ PLOT_FILE = "train-async.png"
 REACH = 0.8
 REACH_WINDOW = 3
 GAIN_TOLERANCE = 0.05
-"""The issue's bound: at staleness 2 with correction, the reward gain within 0.05 of the synchronous run's."""
+"""The issue's bound: at staleness 2 with correction, the reward gain (and the last steps' reward) within 0.05 of
+the synchronous run's."""
 
 
 @dataclass(frozen=True)
@@ -222,13 +223,17 @@ def targets(figures: Sequence[RunFigures]) -> dict[str, bool]:
         "every token's weights known (0 unknown)": all(row.unknown_versions == 0 for row in figures),
     }
     if sync is not None and corrected_2 is not None:
-        result[f"staleness 2 with correction: reward gain within {GAIN_TOLERANCE} of the synchronous run's"] = (
-            abs(corrected_2.reward_gain - sync.reward_gain) <= GAIN_TOLERANCE
-        )
+        # The gain is judged by the weights that drew each episode: by step, a staleness-K run's first K + 1 steps
+        # train on the start-up weights' episodes, which lowers its first-window mean and inflates its gain however
+        # well it learns (docs/training.md, "Learning"). The last window is compared too, so that the start cannot
+        # carry a run that ends lower.
         result[
             f"staleness 2 with correction: reward gain by drawing weights within {GAIN_TOLERANCE} of the synchronous "
             "run's"
         ] = abs(corrected_2.version_reward_gain - sync.version_reward_gain) <= GAIN_TOLERANCE
+        result[
+            f"staleness 2 with correction: last {WINDOW} steps' reward within {GAIN_TOLERANCE} of the synchronous run's"
+        ] = abs(corrected_2.reward_last - sync.reward_last) <= GAIN_TOLERANCE
     return result
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.train.correction import CorrectionFigures
 from nemo_gym_tok.train.logprob_gap import KINDS, GapFigures
 from nemo_gym_tok.train.text_pipeline import TextPipelineFigures
@@ -105,6 +106,37 @@ class StepMetrics:
                 row.update(_gap_fields(f"lag{lag}", figures))
         return {key: (None if isinstance(value, float) and math.isnan(value) else value) for key, value in row.items()}
 
+    @classmethod
+    def from_json(cls, row: dict[str, Any]) -> StepMetrics:
+        """A line of the metrics JSONL read back (a committed run's figures recomputed by the code that printed them;
+        each gap's sum is its mean times its tokens)."""
+        text = None
+        if "text_positions" in row:
+            text = TextPipelineFigures(row["text_positions"], row["text_differing"], _gap_from(row, "text"))
+        lags = {int(lag): count for lag, count in row.get("lag_tokens", {}).items()}
+        correction = None
+        if "correction_tokens" in row:
+            by_lag = {lag: _gap_from(row, f"lag{lag}") for lag in lags if f"lag{lag}_tokens" in row}
+            correction = CorrectionFigures(row["correction_tokens"], row["capped"], row["masked"], by_lag)
+        return cls(
+            step=row["step"],
+            version=row["weight_version"],
+            episodes=row["episodes"],
+            contiguous=row["contiguous"],
+            rewards=row["rewards"],
+            sampled_tokens=row["sampled_tokens"],
+            exact={kind: _gap_from(row, f"exact_{kind}") for kind in KINDS},
+            text=text,
+            push_seconds=row["push_seconds"],
+            collect_seconds=row["collect_seconds"],
+            measure_seconds=row["measure_seconds"],
+            notes=row.get("notes", []),
+            wait_seconds=row.get("wait_seconds", 0.0),
+            probe_seconds=row.get("probe_seconds", 0.0),
+            lags=lags,
+            correction=correction,
+        )
+
 
 def append_metrics(path: Path, metrics: StepMetrics) -> None:
     """One JSON line per step, appended."""
@@ -124,3 +156,17 @@ def _gap_fields(prefix: str, figures: GapFigures) -> dict[str, Any]:
 
 def _percent(share: float) -> str:
     return "n/a" if math.isnan(share) else f"{100 * share:.1f}%"
+
+
+def read_metrics(path: Path) -> list[StepMetrics]:
+    """Every step of a metrics JSONL, in order."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return [StepMetrics.from_json(loads_exact(line)) for line in lines if line.strip()]
+
+
+def _gap_from(row: dict[str, Any], prefix: str) -> GapFigures:
+    tokens = row[f"{prefix}_tokens"]
+    if not tokens:
+        return GapFigures()
+    mean, share = row[f"{prefix}_gap_mean"], row[f"{prefix}_clip_share"]
+    return GapFigures(tokens, mean * tokens, row[f"{prefix}_gap_max"], round(share * tokens))
