@@ -142,7 +142,7 @@ demo: setup
 
 # TRL's GRPOTrainer learning from the gym on the CPU (docs/training.md, "The RL loop with TRL"): the tiny model's
 # training variant on a hooked float32 vLLM with vLLM's weight routes, the non_ascii environment, 30 steps of 8
-# episodes, about 4 minutes; records, metrics.jsonl and train-demo.png in .ngt/train-demo/. TRL and matplotlib are
+# episodes, about 5 minutes; records, metrics.jsonl and train-demo.png in .ngt/train-demo/. TRL and matplotlib are
 # the `train` extra.
 train-demo: setup
 	$(PY) -c "import matplotlib, trl" 2>/dev/null || $(PIP) install --quiet -e '.[train]'

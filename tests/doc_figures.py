@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUT_DIR = ROOT / ".ngt" / "ci-output"
 # A figure: digits with thousands commas, decimals, a trailing % or an `N/M` pair; the key follows it at once.
-MARK = re.compile(r"(?P<figure>\d[\d,]*(?:\.\d+)?(?:%|/\d+)?)<!-- fig:(?P<key>[A-Za-z0-9_.\-]+) -->")
+MARK = re.compile(r"(?P<figure>\d[\d,]*(?:\.\d+)?(?:e-?\d+)?(?:%|\/\d+)?)<!-- fig:(?P<key>[A-Za-z0-9_.\-]+) -->")
 CODE_SPAN = re.compile(r"`[^`]*`")
 ANY_MARK = re.compile(r"<!-- fig:(?P<key>[^ ]*) -->")
 # pytest's last line: `==== 1305 passed, 3 deselected in 610.2s (0:10:10) ====`, or without the rules under -q.
@@ -144,6 +144,10 @@ def sweep_line(pattern: str, group: str = "value") -> Callable[[str], str]:
 SWEEP = "`ngt template-sweep`"
 TRAIN_ASYNC_RUNS = ("s0", "s1", "s2", "s4", "s4-none")
 TRAIN_ASYNC_FIGURES = ("first", "last", "gain", "version-gain", "gap-max-lag", "capped")
+TRAIN_DEMO_FIGURES = (
+    "first", "last", "gain", "free-mean", "free-max", "worst-step-mean", "clip", "text-moved", "text-gap-mean",
+    "text-gap-max", "text-clip", "push-mean", "push-max", "contiguous", "episodes",
+)  # fmt: skip
 
 
 def _pytest(step: str, outcome: str) -> Figure:
@@ -191,6 +195,13 @@ FIGURES: dict[str, Figure] = {
     "bench.p2.token-in.min": Figure(command="docs/performance.md (`make bench`)", compute="bench_token_in_min"),
     "bench.p2.token-in.max": Figure(command="docs/performance.md (`make bench`)", compute="bench_token_in_max"),
     "bench.p4.adapter-cpu": Figure(command="docs/performance.md (`make bench`)", compute="bench_adapter_cpu"),
+    # The train demo's committed run (docs/train-demo-metrics.jsonl, `make train-demo`'s metrics.jsonl).
+    **{
+        f"train-demo.{name}": Figure(
+            command="`make train-demo` (docs/train-demo-metrics.jsonl)", compute=f"train_demo_{name}"
+        )
+        for name in TRAIN_DEMO_FIGURES
+    },
     # The staleness table's committed run (docs/train-async.json, `make train-async`'s table.json).
     **{
         f"train-async.{run}.{name}": Figure(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from tests.doc_figures import (
     FIGURES,
     ROOT,
     TRAIN_ASYNC_FIGURES,
+    TRAIN_DEMO_FIGURES,
     Mention,
     check,
     docs,
@@ -119,7 +121,43 @@ def train_async_figures(run: str) -> dict[str, str]:
     }
 
 
+TRAIN_DEMO_METRICS = ROOT / "docs" / "train-demo-metrics.jsonl"
+
+
+def train_demo_figures() -> dict[str, str]:
+    """The committed `make train-demo` run, recomputed by the code that printed its summary."""
+    from nemo_gym_tok.train.step_metrics import read_metrics
+    from nemo_gym_tok.train.train_demo import DemoResult
+
+    result = DemoResult(read_metrics(TRAIN_DEMO_METRICS), seconds=math.nan, setup_seconds=math.nan)
+    exact, text = result.exact_total(), result.text_total()
+    assert text is not None, "the committed train-demo run has no text-pipeline figures"
+    pushes = [m.push_seconds for m in result.metrics]
+
+    def exponent(value: float) -> str:
+        return f"{value:.1e}".replace("e-0", "e-")
+
+    return {
+        "first": f"{result.window(False):.3f}",
+        "last": f"{result.window(True):.3f}",
+        "gain": f"{result.reward_gain:.3f}",
+        "free-mean": exponent(exact.mean),
+        "free-max": exponent(exact.max),
+        "worst-step-mean": exponent(result.worst_exact_gap),
+        "clip": f"{100 * exact.clip_share:.1f}%",
+        "text-moved": f"{100 * text.differing_share:.1f}%",
+        "text-gap-mean": f"{text.gap.mean:.3f}",
+        "text-gap-max": f"{text.gap.max:.2f}",
+        "text-clip": f"{100 * text.gap.clip_share:.1f}%",
+        "push-mean": f"{sum(pushes) / len(pushes):.2f}",
+        "push-max": f"{max(pushes):.2f}",
+        "contiguous": f"{sum(m.contiguous for m in result.metrics)}",
+        "episodes": f"{sum(m.episodes for m in result.metrics)}",
+    }
+
+
 REPO_SOURCES = {
+    **{f"train_demo_{name}": (lambda name=name: train_demo_figures()[name]) for name in TRAIN_DEMO_FIGURES},
     **{
         f"train_async_{run}_{name}": (lambda run=run, name=name: train_async_figures(run)[name])
         for run in TRAIN_ASYNC_NAMES
