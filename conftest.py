@@ -73,13 +73,15 @@ def rl_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
 
 @pytest.fixture(scope="session")
 def rl_vllm_server(rl_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """A hooked vLLM with vLLM's weight routes (VLLM_SERVER_DEV_MODE=1) on a copy of the tiny model, for the tests
-    that push weights (the RL loop): they change what it serves, so it is not `vllm_server`. A test pushes its own
-    step-0 checkpoint first rather than rely on what another test left. NGT_TEST_RL_VLLM_URL reuses one."""
+    """A hooked float32 vLLM with vLLM's weight routes (VLLM_SERVER_DEV_MODE=1) on a copy of the tiny model, for the
+    tests that push weights and the RL loop's (tests/fixtures/train_servers.py): they change what it serves, so it is
+    not `vllm_server`. float32, as `ngt train-demo` serves: bfloat16 would round the float32 learner's updates
+    (docs/training.md). A test pushes its own step-0 checkpoint first rather than rely on what another test left.
+    NGT_TEST_RL_VLLM_URL reuses one."""
     with hooked_server(
         rl_model_dir,
         served_model_name=SERVED_MODEL_NAME,
-        extra_args=(*CPU_SERVING_ARGS, *TEST_BED_ARGS),
+        extra_args=("--dtype", "float32", "--enforce-eager", *TEST_BED_ARGS),
         env={**TEST_BED_ENV, DEV_MODE_ENV: "1"},
         log_path=tmp_path_factory.mktemp("rl-vllm") / "vllm.log",
         reuse_env="NGT_TEST_RL_VLLM_URL",

@@ -4,10 +4,9 @@ TRL in the shapes it requires, and the learner's log probs of the sampled ids ma
 (pushes in `keep` mode): each token's version and lag come from the records, and the weights TRL's loss takes are the
 truncated ratio of the learner (the step's own checkpoint, recomputed here) over the records' sampler log probs.
 
-The server is the training tests' float32 one (tests/fixtures/train_servers.py), as `ngt train-demo` serves. The shared
-`rl_vllm_server` serves bfloat16, which rounds the float32 learner's updated weights: measured with the training
-variant, the first step after an update was off by 0.020 nats mean (docs/training.md), over the 0.01 this test holds
-the loop to."""
+The server is the shared float32 `rl_vllm_server` (tests/fixtures/train_servers.py), as `ngt train-demo` serves:
+bfloat16 rounds the float32 learner's updated weights (measured with the training variant, the first step after an
+update was off by 0.020 nats mean, docs/training.md), over the 0.01 this test holds the loop to."""
 
 from __future__ import annotations
 

@@ -12,13 +12,12 @@ from nemo_gym_tok.cli.main import main as ngt
 from nemo_gym_tok.common.net import free_port
 from nemo_gym_tok.vllm.exact_reload import EXACT_RELOAD_ENV
 from nemo_gym_tok.vllm.hook import ENABLE_ENV
-from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, TEST_BED_ENV, VLLMServer
+from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, VLLMServer
 from nemo_gym_tok.weights import Replica, WeightPushError, push_weights
 from tests.servers import hooked_server
 from tests.weights_support import (
     DEV_MODE_ENV,
     checkpoint_without,
-    copy_model_dir,
     mean_and_max_gap,
     perturbed_checkpoint,
     recomputed_log_probs,
@@ -63,19 +62,18 @@ def checkpoints(rl_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     }
 
 
-@pytest.fixture(scope="module")
-def second_replica(rl_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    """A second hooked vLLM with weight routes on its own copy of the tiny model: the two-server pushes."""
-    model_dir = copy_model_dir(rl_model_dir, tmp_path_factory.mktemp("replica-b") / "step-0")
-    with hooked_server(
-        model_dir,
-        served_model_name=MODEL,
-        extra_args=(*CPU_SERVING_ARGS, "--max-model-len", "1024"),
-        env={**TEST_BED_ENV, DEV_MODE_ENV: "1"},
-        log_path=tmp_path_factory.mktemp("replica-b-log") / "vllm.log",
-        what="second hooked vLLM with weight routes: ",
-    ) as server:
-        yield server
+@pytest.fixture
+def second_replica(vllm_server: VLLMServer, tiny_model_dir: Path) -> Iterator[VLLMServer]:
+    """The shared hooked vLLM (weight routes on: conftest.py) as a second replica for the two-server pushes, put back
+    on its own weights and label afterwards, so the tests after this one see the server they expect. A server of its
+    own would cost the suite another vLLM start (about a minute on 2 cores)."""
+    url = vllm_server.base_url
+    before = weight_version(url)
+    try:
+        yield vllm_server
+    finally:
+        push_weights([url], tiny_model_dir, version=before)
+        assert weight_version(url) == before
 
 
 def bundle_version(base_url: str) -> str | None:

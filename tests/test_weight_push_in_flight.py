@@ -22,7 +22,7 @@ from tests.weights_support import perturbed_checkpoint, weight_version
 
 pytestmark = pytest.mark.vllm
 MODEL = "tiny-qwen3"
-LONG_TURN = 3000  # generated ids: several seconds on the CPU, so the push lands while they are sampled
+LONG_TURN = 800  # generated ids: several seconds on the CPU (about 10), so the push lands while they are sampled
 
 
 @pytest.fixture(scope="module")
