@@ -120,8 +120,9 @@ test-families: setup
 # Two hooked vLLM replicas behind vllm-router, started by `ngt run`: 40 rollouts while one replica is SIGKILLed, a
 # replica with another chat template refused, a good one added back (docs/scaling.md); and the push probe's planted
 # faults on real vLLM (tests/fleet/test_weight_probe.py: a do-nothing reload, the stale tied output layer, a checkpoint
-# of another shape, a restarted replica; docs/training.md), which start and restart servers of their own. Not part
-# of `make test`: the default suite stays under 20 minutes.
+# of another shape, a restarted replica; docs/training.md), which start and restart servers of their own; and a keyed
+# replica with split keys behind the router, a worker added through /add_worker refused (tests/fleet/
+# test_router_keys.py, docs/scaling.md). Not part of `make test`: the default suite stays under 20 minutes.
 test-fleet: setup
 	$(PY) -m pytest -s tests/fleet $(PYTEST_ARGS)
 

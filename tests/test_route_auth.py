@@ -7,9 +7,17 @@ import logging
 from types import ModuleType
 
 import pytest
+from starlette.responses import PlainTextResponse
+from starlette.testclient import TestClient
 
 from nemo_gym_tok.vllm import exact_reload, plugin, route_auth
-from nemo_gym_tok.vllm.route_auth import DEV_MODE_ENV, GUARDED_NAME, MIDDLEWARE_NAME, RouteGuardMissing
+from nemo_gym_tok.vllm.route_auth import (
+    DEV_MODE_ENV,
+    GUARDED_NAME,
+    MIDDLEWARE_NAME,
+    WEIGHTS_KEY_ENV,
+    RouteGuardMissing,
+)
 
 DEV_ON = {DEV_MODE_ENV: "1"}
 
@@ -19,7 +27,9 @@ def auth_module(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """vLLM's API-key module, its tuple and middleware restored after the test (guard_weight_routes extends it)."""
     module = importlib.import_module(route_auth.AUTH_MODULE)
     monkeypatch.setattr(module, GUARDED_NAME, getattr(module, GUARDED_NAME))
-    monkeypatch.setattr(module, MIDDLEWARE_NAME, getattr(module, MIDDLEWARE_NAME))
+    middleware = getattr(module, MIDDLEWARE_NAME)
+    monkeypatch.setattr(module, MIDDLEWARE_NAME, middleware)
+    monkeypatch.setattr(middleware, "__call__", vars(middleware)["__call__"])  # split_keys wraps it in place
     return module
 
 
@@ -84,3 +94,65 @@ def test_the_plugin_stops_a_dev_mode_server_whose_guard_moved(
     monkeypatch.delenv("NEMO_GYM_TOK_PREFIX_SPLICE", raising=False)
     with pytest.raises(RouteGuardMissing, match=GUARDED_NAME):
         plugin.register()
+
+
+INFERENCE_KEY, WEIGHTS_KEY = "inference-key", "weights-key"
+
+
+def keyed_app(auth_module: ModuleType) -> TestClient:
+    """vLLM's own API-key middleware, keyed with the inference key, over an app that answers 200 on every path."""
+
+    async def ok(scope: dict, receive: object, send: object) -> None:
+        await PlainTextResponse("ok")(scope, receive, send)  # type: ignore[arg-type]
+
+    middleware = getattr(auth_module, MIDDLEWARE_NAME)(ok, tokens=[INFERENCE_KEY])
+
+    async def app(scope: dict, receive: object, send: object) -> None:  # as Starlette's stack calls a middleware
+        await middleware(scope, receive, send)
+
+    return TestClient(app)
+
+
+@pytest.mark.parametrize(
+    ("key", "path", "status"),
+    [
+        (INFERENCE_KEY, "/v1/models", 200),
+        (INFERENCE_KEY, "/pause", 401),
+        (INFERENCE_KEY, "/collective_rpc", 401),
+        (INFERENCE_KEY, "/update_weight_version", 401),
+        (WEIGHTS_KEY, "/pause", 200),
+        (WEIGHTS_KEY, "/collective_rpc", 200),
+        (WEIGHTS_KEY, "/v1/completions", 200),  # the trainer's probe reads log probs with the weights key
+        (None, "/health", 200),
+        (None, "/pause", 401),
+        (None, "/v1/models", 401),
+        ("wrong", "/pause", 401),
+        ("wrong", "/v1/models", 401),
+    ],
+)
+def test_a_weights_key_alone_opens_the_routes_that_change_weights(
+    auth_module: ModuleType, key: str | None, path: str, status: int
+) -> None:
+    assert route_auth.guard_weight_routes({**DEV_ON, WEIGHTS_KEY_ENV: WEIGHTS_KEY}) is True
+    route_auth.guard_weight_routes({**DEV_ON, WEIGHTS_KEY_ENV: WEIGHTS_KEY})  # idempotent: wrapped once
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    answer = keyed_app(auth_module).post(path, headers=headers)
+    assert answer.status_code == status, (key, path, answer.text)
+    if status == 401 and path == "/pause" and key == INFERENCE_KEY:
+        assert "weights key" in answer.text
+
+
+def test_without_a_weights_key_the_inference_key_opens_every_guarded_route(auth_module: ModuleType) -> None:
+    """Today's single key, for a server that is not behind a router: the gym's fleet check refuses it there."""
+    assert route_auth.guard_weight_routes(DEV_ON) is True
+    client = keyed_app(auth_module)  # no lifespan: the app under the middleware answers HTTP only
+    assert client.post("/pause", headers={"Authorization": f"Bearer {INFERENCE_KEY}"}).status_code == 200
+    assert client.post("/pause").status_code == 401
+
+
+def test_a_weights_key_on_a_moved_guard_refuses_to_start(
+    auth_module: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delattr(auth_module, GUARDED_NAME)
+    with pytest.raises(RouteGuardMissing):
+        route_auth.guard_weight_routes({WEIGHTS_KEY_ENV: WEIGHTS_KEY})

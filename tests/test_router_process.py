@@ -158,11 +158,19 @@ def test_a_router_stops_and_a_second_stop_does_nothing(workers: dict[str, str], 
         ({"worker_urls": ("http://h:1",), "log_level": "trace"}, "log_level"),
         ({"worker_urls": ("http://h:1",), "extra_args": ("--port", "9")}, "repeats"),
         ({"worker_urls": ("http://h:1",), "extra_args": "--queue-size 9"}, "tuple of strings"),
+        ({"worker_urls": ("http://h:1",), "host": "0.0.0.0"}, "admin routes to the network"),
+        ({"worker_urls": ("http://h:1",), "host": "10.1.2.3"}, "/add_worker, /remove_worker"),
+        ({"worker_urls": ("http://h:1",), "host": "gpu-node-7"}, "without any key"),
     ],
 )
 def test_a_spec_refuses_what_the_router_could_not_serve(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         RouterSpec(**kwargs)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.9", "localhost", "::1", "[::1]"])
+def test_a_router_listens_on_loopback_only(host: str) -> None:
+    assert RouterSpec(("http://h:1",), host=host).host == host
 
 
 def test_a_spec_strips_v1_and_builds_the_command() -> None:

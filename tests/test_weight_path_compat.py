@@ -62,7 +62,8 @@ OTHERS = {
     "vllm/distributed/weight_transfer/nccl_engine.py": "class NCCLWeightTransferEngine: ...\n",
     "vllm/entrypoints/serve/middleware/authenticate.py": (
         'GUARDED_PREFIX = ("/v1",)\nclass AuthenticationMiddleware:\n'
-        "    def __call__(self, scope, receive, send):\n        return scope['path'].startswith(GUARDED_PREFIX)\n"
+        "    def __call__(self, scope, receive, send):\n"
+        "        return scope['path'].startswith(GUARDED_PREFIX) and self.app\n"
     ),
 }
 
@@ -81,6 +82,7 @@ def test_a_029_shaped_release_with_body_keys_fits() -> None:
         (("vllm/v1/worker/gpu_model_runner.py", "weights_path", "path"), "takes no weights_path"),
         (("vllm/entrypoints/serve/middleware/authenticate.py", "GUARDED_PREFIX =", "GUARDED ="), "GUARDED_PREFIX"),
         (("vllm/entrypoints/serve/middleware/authenticate.py", "(GUARDED_PREFIX)", "(self.guarded)"), "does not read"),
+        (("vllm/entrypoints/serve/middleware/authenticate.py", "self.app", "self.inner"), "does not call self.app"),
     ],
 )
 def test_what_a_release_moved_is_named(change: tuple[str, str, str], problem: str) -> None:

@@ -12,6 +12,7 @@ from nemo_gym_tok.cli.main import main as ngt
 from nemo_gym_tok.common.net import free_port
 from nemo_gym_tok.vllm.exact_reload import EXACT_RELOAD_ENV
 from nemo_gym_tok.vllm.hook import ENABLE_ENV
+from nemo_gym_tok.vllm.route_auth import WEIGHTS_KEY_ENV
 from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, VLLMServer
 from nemo_gym_tok.weights import Replica, WeightPushError, push_weights
 from tests.servers import hooked_server
@@ -196,37 +197,47 @@ def test_stock_cpu_vllm_serves_a_stale_tied_output_layer_so_a_push_there_is_refu
     assert_serves(url, tiny_model_dir)
 
 
-def test_a_stock_server_with_the_exact_reload_and_a_key_guards_its_routes_and_follows_an_untied_model(
+def test_a_stock_server_with_the_exact_reload_and_two_keys_guards_its_routes_and_follows_an_untied_model(
     checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """vLLM without the splice hook (stock chat templating, `splice: adapter`), with this package's exact reload
-    switched on alone and an API key, serving an untied model: vLLM's own guard covers /v1 only, the plugin extends
-    it to every development route; keyed pushes follow the untied model, and a tied checkpoint is refused."""
-    key = "weights-key-123"
+    switched on alone, an inference key and a weights key, serving an untied model: vLLM's own guard covers /v1 only;
+    the plugin extends it to every development route, which the weights key alone opens (the inference key, the one
+    a gym sends through a router, opens none); keyed pushes follow the untied model, and a tied checkpoint is
+    refused."""
+    inference_key, weights_key = "inference-key-123", "weights-key-123"
     with hooked_server(
         checkpoints["untied-0"],
         served_model_name=MODEL,
-        extra_args=(*CPU_SERVING_ARGS, "--max-model-len", "512", "--api-key", key),
-        env={DEV_MODE_ENV: "1", ENABLE_ENV: "0", EXACT_RELOAD_ENV: "1"},
+        extra_args=(*CPU_SERVING_ARGS, "--max-model-len", "512", "--api-key", inference_key),
+        env={DEV_MODE_ENV: "1", ENABLE_ENV: "0", EXACT_RELOAD_ENV: "1", WEIGHTS_KEY_ENV: weights_key},
         log_path=tmp_path_factory.mktemp("keyed-vllm") / "vllm.log",
         hook=False,
-        what="stock vLLM with the exact reload and an API key: ",
+        what="stock vLLM with the exact reload and two API keys: ",
     ) as server:
         url = server.base_url
         served = httpx.get(f"{url}/openapi.json", timeout=30).json()["paths"]
         for path in WEIGHT_CHANGING_ROUTES:
             assert path in served, f"{path} is not served in development mode: the list here is out of date"
             method = "POST" if "post" in served[path] else "GET"
-            answer = httpx.request(method, f"{url}{path}", timeout=30)
-            assert answer.status_code == 401, f"{method} {path} answered {answer.status_code} without the key"
+            for key in (None, inference_key):
+                headers = {"Authorization": f"Bearer {key}"} if key else {}
+                answer = httpx.request(method, f"{url}{path}", headers=headers, timeout=30)
+                assert answer.status_code == 401, f"{method} {path} answered {answer.status_code} with key {key}"
+        # The weights key opens them: a body vLLM refuses before acting tells an open route without changing anything.
+        opened = httpx.post(
+            f"{url}/collective_rpc", json=[], headers={"Authorization": f"Bearer {weights_key}"}, timeout=30
+        )
+        assert opened.status_code == 400, opened.text
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200
-        assert_serves(url, checkpoints["untied-0"], api_key=key)
-        with pytest.raises(WeightPushError, match="API key"):
-            push_weights([url], checkpoints["untied-1"], version="untied-1")
-        report = push_weights([url], checkpoints["untied-1"], version="untied-1", api_key=key)
+        assert_serves(url, checkpoints["untied-0"], api_key=inference_key)
+        for key in (None, inference_key):
+            with pytest.raises(WeightPushError, match="API key"):
+                push_weights([url], checkpoints["untied-1"], version="untied-1", api_key=key)
+        report = push_weights([url], checkpoints["untied-1"], version="untied-1", api_key=weights_key)
         assert report.version == "untied-1"
-        assert_serves(url, checkpoints["untied-1"], api_key=key)
+        assert_serves(url, checkpoints["untied-1"], api_key=weights_key)
         with pytest.raises(WeightPushError, match="own output layer") as refused:
-            push_weights([url], checkpoints["step-1"], version="tied-into-untied", api_key=key)
+            push_weights([url], checkpoints["step-1"], version="tied-into-untied", api_key=weights_key)
         assert refused.value.replicas == (url,)
-        assert_serves(url, checkpoints["untied-1"], api_key=key)
+        assert_serves(url, checkpoints["untied-1"], api_key=inference_key)

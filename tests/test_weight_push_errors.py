@@ -12,7 +12,7 @@ import pytest
 
 import nemo_gym_tok.weights.push as push_module
 from nemo_gym_tok.cli.main import main as ngt
-from nemo_gym_tok.cli.vllm_serve import exposed_weight_routes
+from nemo_gym_tok.cli.vllm_serve import exposed_weight_routes, split_key_problem
 from nemo_gym_tok.vllm.exact_reload import STATUS_METHOD as WORKER_STATUS_METHOD
 from nemo_gym_tok.weights import (
     STATUS_METHOD,
@@ -138,7 +138,9 @@ def test_a_label_already_served_is_refused(checkpoint: Path) -> None:
         push(fake, checkpoint)
 
 
-@pytest.mark.parametrize(("status", "message"), [(404, "VLLM_SERVER_DEV_MODE=1"), (401, "requires its API key")])
+@pytest.mark.parametrize(
+    ("status", "message"), [(404, "VLLM_SERVER_DEV_MODE=1"), (401, "API key for the weight routes")]
+)
 def test_a_server_without_the_routes_or_the_key_is_named_with_the_fix(
     checkpoint: Path, status: int, message: str
 ) -> None:
@@ -176,6 +178,17 @@ def test_vllm_serve_refuses_weight_routes_beyond_loopback_without_a_key() -> Non
     assert exposed_weight_routes(["--host", "0.0.0.0"], {**dev, "VLLM_API_KEY": "k"}) is None
     assert exposed_weight_routes([], dev) is None  # loopback by default
     assert exposed_weight_routes(["--host", "0.0.0.0"], {}) is None  # no weight routes served
+
+
+def test_vllm_serve_splits_the_keys_only_with_two_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    assert split_key_problem(None, [], {}) is None
+    assert split_key_problem("w", ["--api-key", "i"], {}) is None
+    assert split_key_problem("w", [], {"VLLM_API_KEY": "i"}) is None
+    assert "needs an inference key too" in (split_key_problem("w", [], {}) or "")
+    assert "must differ" in (split_key_problem("w", ["--api-key=w"], {}) or "")
+    # Refused before vLLM starts, in one line that says what to pass.
+    assert ngt(["vllm-serve", "--weights-api-key", "w", "some/model", "--api-key", "w"]) == 2
+    assert "must differ from --api-key" in capsys.readouterr().err
 
 
 def test_a_null_weight_version_is_refused_never_taken_as_the_label_none(checkpoint: Path) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from nemo_gym_tok.config import ConfigError
 from nemo_gym_tok.servers.model_targets import push_targets
+from nemo_gym_tok.vllm.route_auth import WEIGHTS_KEY_ENV
 from nemo_gym_tok.weights import (
     DEFAULT_MAX_MEAN_GAP,
     PAUSE_MODES,
@@ -66,7 +67,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "with the new weights, and their bundles say which ids came from which version (weight_version_spans)",
     )
     parser.add_argument(
-        "--api-key", help="the servers' API key (default: the config adapters' api_key, else $VLLM_API_KEY)"
+        "--api-key",
+        help=f"the key that opens the servers' weight routes: their --weights-api-key where they split keys, else "
+        f"their --api-key (default: ${WEIGHTS_KEY_ENV}, else the config adapters' api_key, else $VLLM_API_KEY)",
     )
     parser.add_argument(
         "--probe",
@@ -103,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         print("ngt: no vLLM server named: give -c CONFIG (its vllm_model base_url) or --url URL", file=sys.stderr)
         return 2
     version = args.version or Path(args.checkpoint_dir).expanduser().resolve().name
-    api_key = args.api_key or config_key or os.environ.get("VLLM_API_KEY")
+    api_key = args.api_key or os.environ.get(WEIGHTS_KEY_ENV) or config_key or os.environ.get("VLLM_API_KEY")
     try:
         if args.probe_bound is not None and not args.probe:
             raise ValueError("--probe-bound is a bound of --probe: give --probe too")

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 from nemo_gym_tok.servers.http_pool import SERVER_KEEPALIVE_SECONDS
 from nemo_gym_tok.vllm.hook import ENABLE_ENV
 from nemo_gym_tok.vllm.replica_identity import REPLICA_ENV, replica_name
+from nemo_gym_tok.vllm.route_auth import WEIGHTS_KEY_ENV
 
 PLUGIN_GROUP = "vllm.general_plugins"
 PLUGIN_NAME = "nemo_gym_tok_prefix_splice"
@@ -46,7 +47,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "for other machines; then also set --api-key or VLLM_API_KEY). With VLLM_SERVER_DEV_MODE=1 (vLLM's "
             "weight routes, which `ngt push-weights` drives) the API key guards those routes too, and it refuses to "
             "start beyond loopback without one; the worker's in-place reload then also packs a tied output layer "
-            "again on the CPU build (docs/training.md)."
+            "again on the CPU build (docs/training.md). With --weights-api-key the keys split: that key alone opens "
+            "the weight routes, and --api-key only the inference ones (the key a gym sends through vllm-router, "
+            "which forwards it to every worker the router lists)."
+        ),
+    )
+    parser.add_argument(
+        "--weights-api-key",
+        metavar="KEY",
+        default=None,
+        help=(
+            f"the key that alone opens the weight routes (and the inference routes too, for a trainer's probe); "
+            f"--api-key then opens only the inference routes. Needs --api-key (or VLLM_API_KEY), and differs from "
+            f"it. Passed to vLLM in the environment ({WEIGHTS_KEY_ENV}, which may be set instead), not on its "
+            "command line. Give it before MODEL"
         ),
     )
     parser.add_argument("model", metavar="MODEL", help="model directory or name, as `vllm serve MODEL`")
@@ -113,8 +127,27 @@ def exposed_weight_routes(vllm_args: list[str], environ: Mapping[str, str]) -> s
     )
 
 
+def split_key_problem(weights_key: str | None, vllm_args: list[str], environ: Mapping[str, str]) -> str | None:
+    """Why a weights key cannot split the keys, or None: vLLM's key middleware, which the split extends, is there only
+    with an inference key, and one key for both would open the weight routes wherever the inference key goes."""
+    if not weights_key:
+        return None
+    inference_key = _flag_value(vllm_args, "--api-key") or environ.get("VLLM_API_KEY")
+    if not inference_key:
+        return (
+            "--weights-api-key needs an inference key too (--api-key KEY or VLLM_API_KEY): vLLM checks keys only when "
+            "it has one, and the weight routes would then be open"
+        )
+    if inference_key == weights_key:
+        return "--weights-api-key must differ from --api-key: one key for both opens the weight routes wherever it goes"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
-    refusal = exposed_weight_routes(args.vllm_args, os.environ)
+    weights_key = args.weights_api_key or os.environ.get(WEIGHTS_KEY_ENV)
+    refusal = exposed_weight_routes(args.vllm_args, os.environ) or split_key_problem(
+        weights_key, args.vllm_args, os.environ
+    )
     if refusal is not None:
         print(f"ngt: {refusal}", file=sys.stderr)
         return 2
@@ -129,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
     env = server_env(os.environ)
     # Named from the command line here, where it is whole: every bundle says which replica served it.
     env.setdefault(REPLICA_ENV, replica_name(args.vllm_args, {}))
+    if weights_key:
+        env[WEIGHTS_KEY_ENV] = weights_key
     # exec, so signals and the exit status are vLLM's own.
     os.execve(sys.executable, command, env)
     return 0  # not reached

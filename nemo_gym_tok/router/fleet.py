@@ -73,3 +73,18 @@ def check_fleet(
                 "same model directory and --chat-template"
             )
     return found
+
+
+def weight_routes_opened_by(worker_url: str, api_key: str, *, http: httpx.Client) -> int | None:
+    """The status a worker answers when `api_key` asks for one of its weight routes, None when the key does not open
+    them (401 or 403) or the worker serves none (404). Asked with a body vLLM refuses before acting (`[]` to
+    /collective_rpc: 400 where the key opens it), so nothing changes on the worker."""
+    headers = {"Authorization": f"Bearer {api_key}"}
+    try:
+        answer = http.post(f"{worker_url.rstrip('/')}/collective_rpc", json=[], headers=headers)
+    except httpx.TransportError as exc:
+        raise FleetMismatchError(
+            f"worker {worker_url} could not be asked whether the adapter's key opens its weight routes: "
+            f"{type(exc).__name__}: {exc} (is it up?)"
+        ) from None
+    return None if answer.status_code in (401, 403, 404) else answer.status_code

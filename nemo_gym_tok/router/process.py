@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import os
 import re
 import signal
@@ -125,6 +126,14 @@ class RouterSpec:
             raise ValueError(f"unknown router policy {self.policy!r}; pick one of {', '.join(ROUTER_POLICIES)}")
         if not isinstance(self.host, str) or not self.host or "/" in self.host:
             raise ValueError(f"RouterSpec.host must be a host name or address like 127.0.0.1, not {self.host!r}")
+        if not is_loopback(self.host):
+            raise ValueError(
+                f"RouterSpec.host {self.host!r} would open the router's admin routes to the network: vllm-router "
+                f"{ROUTER_VERSION} serves /add_worker, /remove_worker and /workers on its inference port without any "
+                "key, and a worker added there receives the fleet's requests and the key they carry. Listen on "
+                "127.0.0.1 (the gym's servers reach it there), or put a loopback router behind an authenticating "
+                "proxy you run (docs/scaling.md)"
+            )
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"RouterSpec.port must be 0 (a free port) or a port number up to 65535, not {self.port!r}")
         for name in (
@@ -193,6 +202,17 @@ def router_command(spec: RouterSpec, port: int, prometheus_port: int) -> list[st
     if spec.api_key is not None:
         command += ["--api-key", spec.api_key]
     return [*command, "--worker-urls", *spec.worker_urls, *spec.extra_args]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only (a name or address, IPv6 with or without brackets)."""
+    name = host.strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 def _client_host(host: str) -> str:

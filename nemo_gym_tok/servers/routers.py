@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
+
+from nemo_gym_tok.common.net import shared_ssl_context
 from nemo_gym_tok.config import GymConfig, ServerInstance
 from nemo_gym_tok.router import RouterProcess, RouterSpec, RouterStartError
-from nemo_gym_tok.router.fleet import FleetMismatchError, check_fleet
+from nemo_gym_tok.router.fleet import FleetMismatchError, check_fleet, weight_routes_opened_by
 
 ROUTER_KEY = "router"
 
@@ -23,6 +26,13 @@ def router_spec(instance: ServerInstance) -> RouterSpec | None:
     where = f"{instance.name}.{instance.kind}.{instance.implementation}.{ROUTER_KEY}"
     if not isinstance(fields, dict) or "worker_urls" not in fields:
         raise RouterConfigError(f"{where}: expected {{worker_urls: [http://host:port, ...], policy: ...}}")
+    if "api_key" in fields:
+        raise RouterConfigError(
+            f"{where}.api_key: give the key to the adapter instead ({instance.name}.{instance.kind}."
+            f"{instance.implementation}.api_key): its calls carry it through the router, and the fleet check asks each "
+            "worker with it. A router key would be sent by vllm-router itself, on the routes it proxies blindly "
+            "(/v1/responses, any unknown path), to every worker it lists"
+        )
     if instance.fields.get("base_url"):
         raise RouterConfigError(
             f"{where}: set either base_url (a vLLM, or a router that already runs) or router (one `ngt run` starts), "
@@ -48,8 +58,10 @@ def start_routers(config: GymConfig, *, ready_timeout: float) -> dict[str, Route
     try:
         for name, spec in specs.items():
             instance = config.instances[name]
+            api_key = adapter_key(instance)
             try:
-                fingerprints = check_fleet(spec.worker_urls, str(instance.fields.get("model")), api_key=spec.api_key)
+                fingerprints = check_fleet(spec.worker_urls, str(instance.fields.get("model")), api_key=api_key)
+                check_key_opens_no_weight_route(spec.worker_urls, api_key)
             except FleetMismatchError as exc:
                 raise RouterStartError(f"{name}: {exc}") from None
             unproven = [url for url, fingerprint in fingerprints.items() if fingerprint is None]
@@ -65,6 +77,29 @@ def start_routers(config: GymConfig, *, ready_timeout: float) -> dict[str, Route
         stop_routers(started)
         raise
     return started
+
+
+def adapter_key(instance: ServerInstance) -> str | None:
+    """The key the adapter's calls carry (None for none: unset or the OpenAI SDK's placeholder "EMPTY")."""
+    key = instance.fields.get("api_key")
+    return key if isinstance(key, str) and key and key != "EMPTY" else None
+
+
+def check_key_opens_no_weight_route(worker_urls: tuple[str, ...], api_key: str | None) -> None:
+    """FleetMismatchError when the adapter's key opens a worker's weight routes: through the router it reaches every
+    worker the router lists, one added by /add_worker included."""
+    if api_key is None:
+        return
+    with httpx.Client(timeout=30, verify=shared_ssl_context()) as http:
+        for url in worker_urls:
+            status = weight_routes_opened_by(url, api_key, http=http)
+            if status is not None:
+                raise FleetMismatchError(
+                    f"the adapter's api_key opens the weight routes of worker {url} (POST /collective_rpc answered "
+                    f"{status}, not 401), and through vllm-router it would reach every worker the router lists, one "
+                    "added by /add_worker included. Split the keys: `ngt vllm-serve --weights-api-key KEY2 MODEL "
+                    "--api-key KEY ...`, KEY for the adapter and KEY2 for the trainer's pushes (docs/scaling.md)"
+                )
 
 
 def stop_routers(routers: dict[str, RouterProcess]) -> None:

@@ -8,15 +8,23 @@ vLLM installs no middleware at all: `ngt vllm-serve` then refuses to serve those
 (nemo_gym_tok.cli.vllm_serve). It fails closed: where a vLLM release keeps its guard elsewhere (the tuple gone, or
 the middleware no longer reading it) and the development routes are on, the plugin raises RouteGuardMissing, which
 stops the server from starting, rather than serve those routes unguarded. vLLM is imported inside functions.
+
+With a weights key (WEIGHTS_KEY_ENV, set by `ngt vllm-serve --weights-api-key`) the two keys split: the weights key
+alone opens the development routes (and the inference routes too: a trainer's probe reads log probs with it), while
+vLLM's --api-key opens only the inference routes. The key a gym sends through vllm-router, which forwards it to any
+worker the router lists, then opens no route that changes weights.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import logging
 import os
+import secrets
 from collections.abc import Mapping
 from types import ModuleType
+from typing import Any
 
 logger = logging.getLogger("nemo_gym_tok.vllm.route_auth")
 
@@ -27,6 +35,8 @@ MIDDLEWARE_NAME = "AuthenticationMiddleware"
 """The middleware in AUTH_MODULE whose `__call__` reads GUARDED_NAME: extending the tuple guards nothing otherwise."""
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 """vLLM serves its development and RL routes (those that change weights) only with this set to 1."""
+WEIGHTS_KEY_ENV = "NGT_WEIGHTS_API_KEY"
+"""The key that alone opens the development routes, when set (the module's docstring)."""
 # The routers vLLM adds with VLLM_SERVER_DEV_MODE=1, by release: their paths are read from the routers themselves, so
 # a route a release adds is guarded without a change here. 0.29 keeps the RL routes under serve/dev/rlhf.
 DEV_ROUTER_MODULES = (
@@ -84,24 +94,31 @@ def guard_problem(module: ModuleType | None) -> str | None:
         return f"no tuple of path prefixes at {AUTH_MODULE}.{GUARDED_NAME}"
     middleware = getattr(module, MIDDLEWARE_NAME, None)
     call = vars(middleware).get("__call__") if isinstance(middleware, type) else None
+    call = getattr(call, "_ngt_wrapped", call)  # split_keys' wrapper hands the rest to vLLM's own __call__
     # The middleware reads the module global at each request; a release that keeps the prefixes elsewhere (an
     # attribute, a closure) leaves the tuple in place but unread, and extending it would guard nothing.
-    if GUARDED_NAME not in getattr(getattr(call, "__code__", None), "co_names", ()):
+    names = getattr(getattr(call, "__code__", None), "co_names", ())
+    if GUARDED_NAME not in names:
         return f"{AUTH_MODULE}.{MIDDLEWARE_NAME}.__call__ does not read {GUARDED_NAME}"
+    # The split keys hand a request on to the middleware's `app`, as its own __call__ does.
+    if "app" not in names:
+        return f"{AUTH_MODULE}.{MIDDLEWARE_NAME}.__call__ does not call self.app"
     return None
 
 
 def guard_weight_routes(environ: Mapping[str, str] | None = None) -> bool:
-    """Add the development routes to the prefixes vLLM's API-key middleware guards; idempotent. Where the installed
-    vLLM keeps its guard elsewhere (`ngt vllm-compat` names such a release): RouteGuardMissing when `environ`
-    (os.environ by default) turns the development routes on, else False, logged (no such route is served)."""
+    """Add the development routes to the prefixes vLLM's API-key middleware guards, and split the keys when
+    WEIGHTS_KEY_ENV is set; idempotent. Where the installed vLLM keeps its guard elsewhere (`ngt vllm-compat` names
+    such a release): RouteGuardMissing when `environ` (os.environ by default) turns the development routes on or sets
+    a weights key, else False, logged (no such route is served)."""
+    env = os.environ if environ is None else environ
     try:
         module = importlib.import_module(AUTH_MODULE)
     except ImportError:
         module = None
     problem = guard_problem(module)
     if problem is not None:
-        if (os.environ if environ is None else environ).get(DEV_MODE_ENV) == "1":
+        if env.get(DEV_MODE_ENV) == "1" or env.get(WEIGHTS_KEY_ENV):
             raise RouteGuardMissing(
                 f"nemo_gym_tok: {DEV_MODE_ENV}=1 serves the routes that change weights (/pause, /collective_rpc, "
                 f"/update_weights, ...), and this vLLM keeps its API-key guard elsewhere ({problem}): refusing to "
@@ -112,4 +129,45 @@ def guard_weight_routes(environ: Mapping[str, str] | None = None) -> bool:
     guarded = getattr(module, GUARDED_NAME)
     added = tuple(path for path in dev_route_paths() if not path.startswith(guarded))
     setattr(module, GUARDED_NAME, (*guarded, *added))
+    weights_key = env.get(WEIGHTS_KEY_ENV)
+    if weights_key:
+        split_keys(getattr(module, MIDDLEWARE_NAME), weights_key, dev_route_paths())
     return True
+
+
+def split_keys(middleware: type, weights_key: str, weight_paths: tuple[str, ...]) -> None:
+    """Wrap `middleware.__call__` (vLLM's API-key middleware) so that `weights_key` opens every route and is the only
+    key that opens a path under `weight_paths`; other requests go to vLLM's own check. Idempotent."""
+    original = vars(middleware)["__call__"]
+    if hasattr(original, "_ngt_wrapped"):
+        return
+    from starlette.datastructures import Headers
+    from starlette.responses import JSONResponse
+
+    weights_hash = hashlib.sha256(weights_key.encode("utf-8")).digest()
+
+    def __call__(self: Any, scope: Any, receive: Any, send: Any) -> Any:
+        if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
+            return original(self, scope, receive, send)
+        if bearer_matches(Headers(scope=scope).get("Authorization"), weights_hash):
+            return self.app(scope, receive, send)
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if path.startswith(weight_paths):
+            refusal = JSONResponse(
+                content={"error": "Unauthorized: this route changes weights and opens only with the weights key"},
+                status_code=401,
+            )
+            return refusal(scope, receive, send)
+        return original(self, scope, receive, send)
+
+    __call__._ngt_wrapped = original  # type: ignore[attr-defined]
+    middleware.__call__ = __call__  # type: ignore[method-assign]
+
+
+def bearer_matches(authorization: str | None, key_hash: bytes) -> bool:
+    """Whether an `Authorization: Bearer TOKEN` header carries the key whose sha256 is `key_hash`. Compared by digest
+    in constant time, as vLLM compares its own keys."""
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        return False
+    return secrets.compare_digest(hashlib.sha256(token.encode("utf-8")).digest(), key_hash)

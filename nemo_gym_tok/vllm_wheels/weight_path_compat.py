@@ -125,4 +125,7 @@ def weight_path_problems(sources: ModuleSources) -> list[str]:
     call = _method(sources, AUTH_MODULE, MIDDLEWARE_NAME, "__call__")
     if call is None or not any(isinstance(node, ast.Name) and node.id == GUARDED_NAME for node in ast.walk(call)):
         problems.append(f"{AUTH_MODULE}.{MIDDLEWARE_NAME}.__call__ does not read {GUARDED_NAME} (the key guard)")
+    # The weights key hands a request on to the middleware's `app` (route_auth.split_keys).
+    elif not any(isinstance(node, ast.Attribute) and node.attr == "app" for node in ast.walk(call)):
+        problems.append(f"{AUTH_MODULE}.{MIDDLEWARE_NAME}.__call__ does not call self.app (the weights key)")
     return problems

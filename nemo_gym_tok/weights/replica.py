@@ -63,8 +63,9 @@ class Replica:
         if response.status_code == 401:
             raise ReplicaError(
                 self.url,
-                f"{method} {path} answered 401: the server requires its API key (--api-key / VLLM_API_KEY); pass it "
-                "as --api-key, or the adapter's api_key in the config",
+                f"{method} {path} answered 401: the server requires its API key for the weight routes (its "
+                "--weights-api-key when started with one, which its inference --api-key does not replace; else its "
+                "--api-key / VLLM_API_KEY); pass it as --api-key",
             )
         if response.status_code == 404 and not path.startswith("/v1/"):  # a /v1 404 is vLLM's own (a model unknown)
             raise ReplicaError(

@@ -23,7 +23,13 @@ from nemo_gym_tok.servers.json_response import JSONBytesResponse
 from nemo_gym_tok.servers.openapi import json_body
 from nemo_gym_tok.splice import PREFIX_KEY, TERMINATOR_ENV
 from nemo_gym_tok.types import ChatCompletionRequest, Response, ResponsesRequest
-from responses_api_models.vllm_model.behind_router import RouterView, crossing_body, detect_router, server_label
+from responses_api_models.vllm_model.behind_router import (
+    DeclaredWorkers,
+    RouterView,
+    crossing_body,
+    detect_router,
+    server_label,
+)
 from responses_api_models.vllm_model.calls import ChatCall, PreparedCall, parse_body
 from responses_api_models.vllm_model.chat_events import chat_sse
 from responses_api_models.vllm_model.config import VLLMModelConfig
@@ -81,6 +87,7 @@ class VLLMModel(ModelServer):
         self._hooked: dict[str, bool] = {}
         self._routers: dict[str, RouterView | None] = {}
         self.fleet = FleetFingerprint()
+        self.declared_workers = DeclaredWorkers(self.config.router)
         self.weight_versions = WeightVersionReads(self.upstream.get_small)
         self._provenance: dict[str, tuple[dict[str, Any] | None, dict[str, str] | None]] = {}
         capture_dir = self.config.nemo_gym_token_capture_dir
@@ -297,6 +304,8 @@ class VLLMModel(ModelServer):
     async def _finish(
         self, call: PreparedCall, result: dict[str, Any], url: str, after: asyncio.Task[str | None] | None
     ) -> dict[str, Any]:
+        if await self.router_at(url) is not None:
+            await self.declared_workers.check(self.upstream.get_small, url)
         if call.confirm is not None:
             await call.confirm()
         if call.telemetry_ready is not None:

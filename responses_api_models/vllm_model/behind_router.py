@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from nemo_gym_tok.common.exact_json import loads_exact
+from nemo_gym_tok.router.workers import worker_base_url
+from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.splice import NEW_SEGMENT_KEY, PREFIX_KEY
 
 GetSmall = Callable[[str, str], Awaitable[tuple[int, bytes] | None]]
@@ -23,6 +25,12 @@ class RouterView:
 
 async def detect_router(get_small: GetSmall, base_url: str) -> RouterView | None:
     """The router at `base_url`, or None for a vLLM (which answers 404 to the router's `/list_workers`)."""
+    urls = await listed_workers(get_small, base_url)
+    return None if urls is None else RouterView(base_url, urls)
+
+
+async def listed_workers(get_small: GetSmall, base_url: str) -> tuple[str, ...] | None:
+    """The workers the router at `base_url` lists, None when it answers no such list."""
     answer = await get_small(base_url, LIST_WORKERS_PATH)
     if answer is None or answer[0] != 200:
         return None
@@ -33,7 +41,41 @@ async def detect_router(get_small: GetSmall, base_url: str) -> RouterView | None
     urls = listed.get("urls") if isinstance(listed, dict) else None
     if not isinstance(urls, list) or not all(isinstance(url, str) for url in urls):
         return None
-    return RouterView(base_url, tuple(urls))
+    return tuple(urls)
+
+
+class DeclaredWorkers:
+    """The workers a config declares behind the router `ngt run` starts for the adapter (`router.worker_urls`). After
+    each answer the router's list is read again: a worker the config did not declare (one added through the
+    router's unauthenticated /add_worker) may have served the call, so the answer is refused, and every later one
+    until it is gone. None declared (a router started elsewhere), nothing is checked."""
+
+    def __init__(self, router_fields: Mapping[str, Any] | None) -> None:
+        urls = (router_fields or {}).get("worker_urls")
+        self.declared = frozenset(worker_base_url(url) for url in urls) if isinstance(urls, list) else None
+
+    async def check(self, get_small: GetSmall, router_url: str) -> None:
+        """ApiError (502) naming the workers the router lists beyond the declared ones, or when it lists none."""
+        if self.declared is None:
+            return
+        listed = await listed_workers(get_small, router_url)
+        if listed is None:
+            raise ApiError(
+                502,
+                f"vllm-router at {router_url} did not list its workers after the call: whether a worker the config "
+                "does not declare served it cannot be told, so the answer is refused",
+                error_type="undeclared_worker",
+            )
+        undeclared = sorted({worker_base_url(url) for url in listed} - self.declared)
+        if undeclared:
+            raise ApiError(
+                502,
+                f"vllm-router at {router_url} lists {', '.join(undeclared)}, which the config does not declare "
+                f"(router.worker_urls: {', '.join(sorted(self.declared))}): added through the router's /add_worker, "
+                "it may have served this call, so the answer is refused. Take it out (`POST /remove_worker?url=...` "
+                "on the router), or declare it and restart the gym",
+                error_type="undeclared_worker",
+            )
 
 
 def crossing_body(body: dict[str, Any], required_prefix: list[int] | None) -> dict[str, Any]:
