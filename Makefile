@@ -38,7 +38,7 @@ DESELECT_029 := $(DESELECT_030)
 
 .PHONY: setup chromium test lint format test-gpt-oss demo train-demo train-async clean test-families test-fleet soak template-sweep vllm-compat test-vllm-0.30 \
 	test-vllm-0.29 bench renderers-venv renderers-oracle clients-venv vllm-wheels test-vllm-wheels test-nemo-gym \
-	extra-venvs
+	extra-venvs test-server-configs
 
 setup: $(NGT_STAMP)
 
@@ -116,6 +116,12 @@ test-gpt-oss: setup
 # model and one hooked vLLM server per family, one after the other (about 50 s start-up each). Not part of `make test`.
 test-families: setup
 	$(PY) -m pytest tests/families $(PYTEST_ARGS)
+
+# The vLLM servers of configurations of their own, one each (about a minute to start on 2 cores): a pooling model,
+# two API-server processes, a stock server with the exact reload and split keys. Not part of `make test` (the
+# default suite stays under 20 minutes); .ci/run runs it.
+test-server-configs: setup
+	$(PY) -m pytest tests/server_configs $(PYTEST_ARGS)
 
 # Two hooked vLLM replicas behind vllm-router, started by `ngt run`: 40 rollouts while one replica is SIGKILLed, a
 # replica with another chat template refused, a good one added back (docs/scaling.md); and the push probe's planted

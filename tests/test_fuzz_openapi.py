@@ -38,7 +38,7 @@ SERVERS = [*ENVIRONMENTS, "policy_model", "agent", "head"]
 # reach the body checks). CI runs a fixed sequence (derandomized, so a failure reproduces); NGT_FUZZ_EXAMPLES=N runs
 # N positive and N/2 negative examples per route on a fresh random seed, for a longer hunt by hand.
 HUNT = int(os.environ.get("NGT_FUZZ_EXAMPLES", "0"))
-EXAMPLES = {GenerationMode.POSITIVE: HUNT or 100, GenerationMode.NEGATIVE: max(1, HUNT // 2) if HUNT else 50}
+EXAMPLES = {GenerationMode.POSITIVE: HUNT or 60, GenerationMode.NEGATIVE: max(1, HUNT // 2) if HUNT else 30}
 SEEDED_SESSION = "fuzz-episode"
 """Positive examples of an environment's episode routes run in this session, seeded with a valid row first."""
 

@@ -112,3 +112,18 @@ def checkpoint_without(source: Path, dest: Path, tensor: str) -> Path:
     del weights[tensor]
     save_file(weights, dest / "model.safetensors", metadata={"format": "pt"})
     return dest
+
+
+MATCH_NATS = 0.01
+"""Served log probs equal the trainer's weights to this, nats mean (float32 recompute against the server)."""
+
+
+def assert_serves(
+    base_url: str, checkpoint: Path, api_key: str | None = None, model: str = "tiny-qwen3"
+) -> list[float]:
+    """The served log probs of the fixed probe text, asserted within MATCH_NATS of `checkpoint`'s own; returned."""
+    served = served_log_probs(base_url, model, api_key=api_key)
+    mean, largest = mean_and_max_gap(served, recomputed_log_probs(checkpoint))
+    print(f"served vs {checkpoint.name} recomputed (float32): {mean:.4f} nats mean, {largest:.4f} max")
+    assert mean < MATCH_NATS, f"{base_url} serves log probs {mean:.4f} nats mean ({largest:.4f} max) off {checkpoint}"
+    return served

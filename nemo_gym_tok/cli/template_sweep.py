@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -29,6 +30,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--listed", type=int, default=40, metavar="N", help="list at most N templates per outcome")
     parser.add_argument("--episodes", type=int, default=2, metavar="N", help="episodes per shape and template")
     parser.add_argument("--seed", type=int, default=0, help="seed of the simulated model (default 0)")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        metavar="N",
+        help="processes judging templates side by side (default: one per CPU; the report is the same)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -46,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
         entries = [entry for entry in entries if family_of(entry).name == args.family]
     if args.limit:
         entries = entries[: args.limit]
-    report = sweep(entries, episodes_per_shape=args.episodes, seed=args.seed)
+    if args.jobs < 1:
+        print(f"ngt: --jobs must be at least 1, not {args.jobs}", file=sys.stderr)
+        return 2
+    report = sweep(entries, episodes_per_shape=args.episodes, seed=args.seed, jobs=args.jobs)
     print(report.format(listed=args.listed))
     return 1 if report.failed else 0

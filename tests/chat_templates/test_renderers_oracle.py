@@ -49,7 +49,7 @@ FAMILY_TEMPLATES = tuple(
 def report(summary_section: dict[str, list[str]]) -> OracleReport:
     worker_python()  # FileNotFoundError naming `make renderers-venv` when the venv is missing: a failure, not a skip
     names = [*FAMILY_TEMPLATES, *(name for name in CATALOG if name not in FAMILY_TEMPLATES)]
-    result = compare([entry(name) for name in names], episodes_per_shape=2, seed=19)
+    result = compare([entry(name) for name in names], episodes_per_shape=1, seed=19)  # make renderers-oracle: 2
     summary_section["renderers oracle: bridge_to_next_turn vs splice_prompt (make renderers-oracle: whole catalog)"] = (
         result.format(listed=10).splitlines()
     )

@@ -22,12 +22,16 @@ on a wrong splice.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import functools
+import multiprocessing
 import random
 import traceback
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -257,14 +261,25 @@ def sweep_template(entry: TemplateEntry, *, episodes_per_shape: int = 2, seed: i
 
 
 def sweep(
-    entries: Iterable[TemplateEntry], *, progress: Callable[[TemplateResult], None] | None = None, **options: Any
+    entries: Iterable[TemplateEntry],
+    *,
+    progress: Callable[[TemplateResult], None] | None = None,
+    jobs: int = 1,
+    **options: Any,
 ) -> SweepReport:
+    """Every template of `entries` judged, in their order; over `jobs` processes when more than 1 (each template is
+    judged alone, so the report is the same)."""
     report = SweepReport()
-    for entry in entries:
-        result = sweep_template(entry, **options)
-        report.results.append(result)
-        if progress:
-            progress(result)
+    with contextlib.ExitStack() as stack:
+        if jobs > 1:
+            pool = stack.enter_context(ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")))
+            results: Iterable[TemplateResult] = pool.map(functools.partial(sweep_template, **options), entries)
+        else:
+            results = (sweep_template(entry, **options) for entry in entries)
+        for result in results:
+            report.results.append(result)
+            if progress:
+                progress(result)
     return report
 
 
