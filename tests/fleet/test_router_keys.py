@@ -20,10 +20,8 @@ from fastapi.responses import Response
 from nemo_gym_tok.collect import CollectSummary, collect
 from nemo_gym_tok.config import load_config
 from nemo_gym_tok.router import add_worker, list_workers, remove_worker
-from nemo_gym_tok.router.process import RouterStartError
 from nemo_gym_tok.servers.inprocess import serve_in_thread
-from nemo_gym_tok.servers.launcher import Gym
-from nemo_gym_tok.servers.routers import RouterConfigError
+from nemo_gym_tok.servers.launcher import Gym, LaunchError
 from nemo_gym_tok.testing.gym_configs import demo_config_behind_router
 from nemo_gym_tok.vllm.route_auth import WEIGHTS_KEY_ENV
 from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
@@ -64,7 +62,7 @@ def stand_in(replica_url: str, seen: list[dict[str, Any]]) -> FastAPI:
     async def relay(path: str, request: Request) -> Response:
         authorization = request.headers.get("authorization")
         seen.append({"path": f"/{path}", "authorization": authorization})
-        headers = {"Authorization": authorization} if authorization else {}
+        headers = {name: value for name, value in request.headers.items() if name in ("authorization", "content-type")}
         async with httpx.AsyncClient(timeout=300) as http:
             answer = await http.request(
                 request.method, f"{replica_url}/{path}", content=await request.body(), headers=headers
@@ -138,7 +136,7 @@ def test_an_added_worker_gets_no_key_that_opens_a_weight_route_and_the_gym_refus
 def test_an_adapter_key_that_opens_the_weight_routes_is_refused_at_the_gyms_start(
     keyed_replica: VLLMServer, tmp_path: Path
 ) -> None:
-    with pytest.raises(RouterStartError, match="opens the weight routes of worker .*--weights-api-key"):
+    with pytest.raises(LaunchError, match="opens the weight routes of worker .*--weights-api-key"):
         with Gym(gym_config(tmp_path, keyed_replica, WEIGHTS_KEY)):
             pass
 
@@ -146,9 +144,9 @@ def test_an_adapter_key_that_opens_the_weight_routes_is_refused_at_the_gyms_star
 def test_a_router_beyond_loopback_or_with_a_key_of_its_own_is_refused_before_it_starts(
     keyed_replica: VLLMServer, tmp_path: Path
 ) -> None:
-    with pytest.raises(RouterConfigError, match="admin routes to the network.*/add_worker"):
+    with pytest.raises(LaunchError, match="admin routes to the network.*/add_worker"):
         with Gym(gym_config(tmp_path, keyed_replica, INFERENCE_KEY, host="0.0.0.0")):
             pass
-    with pytest.raises(RouterConfigError, match="give the key to the adapter instead"):
+    with pytest.raises(LaunchError, match="give the key to the adapter instead"):
         with Gym(gym_config(tmp_path, keyed_replica, INFERENCE_KEY, api_key=INFERENCE_KEY)):
             pass
