@@ -51,10 +51,11 @@ def test_a_planted_wrong_splice_fails_the_sweep(monkeypatch) -> None:
 
 @pytest.mark.parametrize("kind", ["crash", "wrong"])
 def test_the_cli_exits_1_on_a_planted_fault_and_0_without(kind, monkeypatch, capsys) -> None:
-    assert main(["template-sweep", "--limit", "2"]) == 0
+    # One process: the fault is planted in this one (`--jobs 2` judges in processes of their own).
+    assert main(["template-sweep", "--limit", "2", "--jobs", "1"]) == 0
     assert "\ncrashes: 0 " in capsys.readouterr().out
     plant = PlantedSplice(kind, every=10).install(monkeypatch)
-    assert main(["template-sweep", "--limit", "2"]) == 1
+    assert main(["template-sweep", "--limit", "2", "--jobs", "1"]) == 1
     out = capsys.readouterr().out
     assert plant.planted > 0
     if kind == "crash":
@@ -77,3 +78,11 @@ def test_only_what_the_template_raises_is_taken_for_a_shape_it_cannot_render() -
         renderer.render([7], add_generation_prompt=True)
     assert failure_kind(raised.value) == "crash"
     assert failure_kind(IndexError("raised outside any rendering")) == "crash"
+
+
+def test_the_cli_reports_alike_over_several_processes(capsys) -> None:
+    assert main(["template-sweep", "--limit", "6", "--jobs", "1"]) == 0
+    alone = capsys.readouterr().out
+    assert main(["template-sweep", "--limit", "6", "--jobs", "2"]) == 0
+    assert capsys.readouterr().out == alone
+    assert main(["template-sweep", "--jobs", "0"]) == 2
