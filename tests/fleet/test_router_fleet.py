@@ -9,7 +9,6 @@ agent and the collector once each. `make test-fleet`: one test, so the replicas 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -26,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from nemo_gym_tok.collect import CollectSummary, collect
+from nemo_gym_tok.collect import CollectSummary
 from nemo_gym_tok.config import load_config
 from nemo_gym_tok.contract.provenance import chat_template_text
 from nemo_gym_tok.records.contiguity import check_file
@@ -39,11 +38,10 @@ from nemo_gym_tok.testing.soak_weights import KeepWeights
 from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
 from nemo_gym_tok.weights import DEV_MODE_ENV, FleetKeeper, FleetWeights, ReplicaError, probe_from_checkpoint
 from nemo_gym_tok.weights import Replica as WeightRoutes
+from tests.fleet.number_guess import ROWS, collect_number_guess
 from tests.servers import hooked_server
 from tests.weights_support import perturbed_checkpoint
 
-REPO = Path(__file__).resolve().parents[2]
-ROWS = REPO / "resources_servers" / "number_guess" / "data" / "example.jsonl"
 REPEATS = 5
 """8 rows x 5: 40 rollouts of up to 4 model calls each."""
 KILL_AFTER_ROLLOUTS = 6
@@ -73,19 +71,7 @@ def replica(tiny_model_dir: Path, log_dir: Path, name: str, *, port: int = 0, te
 
 
 def run_collect(gym: Gym, output: Path, repeats: int) -> CollectSummary:
-    return asyncio.run(
-        collect(
-            ROWS,
-            output,
-            gym.urls["number_guess_agent"],
-            agent="number_guess_agent",
-            repeats=repeats,
-            concurrency=8,
-            timeout=600,
-            progress=False,
-            auth_token=gym.auth_token,
-        )
-    )
+    return collect_number_guess(gym, output, repeats, concurrency=8, timeout=600)
 
 
 def model_turns(lines: list[str], *, still_writing: bool = False) -> list[list[dict[str, Any]]]:

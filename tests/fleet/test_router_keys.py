@@ -6,7 +6,6 @@ gym's start and refused where it opens the weight routes; a router beyond loopba
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from nemo_gym_tok.collect import CollectSummary, collect
+from nemo_gym_tok.collect import CollectSummary
 from nemo_gym_tok.config import load_config
 from nemo_gym_tok.router import add_worker, list_workers, remove_worker
 from nemo_gym_tok.servers.inprocess import serve_in_thread
@@ -26,10 +25,9 @@ from nemo_gym_tok.testing.gym_configs import demo_config_behind_router
 from nemo_gym_tok.vllm.route_auth import WEIGHTS_KEY_ENV
 from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
 from nemo_gym_tok.weights import DEV_MODE_ENV
+from tests.fleet.number_guess import collect_number_guess
 from tests.servers import hooked_server
 
-REPO = Path(__file__).resolve().parents[2]
-ROWS = REPO / "resources_servers" / "number_guess" / "data" / "example.jsonl"
 MODEL = "tiny-qwen3"
 INFERENCE_KEY, WEIGHTS_KEY = "inference-key-fleet", "weights-key-fleet"
 ADAPTER_KEY = "policy_model.responses_api_models.vllm_model.api_key"
@@ -73,19 +71,7 @@ def stand_in(replica_url: str, seen: list[dict[str, Any]]) -> FastAPI:
 
 
 def run_collect(gym: Gym, output: Path, repeats: int) -> CollectSummary:
-    return asyncio.run(
-        collect(
-            ROWS,
-            output,
-            gym.urls["number_guess_agent"],
-            agent="number_guess_agent",
-            repeats=repeats,
-            concurrency=4,
-            timeout=300,
-            progress=False,
-            auth_token=gym.auth_token,
-        )
-    )
+    return collect_number_guess(gym, output, repeats, concurrency=4, timeout=300)
 
 
 def gym_config(directory: Path, replica: VLLMServer, adapter_key: str, **router: Any) -> Any:
