@@ -57,6 +57,16 @@ CPU_SERVING_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 # Required/named tool calls as plain JSON-schema output (which honours disable_any_whitespace) instead of the
 # hermes structural tag (which lets a random model pad arguments with whitespace until max_tokens).
 TEST_BED_ENV = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}
+WORKER_CPU_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def replica_cpu_env(index: int) -> dict[str, str]:
+    """The environment that pins replica `index`'s model worker to a CPU of its own, round robin over this process's
+    CPUs ({} on one CPU). vLLM's CPU build pins every server's worker to the same CPUs by default (core 0 of 2), where
+    a second replica's start-up (its compiler and probe children inherit the pin) crawls behind the first's busy-wait
+    for minutes."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return {WORKER_CPU_ENV: str(cpus[index % len(cpus)])} if len(cpus) > 1 else {}
 
 
 class VLLMStartupError(RuntimeError):

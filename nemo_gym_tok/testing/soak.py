@@ -37,7 +37,7 @@ from nemo_gym_tok.testing.soak_weights import (
     wait_readmitted,
 )
 from nemo_gym_tok.testing.tiny_model.build import build_tiny_model
-from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
+from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer, replica_cpu_env
 from nemo_gym_tok.weights import DEV_MODE_ENV, probe_from_checkpoint
 
 KINDS = ("replica", "environment", "agent", "collector")
@@ -174,7 +174,8 @@ def owned_replicas(count: int, workdir: Path) -> Iterator[list[Replica]]:
                 model,
                 served_model_name=MODEL_NAME,
                 extra_args=(*CPU_SERVING_ARGS, *TEST_BED_ARGS),
-                env={**TEST_BED_ENV, DEV_MODE_ENV: "1"},  # loopback: the weight routes the push and the keeper use
+                # Loopback: the weight routes the push and the keeper use. A worker CPU each, or a restart crawls.
+                env={**TEST_BED_ENV, DEV_MODE_ENV: "1", **replica_cpu_env(index)},
                 log_path=workdir / f"replica-{index}.log",
             ).start()
             replica = Replica(server, owned=True)

@@ -35,7 +35,7 @@ from nemo_gym_tok.servers.launcher import Gym
 from nemo_gym_tok.testing.gym_configs import demo_config_behind_router
 from nemo_gym_tok.testing.soak import KINDS, MAX_RSS_GROWTH, Replica, Soak
 from nemo_gym_tok.testing.soak_weights import KeepWeights
-from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
+from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer, replica_cpu_env
 from nemo_gym_tok.weights import DEV_MODE_ENV, FleetKeeper, FleetWeights, ReplicaError, probe_from_checkpoint
 from nemo_gym_tok.weights import Replica as WeightRoutes
 from tests.fleet.number_guess import ROWS, collect_number_guess
@@ -63,7 +63,9 @@ def replica(tiny_model_dir: Path, log_dir: Path, name: str, *, port: int = 0, te
         tiny_model_dir,
         served_model_name="tiny-qwen3",
         extra_args=extra,
-        env={**TEST_BED_ENV, DEV_MODE_ENV: "1"},  # loopback: the weight routes pushes and the fleet keeper use
+        # Loopback: the weight routes pushes and the fleet keeper use. Its model worker on a CPU other than the shared
+        # server's (replica 0's), or its start-up crawls behind that worker's busy-wait.
+        env={**TEST_BED_ENV, DEV_MODE_ENV: "1", **replica_cpu_env(1)},
         log_path=log_dir / f"{name}.log",
         what=f"{name}: ",
         port=port,
@@ -180,8 +182,8 @@ def test_a_fleet_behind_the_router_survives_a_killed_replica_and_refuses_a_forei
 
         # 3. A good replica started again on that port, a FleetKeeper on the router and a collection running from the
         # moment it answers: out of the router until it serves the pushed weights and version, proven; then new
-        # sessions reach it. (Not a collection during its whole start: vLLM's CPU build pins every replica's model
-        # worker to core 0, and a starting one then crawled for over 10 minutes on this shared machine.)
+        # sessions reach it. (Not a collection during its whole start: a replica starting beside a busy one on a
+        # machine of 2 CPUs is slow enough as it is.)
         keeper = FleetKeeper(router.url, fleet=FleetWeights("fleet-1", str(step1), probe), log=print).start()
         stack.callback(keeper.stop)
         keeper.add(dead)  # the push took it out of the router
