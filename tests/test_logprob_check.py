@@ -12,7 +12,12 @@ import pytest
 
 from nemo_gym_tok.cli.main import main
 from nemo_gym_tok.contract.conversion import chat_message_to_items
-from nemo_gym_tok.contract.provenance import effective_sampling, generation_defaults, model_fingerprint
+from nemo_gym_tok.contract.provenance import (
+    TOKENIZER_FILES,
+    effective_sampling,
+    generation_defaults,
+    model_fingerprint,
+)
 from nemo_gym_tok.records.logprob_check import check_records, naive_sequence
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from nemo_gym_tok.vllm_server import VLLMServer
@@ -82,7 +87,12 @@ def test_recompute_on_a_real_vllm_record_matches_free_turns_and_lists_constraine
         "logprobs_mode": "raw_logprobs",
         "generation_config": True,
     }
-    assert free["model_fingerprint"] == constrained["model_fingerprint"] == model_fingerprint(tiny_model_dir)
+    assert free["model_fingerprint"] == constrained["model_fingerprint"]
+    local = model_fingerprint(tiny_model_dir)  # the server's default template kwargs (cohere_format) are its own
+    assert [free["model_fingerprint"][key] for key in ("tokenizer_sha256", "chat_template_sha256")] == [
+        local["tokenizer_sha256"],
+        local["chat_template_sha256"],
+    ]
     output = [
         *_items(constrained),
         *[{"type": "function_call_output", "call_id": r["tool_call_id"], "output": r["content"]} for r in results],
@@ -208,8 +218,9 @@ def test_attach_provenance_marks_bundled_messages_only() -> None:
 
 
 def test_fingerprint_follows_the_chat_template(tiny_model_dir: Path, tmp_path: Path) -> None:
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / name).write_bytes((tiny_model_dir / name).read_bytes())
+    for name in TOKENIZER_FILES:
+        if (tiny_model_dir / name).is_file():
+            (tmp_path / name).write_bytes((tiny_model_dir / name).read_bytes())
     assert model_fingerprint(tmp_path) == model_fingerprint(tiny_model_dir)
     (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
     changed = model_fingerprint(tmp_path)
@@ -225,10 +236,11 @@ def test_logprobs_check_refuses_a_model_whose_fingerprint_differs(
     tokenizer = _tokenizer(tiny_model_dir)
     record = _synthetic_record(tokenizer, [*tokenizer("hello", add_special_tokens=False)["input_ids"]])
     item = record["response"]["output"][0]
-    item["model_fingerprint"] = {**model_fingerprint(tiny_model_dir), "sha256": "0" * 64}
+    item["model_fingerprint"] = {**model_fingerprint(tiny_model_dir), "tokenizer_sha256": "0" * 64}
     path = tmp_path / "rollouts.jsonl"
     path.write_text(json.dumps(record) + "\n")
     assert main(["check", "--logprobs", str(tiny_model_dir), str(path)]) == 2
     captured = capsys.readouterr()
-    assert "is not the model that served these rollouts" in captured.err and "0000000000000000" in captured.err
+    assert "is not the model that served these rollouts: the tokenizer's files differ" in captured.err
+    assert "recorded 0000000000000000/" in captured.err
     assert "rollout" not in captured.out  # refused before any recompute

@@ -62,7 +62,19 @@ def test_the_hooks_fingerprint_is_the_adapters_and_a_template_override_changes_i
     assert other["chat_template_sha256"] != expected["chat_template_sha256"] and other["sha256"] != expected["sha256"]
 
 
-def test_a_tokenizer_without_a_readable_tokenizer_json_gives_no_fingerprint(
+def test_the_servers_default_template_kwargs_are_in_the_hooks_fingerprint(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(replica_identity, "_identity", {})
+    online = renderer_of(tiny_model_dir)
+    online.default_chat_template_kwargs = {"enable_thinking": False}  # `--default-chat-template-kwargs`
+    replica_identity.learn(online)
+    served = replica_identity.served_by_fields()["model_fingerprint"]
+    assert served == model_fingerprint(tiny_model_dir, {"enable_thinking": False})
+    assert served["sha256"] != model_fingerprint(tiny_model_dir)["sha256"]
+
+
+def test_a_tokenizer_without_any_readable_tokenizer_file_gives_no_fingerprint(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(replica_identity, "_identity", {})

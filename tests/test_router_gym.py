@@ -6,20 +6,26 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
 
 from nemo_gym_tok.collect import collect
 from nemo_gym_tok.config import load_config
+from nemo_gym_tok.contract.provenance import FINGERPRINT_PARTS
 from nemo_gym_tok.records.contiguity import check_file
-from nemo_gym_tok.router import RouterProcess, RouterSpec, list_workers
+from nemo_gym_tok.router import RouterProcess, RouterSpec, add_worker, list_workers, remove_worker
+from nemo_gym_tok.servers.inprocess import serve_in_thread
 from nemo_gym_tok.servers.launcher import Gym
 from nemo_gym_tok.testing.gym_configs import demo_config_behind_router
 from nemo_gym_tok.vllm_server import VLLMServer
+from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
 NUMBER_GUESS_ROWS = REPO / "resources_servers" / "number_guess" / "data" / "example.jsonl"
@@ -51,7 +57,7 @@ def test_bundles_the_router_strips_are_refused_naming_it_or_recovered_from_the_t
     messages, reply = first_turn(router, model)
     # The hooked worker's answer crosses the router whole: its bundle, and which replica served it with what.
     assert reply["replica"] == vllm_server.base_url
-    assert set(reply["model_fingerprint"]) == {"sha256", "tokenizer_sha256", "chat_template_sha256"}
+    assert set(reply["model_fingerprint"]) == {"sha256", *(key for key, _ in FINGERPRINT_PARTS)}
     prefix = reply["prompt_token_ids"] + reply["generation_token_ids"]
     assistant = {key: reply[key] for key in ("role", "content", "prompt_token_ids", "generation_token_ids")}
     assistant["generation_log_probs"] = reply["generation_log_probs"]
@@ -130,3 +136,81 @@ def test_ngt_run_puts_the_demo_gym_behind_a_router_and_its_rollouts_stay_exact(
 def _model_calls(record: dict[str, Any]) -> int:
     output = record["response"]["output"]
     return sum(1 for item in output if isinstance(item, dict) and item.get("generation_token_ids") is not None)
+
+
+def fingerprint_rewriting_worker(replica_url: str, mode: dict[str, str]) -> FastAPI:
+    """A worker added to the router by hand: every call answered by the real replica, its chat answers' fingerprint
+    then rewritten as `mode["as"]` says: "another template" (a replica serving another chat template) or "none" (a
+    replica whose hook found no tokenizer file to fingerprint). What a real replica of either kind answers, without a
+    second vLLM."""
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def relay(path: str, request: Request) -> Response:
+        headers = {name: value for name, value in request.headers.items() if name in ("authorization", "content-type")}
+        async with httpx.AsyncClient(timeout=300) as http:
+            answer = await http.request(
+                request.method, f"{replica_url}/{path}", content=await request.body(), headers=headers
+            )
+        content = answer.content
+        if path == "v1/chat/completions" and answer.status_code == 200:
+            payload = answer.json()
+            for choice in payload["choices"]:
+                message = choice["message"]
+                message["replica"] = f"{request.url.scheme}://{request.url.netloc}"
+                if mode["as"] == "none":
+                    message.pop("model_fingerprint", None)
+                elif "model_fingerprint" in message:
+                    message["model_fingerprint"] |= {"chat_template_sha256": "0" * 64, "sha256": "1" * 64}
+            content = json.dumps(payload).encode()
+        return Response(content, status_code=answer.status_code, media_type="application/json")
+
+    return app
+
+
+def test_answers_behind_a_router_started_elsewhere_are_held_to_its_workers_fingerprint(
+    router: RouterProcess, vllm_server: VLLMServer
+) -> None:
+    model = vllm_server.served_model_name
+    mode = {"as": "another template"}
+    config = VLLMModelConfig(base_url=f"{router.url}/v1", model=model)
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2, "return_token_ids": True}
+    with (
+        serve_in_thread(VLLMModel("policy_model", config).build_app()) as adapter,
+        serve_in_thread(fingerprint_rewriting_worker(vllm_server.base_url, mode)) as stand_in,
+    ):
+
+        def ask(session: int) -> httpx.Response:
+            headers = {"x-session-id": f"fingerprint-{session}"}
+            return httpx.post(f"{adapter}/v1/chat/completions", json=body, headers=headers, timeout=120)
+
+        def refused_within(seconds: float) -> dict[str, Any]:
+            deadline, session = time.monotonic() + seconds, 0
+            while time.monotonic() < deadline:
+                session += 1
+                answer = ask(session)
+                if answer.status_code != 200:
+                    assert answer.status_code == 502, answer.text
+                    return answer.json()["error"]
+                time.sleep(0.2)
+            raise AssertionError(f"no answer refused within {seconds:.0f}s")
+
+        # The router's one worker is asked its fingerprint before the first answer is accepted.
+        assert ask(0).status_code == 200
+        for kind, error_type, says in (
+            ("another template", "replica_mismatch", f"replica {stand_in} serves the chat template unlike"),
+            ("none", "replica_unfingerprinted", f"replica {stand_in} answered without a model_fingerprint"),
+        ):
+            mode["as"] = kind
+            add_worker(router.url, stand_in)
+            try:
+                error = refused_within(60)  # the router's list read after each answer, the newcomer asked
+                assert error["type"] == error_type and says in error["message"], error
+                assert f"the fleet check of vllm-router at {router.url}/v1" in error["message"]
+            finally:
+                remove_worker(router.url, stand_in)
+            assert ask(1000).status_code == 200  # gone from the list: answers pass again

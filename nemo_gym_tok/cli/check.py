@@ -112,21 +112,29 @@ def _run_logprobs(args: argparse.Namespace) -> int:
 def _fingerprint_refusal(model_dir: str, records: list[dict]) -> str | None:
     """Why `model_dir` must not score these records (its tokenizer or chat template is not the one that served them),
     or None. Records without a fingerprint (older ones) cannot be checked and are let through with a note."""
-    from nemo_gym_tok.contract.provenance import model_fingerprint, record_fingerprints
+    from nemo_gym_tok.contract.provenance import FINGERPRINT_PARTS, model_fingerprint, record_fingerprints
 
     recorded = set().union(*(record_fingerprints(record) for record in records)) if records else set()
     if not recorded:
-        print("note: the records carry no model_fingerprint (written before it existed); the tokenizer is not verified")
+        print(
+            "note: the records carry no model_fingerprint of the current recipe (written before it existed or covered "
+            "every tokenizer file); the tokenizer is not verified"
+        )
         return None
     try:
-        local = model_fingerprint(model_dir)["sha256"]
+        fingerprint = model_fingerprint(model_dir)
     except OSError as exc:
-        return f"cannot fingerprint {model_dir} (tokenizer.json and chat template): {exc}"
+        return f"cannot fingerprint {model_dir} (tokenizer files and chat template): {exc}"
+    local = (fingerprint["tokenizer_sha256"], fingerprint["chat_template_sha256"])
     foreign = sorted(recorded - {local})
     if foreign:
+        differs = sorted(
+            {what for pair in foreign for (_, what), got, want in zip(FINGERPRINT_PARTS, pair, local) if got != want}
+        )
+        recorded_text = ", ".join(f"{tokenizer[:16]}/{template[:16]}" for tokenizer, template in foreign)
         return (
-            f"{model_dir} is not the model that served these rollouts: its tokenizer/chat-template fingerprint "
-            f"{local[:16]} differs from the records' {', '.join(f[:16] for f in foreign)} (model_fingerprint.sha256); "
-            "recomputed log probs would not be comparable"
+            f"{model_dir} is not the model that served these rollouts: {' and '.join(differs)} differ from the "
+            f"records' (tokenizer/chat template sha256 here {local[0][:16]}/{local[1][:16]}, recorded "
+            f"{recorded_text}); recomputed log probs would not be comparable"
         )
     return None

@@ -79,44 +79,82 @@ def chat_template_text(model_dir: str | Path) -> str | None:
     return None
 
 
-def model_fingerprint(model_dir: str | Path) -> dict[str, str]:
-    """sha256 of tokenizer.json and of the chat template text, and one `sha256` over both (what checks compare).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+)
+"""The files a Hugging Face tokenizer is loaded from: its vocabulary and merges, its added and special tokens and their
+flags (tokenizer_config.json, which often holds the chat template too). A byte changed in any may change the ids."""
 
-    Raises OSError when `model_dir` has no tokenizer.json (a tokenizer of another format is not fingerprinted).
-    """
-    return fingerprint_of((Path(model_dir) / "tokenizer.json").read_bytes(), chat_template_text(model_dir))
+FINGERPRINT_PARTS = (
+    ("tokenizer_sha256", "the tokenizer's files"),
+    ("chat_template_sha256", "the chat template"),
+    ("chat_template_kwargs_sha256", "the server's default chat template kwargs"),
+)
+"""A fingerprint's parts, each what it covers in words: everything that decides the rendered prompt and its ids."""
 
 
-def fingerprint_of(tokenizer_json: bytes, chat_template: str | dict[str, Any] | None) -> dict[str, str]:
-    """The fingerprint of a tokenizer.json's bytes and a chat template's text: what `model_fingerprint` reads from a
-    directory, and what the vLLM hook computes from the tokenizer and template the server actually serves (a
-    `--chat-template` override included), so the two compare. A tokenizer's named templates (a dict) are hashed as
-    sorted JSON, as tokenizer_config.json holds them."""
+def tokenizer_files(model_dir: str | Path) -> dict[str, bytes]:
+    """The TOKENIZER_FILES a directory holds, by name."""
+    root = Path(model_dir)
+    return {name: (root / name).read_bytes() for name in TOKENIZER_FILES if (root / name).is_file()}
+
+
+def model_fingerprint(model_dir: str | Path, template_kwargs: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """The fingerprint of a model directory's tokenizer files and chat template, rendered with `template_kwargs` (a
+    server's --default-chat-template-kwargs; none for a directory alone). Raises OSError when the directory holds no
+    tokenizer file."""
+    files = tokenizer_files(model_dir)
+    if not files:
+        raise OSError(f"{model_dir} holds none of the tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    return fingerprint_of(files, chat_template_text(model_dir), template_kwargs)
+
+
+def fingerprint_of(
+    files: Mapping[str, bytes],
+    chat_template: str | dict[str, Any] | None,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> dict[str, str]:
+    """sha256 of the tokenizer's files (each named), of the chat template's text and of the default template kwargs,
+    and one `sha256` over the three (what checks compare): what `model_fingerprint` reads from a directory, and what
+    the vLLM hook computes from the tokenizer, template and kwargs the server actually serves (a `--chat-template`
+    override included), so the two compare. A tokenizer's named templates (a dict) are hashed as sorted JSON, as
+    tokenizer_config.json holds them."""
     if isinstance(chat_template, dict):
         chat_template = json.dumps(chat_template, sort_keys=True)
-    tokenizer = hashlib.sha256(tokenizer_json).hexdigest()
+    tokenizer = hashlib.sha256()
+    for name in sorted(files):
+        tokenizer.update(f"{name}\0{len(files[name])}\0".encode())
+        tokenizer.update(files[name])
     template = hashlib.sha256((chat_template or "").encode("utf-8")).hexdigest()
-    combined = hashlib.sha256(f"{tokenizer}:{template}".encode("ascii")).hexdigest()
-    return {"sha256": combined, "tokenizer_sha256": tokenizer, "chat_template_sha256": template}
+    kwargs_text = json.dumps(dict(template_kwargs or {}), sort_keys=True, separators=(",", ":"), default=repr)
+    kwargs = hashlib.sha256(kwargs_text.encode("utf-8")).hexdigest()
+    parts = {"tokenizer_sha256": tokenizer.hexdigest(), "chat_template_sha256": template}
+    parts["chat_template_kwargs_sha256"] = kwargs
+    combined = hashlib.sha256(":".join(parts[key] for key, _ in FINGERPRINT_PARTS).encode("ascii")).hexdigest()
+    return {"sha256": combined, **parts}
 
 
 def fingerprint_difference(expected: Mapping[str, str], found: Mapping[str, str]) -> str:
-    """What differs between two fingerprints, in words ("the chat template", "the tokenizer", or both)."""
-    parts = [
-        what
-        for key, what in (("tokenizer_sha256", "the tokenizer"), ("chat_template_sha256", "the chat template"))
-        if expected.get(key) != found.get(key)
-    ]
+    """What differs between two fingerprints, in words ("the chat template", "the tokenizer's files", ...)."""
+    parts = [what for key, what in FINGERPRINT_PARTS if expected.get(key) != found.get(key)]
     return " and ".join(parts) or "the combined sha256"
 
 
-def record_fingerprints(record: Mapping[str, Any]) -> set[str]:
-    """The distinct `model_fingerprint.sha256` of a rollout record's model calls (empty for older records)."""
+def record_fingerprints(record: Mapping[str, Any]) -> set[tuple[str, str]]:
+    """The distinct (tokenizer_sha256, chat_template_sha256) of a rollout record's model calls: what a model directory
+    can be held to (a server's default template kwargs are not in the directory). Empty for older records: those
+    written before the fingerprint existed, or before it covered every tokenizer file (another recipe)."""
     output = (record.get("response") or {}).get("output") or []
-    return {
-        item[FINGERPRINT_KEY]["sha256"]
-        for item in output
-        if isinstance(item, dict)
-        and isinstance(item.get(FINGERPRINT_KEY), dict)
-        and item[FINGERPRINT_KEY].get("sha256")
-    }
+    found = set()
+    for item in output:
+        fingerprint = item.get(FINGERPRINT_KEY) if isinstance(item, dict) else None
+        if isinstance(fingerprint, dict) and all(isinstance(fingerprint.get(key), str) for key, _ in FINGERPRINT_PARTS):
+            found.add((fingerprint["tokenizer_sha256"], fingerprint["chat_template_sha256"]))
+    return found

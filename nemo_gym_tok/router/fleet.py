@@ -12,6 +12,7 @@ from nemo_gym_tok.common.net import shared_ssl_context
 from nemo_gym_tok.contract.provenance import FINGERPRINT_KEY, fingerprint_difference
 
 PROBE_MESSAGES = [{"role": "user", "content": "."}]
+PROBE_PATH = "/v1/chat/completions"
 
 
 class FleetMismatchError(RuntimeError):
@@ -25,9 +26,8 @@ def worker_fingerprint(
     """The fingerprint a hooked worker serves with (one generated id, asked of the worker itself, not through the
     router); None for a worker without the hook, whose answers do not say."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    body = {"model": model, "messages": PROBE_MESSAGES, "max_tokens": 1, "logprobs": True}
     try:
-        answer = http.post(f"{worker_url.rstrip('/')}/v1/chat/completions", json=body, headers=headers)
+        answer = http.post(f"{worker_url.rstrip('/')}{PROBE_PATH}", json=probe_body(model), headers=headers)
     except httpx.TransportError as exc:
         raise FleetMismatchError(
             f"worker {worker_url} could not be asked for its fingerprint: {type(exc).__name__}: {exc} (is it up?)"
@@ -36,8 +36,20 @@ def worker_fingerprint(
         raise FleetMismatchError(
             f"worker {worker_url} could not be asked for its fingerprint: HTTP {answer.status_code} {answer.text[:200]}"
         )
-    message: dict[str, Any] = (loads_exact(answer.content).get("choices") or [{}])[0].get("message") or {}
-    found = message.get(FINGERPRINT_KEY)
+    return answered_fingerprint(loads_exact(answer.content))
+
+
+def probe_body(model: str) -> dict[str, Any]:
+    """The chat call that asks a hooked worker its fingerprint: one generated id, with log probs (so the hook attaches
+    its bundle, which names the fingerprint)."""
+    return {"model": model, "messages": PROBE_MESSAGES, "max_tokens": 1, "logprobs": True}
+
+
+def answered_fingerprint(answer: Any) -> dict[str, str] | None:
+    """The fingerprint a worker's answer to `probe_body` names, None when it names none (no hook)."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    message = (choices or [{}])[0].get("message") if isinstance(choices, list) and choices else None
+    found = message.get(FINGERPRINT_KEY) if isinstance(message, dict) else None
     return dict(found) if isinstance(found, dict) else None
 
 

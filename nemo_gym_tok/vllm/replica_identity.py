@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_tok.contract.provenance import FINGERPRINT_KEY, fingerprint_of
+from nemo_gym_tok.contract.provenance import FINGERPRINT_KEY, TOKENIZER_FILES, fingerprint_of, tokenizer_files
 from nemo_gym_tok.types.tokens import REPLICA_KEY
 
 logger = logging.getLogger("nemo_gym_tok.vllm.replica_identity")
@@ -25,22 +25,24 @@ _identity: dict[str, Any] = {}
 
 
 def learn(online: Any) -> None:
-    """Read this server's name and fingerprint from vLLM's renderer: the tokenizer it loaded and the chat template it
-    renders with (its `--chat-template` when given). A tokenizer without a tokenizer.json this process can read is not
-    fingerprinted: the bundles then carry `replica` alone, and a fleet check says it cannot compare."""
+    """Read this server's name and fingerprint from vLLM's renderer: the tokenizer files it loaded, the chat template
+    it renders with (its `--chat-template` when given) and its default template kwargs. A tokenizer of which this
+    process can read no file is not fingerprinted: the bundles then carry `replica` alone, and an adapter in front
+    of a hooked fleet refuses such an answer."""
     _identity.clear()
     _identity[REPLICA_KEY] = replica_name(sys.argv, os.environ)
     try:
         tokenizer = online.renderer.get_tokenizer()
         template = online.chat_template or getattr(tokenizer, "chat_template", None)
-        tokenizer_json = _tokenizer_json(online.model_config)
+        kwargs = getattr(online, "default_chat_template_kwargs", None) or {}
+        files = _tokenizer_files(online.model_config)
     except Exception as exc:  # noqa: BLE001 - serving goes on; only the fingerprint is unknown
         logger.warning("nemo_gym_tok: no model fingerprint for this server's bundles (%s)", exc)
         return
-    if tokenizer_json is None:
-        logger.warning("nemo_gym_tok: no tokenizer.json found for %s; bundles carry no model_fingerprint", online)
+    if not files:
+        logger.warning("nemo_gym_tok: no tokenizer file found for %s; bundles carry no model_fingerprint", online)
         return
-    _identity[FINGERPRINT_KEY] = fingerprint_of(tokenizer_json, template)
+    _identity[FINGERPRINT_KEY] = fingerprint_of(files, template, kwargs)
 
 
 def served_by_fields() -> dict[str, Any]:
@@ -72,14 +74,18 @@ def _flag(argv: Sequence[str], name: str) -> str | None:
     return None
 
 
-def _tokenizer_json(model_config: Any) -> bytes | None:
-    """The served tokenizer's tokenizer.json: in its directory, else in the Hugging Face cache vLLM loaded it from."""
+def _tokenizer_files(model_config: Any) -> dict[str, bytes]:
+    """The served tokenizer's files (TOKENIZER_FILES): in its directory, else in the Hugging Face cache vLLM loaded
+    them from."""
     source = str(model_config.tokenizer)
-    local = Path(source) / "tokenizer.json"
-    if local.is_file():
-        return local.read_bytes()
+    if Path(source).is_dir():
+        return tokenizer_files(source)
     from huggingface_hub import try_to_load_from_cache
 
     revision = getattr(model_config, "tokenizer_revision", None)
-    cached = try_to_load_from_cache(source, "tokenizer.json", revision=revision)
-    return Path(cached).read_bytes() if isinstance(cached, str) else None
+    found = {}
+    for name in TOKENIZER_FILES:
+        cached = try_to_load_from_cache(source, name, revision=revision)
+        if isinstance(cached, str):
+            found[name] = Path(cached).read_bytes()
+    return found

@@ -13,9 +13,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response as HTTPResponse
 from fastapi.responses import StreamingResponse
 
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.common.remote_errors import error_message, error_param
 from nemo_gym_tok.contract.conversion import chat_message_to_items, responses_to_chat_request
 from nemo_gym_tok.contract.provenance import generation_defaults, model_fingerprint
+from nemo_gym_tok.router.fleet import PROBE_PATH, answered_fingerprint, probe_body
 from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.servers.base import BaseServerConfig, ModelServer
 from nemo_gym_tok.servers.bodies import json_object
@@ -33,7 +35,7 @@ from responses_api_models.vllm_model.behind_router import (
 from responses_api_models.vllm_model.calls import ChatCall, PreparedCall, parse_body
 from responses_api_models.vllm_model.chat_events import chat_sse
 from responses_api_models.vllm_model.config import VLLMModelConfig
-from responses_api_models.vllm_model.fleet import FleetFingerprint
+from responses_api_models.vllm_model.fleet import FleetFingerprint, WorkerUnreachable
 from responses_api_models.vllm_model.local_splice import AdapterSplicer
 from responses_api_models.vllm_model.nemo_gym_token_store import NeMoGymTokenStore
 from responses_api_models.vllm_model.request_metadata import apply_metadata
@@ -59,6 +61,8 @@ says. Bundle fields ride on messages, so they are never top-level fields."""
 RESPONSES_ADAPTER_FIELDS = frozenset({"input", "instructions"})
 """`/v1/responses` fields that become the chat `messages`."""
 RESPONSES_ALIASES = {"max_output_tokens": "max_tokens"}
+FINGERPRINT_SECONDS = 60.0
+"""How long a worker behind the router has to answer the fleet check's 1-token probe."""
 """`/v1/responses` fields that reach vLLM under a chat name: listing either name in `forwarded_fields` allows it."""
 
 
@@ -305,7 +309,9 @@ class VLLMModel(ModelServer):
         self, call: PreparedCall, result: dict[str, Any], url: str, after: asyncio.Task[str | None] | None
     ) -> dict[str, Any]:
         if await self.router_at(url) is not None:
-            await self.declared_workers.check(self.upstream.get_small, url)
+            listed = await self.declared_workers.check(self.upstream.get_small, url)
+            model = str(call.body.get("model") or "")
+            await self.fleet.check_workers(url, listed, lambda worker: self._worker_fingerprint(worker, model))
         if call.confirm is not None:
             await call.confirm()
         if call.telemetry_ready is not None:
@@ -358,6 +364,16 @@ class VLLMModel(ModelServer):
         except OSError:
             fingerprint = None
         return defaults, fingerprint
+
+    async def _worker_fingerprint(self, worker_url: str, model: str) -> dict[str, str] | None:
+        """The fingerprint a worker behind the router serves, asked of it directly with the adapter's key."""
+        answer = await self.upstream.post_small(worker_url, PROBE_PATH, probe_body(model), timeout=FINGERPRINT_SECONDS)
+        if answer is None or answer[0] != 200:
+            raise WorkerUnreachable(f"{worker_url}: {'no answer' if answer is None else f'HTTP {answer[0]}'}")
+        try:
+            return answered_fingerprint(loads_exact(answer[1]))
+        except ValueError:
+            raise WorkerUnreachable(f"{worker_url}: an answer that is not JSON") from None
 
     async def router_at(self, url: str) -> RouterView | None:
         """The vllm-router at `url`, or None for a vLLM; asked once per URL (behind_router.py). Behind a router, a 5xx

@@ -48,26 +48,28 @@ class DeclaredWorkers:
     """The workers a config declares behind the router `ngt run` starts for the adapter (`router.worker_urls`). After
     each answer the router's list is read again: a worker the config did not declare (one added through the
     router's unauthenticated /add_worker) may have served the call, so the answer is refused, and every later one
-    until it is gone. None declared (a router started elsewhere), nothing is checked."""
+    until it is gone. None declared (a router started elsewhere), any listed worker may serve; the fleet's
+    fingerprint check (fleet.py) still holds each to the fleet's."""
 
     def __init__(self, router_fields: Mapping[str, Any] | None) -> None:
         urls = (router_fields or {}).get("worker_urls")
         self.declared = frozenset(worker_base_url(url) for url in urls) if isinstance(urls, list) else None
 
-    async def check(self, get_small: GetSmall, router_url: str) -> None:
-        """ApiError (502) naming the workers the router lists beyond the declared ones, or when it lists none."""
-        if self.declared is None:
-            return
+    async def check(self, get_small: GetSmall, router_url: str) -> tuple[str, ...]:
+        """The workers the router lists now (base URLs); ApiError (502) when it lists none, or lists workers beyond
+        the declared ones."""
         listed = await listed_workers(get_small, router_url)
         if listed is None:
             raise ApiError(
                 502,
-                f"vllm-router at {router_url} did not list its workers after the call: whether a worker the config "
-                "does not declare served it cannot be told, so the answer is refused",
+                f"vllm-router at {router_url} did not list its workers after the call: which worker served it, and "
+                "whether that worker was checked, cannot be told, so the answer is refused",
                 error_type="undeclared_worker",
             )
-        undeclared = sorted({worker_base_url(url) for url in listed} - self.declared)
+        workers = tuple(sorted({worker_base_url(url) for url in listed}))
+        undeclared = sorted(set(workers) - self.declared) if self.declared is not None else []
         if undeclared:
+            assert self.declared is not None
             raise ApiError(
                 502,
                 f"vllm-router at {router_url} lists {', '.join(undeclared)}, which the config does not declare "
@@ -76,6 +78,7 @@ class DeclaredWorkers:
                 "on the router), or declare it and restart the gym",
                 error_type="undeclared_worker",
             )
+        return workers
 
 
 def crossing_body(body: dict[str, Any], required_prefix: list[int] | None) -> dict[str, Any]:

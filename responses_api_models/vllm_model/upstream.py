@@ -137,14 +137,31 @@ class VLLMUpstream:
         SMALL_GET_SECONDS. No retries, and no epoch counted (its connections are its own): for reads whose failure
         only loses what they tell (the weight version, weight_versions.py). Over aiohttp, whose GET costs the adapter
         about a third of httpx's CPU."""
-        if self._gets is None:  # made on first use: an aiohttp session belongs to the running loop
-            timeout = aiohttp.ClientTimeout(total=min(self._timeout.read or SMALL_GET_SECONDS, SMALL_GET_SECONDS))
-            self._gets = aiohttp_session(self._limits, timeout, self._headers)
         try:
-            async with self._gets.get(f"{root_url(base_url)}{path}", headers=_session_headers()) as answer:
+            async with self._small_session().get(f"{root_url(base_url)}{path}", headers=_session_headers()) as answer:
                 return answer.status, await answer.read()
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return None
+
+    async def post_small(
+        self, base_url: str, path: str, body: dict[str, Any], timeout: float = SMALL_GET_SECONDS
+    ) -> tuple[int, bytes] | None:
+        """(status, body) of one POST with a small answer, or None when the server cannot be reached or does not answer
+        within `timeout`. No retries, no epoch counted: for asking a server something, as `get_small`."""
+        url = f"{root_url(base_url)}{path}"
+        try:
+            async with self._small_session().post(
+                url, data=dumps(body), headers=JSON_HEADERS, timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as answer:
+                return answer.status, await answer.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return None
+
+    def _small_session(self) -> aiohttp.ClientSession:
+        if self._gets is None:  # made on first use: an aiohttp session belongs to the running loop
+            timeout = aiohttp.ClientTimeout(total=min(self._timeout.read or SMALL_GET_SECONDS, SMALL_GET_SECONDS))
+            self._gets = aiohttp_session(self._limits, timeout, self._headers)
+        return self._gets
 
     async def open_stream(self, base_url: str, path: str, body: dict[str, Any]) -> httpx.Response:
         """POST for a streamed answer, with the same retries and errors as `post`: the response once its status and

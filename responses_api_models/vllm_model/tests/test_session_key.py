@@ -7,12 +7,9 @@ import asyncio
 import json
 from typing import Any
 
-import pytest
 from starlette.requests import Request
 
-from nemo_gym_tok.servers.api_errors import ApiError
 from responses_api_models.vllm_model.behind_router import RouterView, crossing_body, detect_router, server_label
-from responses_api_models.vllm_model.fleet import FleetFingerprint
 from responses_api_models.vllm_model.session_key import conversation_key
 
 SYSTEM = {"role": "system", "content": "Play the game."}
@@ -141,22 +138,3 @@ def test_an_error_names_the_router_and_the_worker_that_served() -> None:
     named = server_label("http://router:9000", router, answer)
     assert "vllm-router at http://router:9000" in named and "its worker http://b:8000" in named
     assert "one of http://a:8000, http://b:8000" in server_label("http://router:9000", router)
-
-
-def answer_from(replica: str, tokenizer: str = "t", template: str = "c") -> dict[str, Any]:
-    fingerprint = {"sha256": f"{tokenizer}{template}", "tokenizer_sha256": tokenizer, "chat_template_sha256": template}
-    return {"choices": [{"message": {"replica": replica, "model_fingerprint": fingerprint}}]}
-
-
-def test_a_replica_with_another_template_is_refused_naming_it() -> None:
-    fleet = FleetFingerprint()
-    fleet.check(answer_from("http://a:8000"))
-    fleet.check(answer_from("http://b:8000"))
-    fleet.check({"choices": [{"message": {"content": "a stock server says nothing"}}]})
-    with pytest.raises(ApiError) as refused:
-        fleet.check(answer_from("http://c:8000", template="other"))
-    assert refused.value.status == 502
-    assert "replica http://c:8000 serves the chat template unlike" in refused.value.message
-    assert "first seen on http://a:8000" in refused.value.message
-    with pytest.raises(ApiError, match="the tokenizer and the chat template"):
-        fleet.check(answer_from("http://d:8000", tokenizer="x", template="y"))
