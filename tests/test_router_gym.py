@@ -23,6 +23,7 @@ from nemo_gym_tok.records.contiguity import check_file
 from nemo_gym_tok.router import RouterProcess, RouterSpec, add_worker, list_workers, remove_worker
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from nemo_gym_tok.servers.launcher import Gym
+from nemo_gym_tok.servers.routers import RouterConfigError, router_spec
 from nemo_gym_tok.testing.gym_configs import demo_config_behind_router
 from nemo_gym_tok.vllm_server import VLLMServer
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
@@ -214,3 +215,20 @@ def test_answers_behind_a_router_started_elsewhere_are_held_to_its_workers_finge
             finally:
                 remove_worker(router.url, stand_in)
             assert ask(1000).status_code == 200  # gone from the list: answers pass again
+
+
+def test_a_router_that_would_time_out_before_the_adapter_is_refused(tmp_path: Path) -> None:
+    path = demo_config_behind_router(tmp_path, ["http://127.0.0.1:8000"])
+    path.write_text(
+        path.read_text().replace("        worker_urls:", "        request_timeout_secs: 600\n        worker_urls:")
+    )
+    config = load_config([str(path)], ["policy_model_name=m"])
+    with pytest.raises(RouterConfigError) as refused:
+        router_spec(config.instances["policy_model"])
+    message = str(refused.value)
+    assert "policy_model.responses_api_models.vllm_model.router.request_timeout_secs (600)" in message
+    assert "must be longer than the adapter's request_timeout_seconds (600)" in message
+    longer = load_config(
+        [str(path)], ["policy_model_name=m", "policy_model.responses_api_models.vllm_model.request_timeout_seconds=300"]
+    )
+    assert router_spec(longer.instances["policy_model"]).request_timeout_secs == 600

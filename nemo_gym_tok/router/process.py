@@ -70,12 +70,13 @@ class RouterSpec:
     workers). `port` 0 means a free port, picked when the process starts. `extra_args` go last on the command line,
     so they override the tuning values below (not the flags the other fields set).
 
-    The tuning defaults differ from the router's for a dead replica (measured with two stub workers, one SIGKILLed,
-    40 sessions under consistent_hash): with the router's own (5 attempts, breaker after 10 failures) the first 2
-    requests for the dead replica's sessions fail with 500 before the breaker moves them; with 3 attempts and a
-    breaker after 2 failures, a request's third attempt always finds the breaker open and goes to a live replica, so
-    none fails, in-flight requests included (the router sends them again). The price: a replica's own 5xx answer is
-    sent again up to 3 times, and two requests it answers 5xx open its breaker for `cb_timeout_duration_secs`.
+    The tuning defaults differ from the router's (5 attempts, a breaker after 10 failures, open 60 s): a request the
+    router sends again may be generated again (it retries vLLM's own 500s and its timeouts alike), and with the
+    adapter's own retry on top one call could be generated six times. Here the router sends each request once and
+    opens a worker's breaker at its first failure; the adapter sends again, once, a call a dead worker lost, which the
+    open breaker steers to a live worker (measured with stub workers, tests/test_router_retries.py: no call fails
+    after a SIGKILL, none generated twice but the lost one). The price: one 5xx from a worker keeps it out for
+    `cb_timeout_duration_secs`, its sessions on its neighbours meanwhile.
     """
 
     worker_urls: tuple[str, ...]
@@ -96,13 +97,18 @@ class RouterSpec:
     for a replica that was one second late)."""
     worker_startup_timeout_secs: int = 600
     """How long the router waits for its workers at start (then exits) and for a worker /add_worker names."""
-    retry_max_retries: int = 3
-    """Attempts per request (the first included), each on a replica the policy picks again."""
-    cb_failure_threshold: int = 2
-    """Consecutive failures that open a replica's circuit breaker; keep it below retry_max_retries."""
-    cb_timeout_duration_secs: int = 10
-    """How long an open breaker keeps its replica out before it is tried again (60 s by default): short, so a breaker
-    opened by a replica's own 5xx answers closes soon; a dead replica is kept out by the health check meanwhile."""
+    retry_max_retries: int = 1
+    """Attempts per request, the first included. One: the router never sends a request again. It cannot tell vLLM's
+    own 500 about a request from a worker that died mid-turn, and sends both again, timeouts too; the adapter, which
+    can, sends a call again once where it may have been lost (responses_api_models/vllm_model/retry_policy.py), so a
+    turn is generated at most twice end to end."""
+    cb_failure_threshold: int = 1
+    """Failures (5xx, connection errors) that open a worker's circuit breaker: one, so the adapter's one retry of a
+    call a dead worker failed reaches a live one. 4xx answers count as successes: a client's mistakes open nothing."""
+    cb_timeout_duration_secs: int = 5
+    """How long an open breaker keeps its worker out before one call tries it again (60 s by default): short, so a
+    breaker opened by a worker's own 5xx answer closes soon; a dead worker is kept out by the health check meanwhile
+    (and that one call is sent again by the adapter)."""
     log_level: str = "warning"
     extra_args: tuple[str, ...] = ()
 

@@ -10,6 +10,7 @@ from nemo_gym_tok.common.net import shared_ssl_context
 from nemo_gym_tok.config import GymConfig, ServerInstance
 from nemo_gym_tok.router import RouterProcess, RouterSpec, RouterStartError
 from nemo_gym_tok.router.fleet import FleetMismatchError, check_fleet, weight_routes_opened_by
+from nemo_gym_tok.servers.http_pool import DEFAULT_REQUEST_TIMEOUT_SECONDS
 
 ROUTER_KEY = "router"
 
@@ -39,9 +40,17 @@ def router_spec(instance: ServerInstance) -> RouterSpec | None:
             "not both"
         )
     try:
-        return RouterSpec(**{**fields, "worker_urls": tuple(fields["worker_urls"] or ())})
+        spec = RouterSpec(**{**fields, "worker_urls": tuple(fields["worker_urls"] or ())})
     except (TypeError, ValueError) as exc:
         raise RouterConfigError(f"{where}: {exc}") from None
+    adapter_timeout = instance.fields.get("request_timeout_seconds", DEFAULT_REQUEST_TIMEOUT_SECONDS)
+    if isinstance(adapter_timeout, int | float) and spec.request_timeout_secs <= adapter_timeout:
+        raise RouterConfigError(
+            f"{where}.request_timeout_secs ({spec.request_timeout_secs}) must be longer than the adapter's "
+            f"request_timeout_seconds ({adapter_timeout:g}): a router that times out first answers as if its worker "
+            "were gone, and the adapter would send the call again while the engine may still be generating it"
+        )
+    return spec
 
 
 def routed_instances(config: GymConfig) -> list[str]:

@@ -376,12 +376,9 @@ class VLLMModel(ModelServer):
             raise WorkerUnreachable(f"{worker_url}: an answer that is not JSON") from None
 
     async def router_at(self, url: str) -> RouterView | None:
-        """The vllm-router at `url`, or None for a vLLM; asked once per URL (behind_router.py). Behind a router, a 5xx
-        is tried once more (VLLMUpstream.retry_server_error_once)."""
+        """The vllm-router at `url`, or None for a vLLM; asked once per URL (behind_router.py)."""
         if url not in self._routers:
-            router = self._routers[url] = await detect_router(self.upstream.get_small, url)
-            if router is not None:
-                self.upstream.retry_server_error_once = True
+            self._routers[url] = await detect_router(self.upstream.get_small, url)
         return self._routers[url]
 
     async def splices_here(self, url: str) -> bool:

@@ -60,8 +60,9 @@ class VLLMModelConfig(BaseServerConfig):
     """Top-level request fields a caller may send, forwarded to vLLM; None forwards every field. A field outside the
     list is a 400 naming it. The fields the adapter itself reads (ADAPTER_FIELDS) are always allowed."""
     max_attempts: int = 3
-    """Attempts per vLLM call while vLLM is unreachable or answers 429, 502, 503 or 504 (upstream.RETRYABLE_STATUSES);
-    any other 5xx is the request's own error and is not retried."""
+    """Attempts per vLLM call while the request reaches no engine (unreachable, 429, vLLM's 503). One that may have
+    generated the turn (the connection dropped mid-call, a router's or proxy's 502/500) is sent again once, a timeout
+    or vLLM's own 5xx never (retry_policy.py)."""
     retry_backoff_seconds: float = 0.5
     nemo_gym_token_capture_dir: str | None = None
     """NeMo Gym's `token_id_capture.dir`: calls on its training-capture paths are recorded there in its file store's

@@ -16,25 +16,30 @@ from urllib.parse import urlsplit
 
 import aiohttp
 import httpx
-from tenacity import AsyncRetrying, RetryError, retry_if_exception, stop_after_attempt, wait_exponential
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from nemo_gym_tok.common.exact_json import JSON_HEADERS, dumps, loads_exact
 from nemo_gym_tok.common.remote_errors import error_message
 from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.servers.client import SESSION_HEADER
 from nemo_gym_tok.servers.http_pool import aiohttp_session, call_timeout, pool_limits, post_read_whole
+from responses_api_models.vllm_model.retry_policy import (
+    FINAL,
+    MAX_GENERATIONS,
+    MAYBE_GENERATED,
+    NEVER_SENT,
+    TIMED_OUT,
+    TRANSPORT_ERRORS,
+    FailureClass,
+    classify_exception,
+    classify_status,
+)
 
 _CONTEXT_OVERFLOW = re.compile(r"maximum context length|longer than the maximum model length", re.IGNORECASE)
 
 
 SMALL_GET_SECONDS = 30.0
 """How long `get_small` waits for its answer at most."""
-RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
-"""Answers that say "not now" rather than "not this request": overload, a proxy without a backend, a gateway timeout.
-Any other 5xx comes from vLLM handling this very request (e.g. a JSON schema its grammar compiler cannot take), and
-the same request would fail the same way again, so it is not retried."""
-
-
 conversation: contextvars.ContextVar[str | None] = contextvars.ContextVar("vllm_conversation", default=None)
 """The conversation key of the call being served (session_key.py), sent on every request it makes to vLLM as the
 `x-session-id` header vllm-router keeps a conversation on one replica by. A context variable: every upstream request
@@ -48,11 +53,11 @@ def _session_headers() -> dict[str, str]:
 
 
 class UpstreamStatusError(Exception):
-    """vLLM answered a retryable status (RETRYABLE_STATUSES); retried, then reported."""
+    """vLLM (or a proxy before it) answered a status retry_policy.py puts in a class other than FINAL."""
 
-    def __init__(self, response: httpx.Response) -> None:
+    def __init__(self, response: httpx.Response, failure: FailureClass) -> None:
         super().__init__(f"HTTP {response.status_code}")
-        self.response = response
+        self.response, self.failure = response, failure
 
 
 class UpstreamUnavailable(ApiError):
@@ -108,10 +113,6 @@ class VLLMUpstream:
         self._max_attempts = max_attempts
         self._backoff_seconds = backoff_seconds
         self._epochs: dict[str, int] = {}
-        self.retry_server_error_once = False
-        """Set behind vllm-router: any 5xx is tried once more. The router answers 500 for a call its worker dropped
-        (killed mid-call) before its breaker moves the conversation; a second try then reaches a live worker, and it
-        is safe because every call carries its exact prefix (vLLM's own 5xx on one server is never retried)."""
 
     def epoch(self, base_url: str) -> int:
         """How many connections this client opened to the server at `base_url`, plus its failed calls to it. A
@@ -171,66 +172,110 @@ class VLLMUpstream:
     async def _send(
         self, method: str, base_url: str, path: str, body: dict[str, Any] | None, *, stream: bool = False
     ) -> httpx.Response:
+        """One call, sent again only as retry_policy.py allows: a failure that never reached an engine up to
+        max_attempts, one that may have generated the turn once (MAX_GENERATIONS), a timeout or vLLM's own error
+        never."""
         url = f"{root_url(base_url)}{path}"
         # Written once, by orjson, for every attempt: the body carries the history's ids.
         content = None if body is None else dumps(body)
         headers = {**(JSON_HEADERS if body is not None else {}), **_session_headers()}
-        server_errors_left = 1 if self.retry_server_error_once else 0
+        generations = 0
+
+        def send_again(exc: BaseException) -> bool:
+            nonlocal generations
+            failure = exc.failure if isinstance(exc, UpstreamStatusError) else classify_exception(exc)
+            if failure == MAYBE_GENERATED:
+                generations += 1
+                return generations < MAX_GENERATIONS
+            return failure == NEVER_SENT
+
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self._max_attempts),
             wait=wait_exponential(multiplier=self._backoff_seconds, max=10),
-            retry=retry_if_exception(lambda e: isinstance(e, _TRANSPORT_ERRORS)),
+            retry=retry_if_exception(
+                lambda e: isinstance(e, (*TRANSPORT_ERRORS, UpstreamStatusError)) and send_again(e)
+            ),
+            reraise=True,
         )
         try:
             async for attempt in retrying:
                 with attempt:
-                    try:
-                        if stream:
-                            request = self._http.build_request(
-                                method,
-                                url,
-                                content=content,
-                                headers=headers,
-                                extensions={"trace": self._stream_trace(url)},
-                            )
-                            response = await self._http.send(request, stream=True)
-                        elif method == "POST":
-                            response = await self._post(url, content or b"", headers)
-                        else:
-                            response = await self._http.request(method, url, content=content, headers=headers)
-                    except _TRANSPORT_ERRORS:
-                        self._new_epoch(url)
-                        raise
-                    if response.status_code >= 500:
-                        self._new_epoch(url)
-                    if response.status_code >= 500 or response.status_code in RETRYABLE_STATUSES:
-                        if stream:  # read the error text for the message, and give the connection back
-                            await response.aread()
-                            await response.aclose()
-                        if response.status_code not in RETRYABLE_STATUSES:
-                            if server_errors_left > 0 and attempt.retry_state.attempt_number < self._max_attempts:
-                                server_errors_left -= 1
-                                raise UpstreamStatusError(response)
-                            raise await self._status_error(base_url, url, response)
-                        raise UpstreamStatusError(response)
-                    return response
-        except RetryError as exc:
-            last = exc.last_attempt.exception()
-            if isinstance(last, UpstreamStatusError):
-                if last.response.status_code < 500:
-                    return last.response  # 429 on every attempt: passed through like any 4xx
-                raise UpstreamUnavailable(
-                    502,
-                    f"vLLM at {url} answered HTTP {last.response.status_code} {self._max_attempts} times: "
-                    f"{error_message(last.response)}",
-                    base_url,
-                ) from None
-            raise UpstreamUnavailable(
-                503,
-                f"vLLM at {url} is unreachable after {self._max_attempts} attempts: {type(last).__name__}: {last}",
-                base_url,
-            ) from None
+                    response = await self._attempt(method, url, content, headers, stream)
+                    failure = classify_status(response.status_code, response.content if not stream else b"{")
+                    if failure is None:
+                        return response
+                    if stream:  # read the error text for the message and the class, and give the connection back
+                        await response.aread()
+                        await response.aclose()
+                        failure = classify_status(response.status_code, response.content)
+                    if failure == FINAL:
+                        raise await self._status_error(base_url, url, response)
+                    raise UpstreamStatusError(response, failure)
+        except UpstreamStatusError as exc:
+            return self._after_status(exc, url, base_url)
+        except TRANSPORT_ERRORS as exc:
+            raise self._after_transport(exc, url, base_url) from None
         raise AssertionError("unreachable")
+
+    async def _attempt(
+        self, method: str, url: str, content: bytes | None, headers: dict[str, str], stream: bool
+    ) -> httpx.Response:
+        try:
+            if stream:
+                request = self._http.build_request(
+                    method, url, content=content, headers=headers, extensions={"trace": self._stream_trace(url)}
+                )
+                response = await self._http.send(request, stream=True)
+            elif method == "POST":
+                response = await self._post(url, content or b"", headers)
+            else:
+                response = await self._http.request(method, url, content=content, headers=headers)
+        except TRANSPORT_ERRORS:
+            self._new_epoch(url)
+            raise
+        if response.status_code >= 500:
+            self._new_epoch(url)
+        return response
+
+    def _after_status(self, exc: UpstreamStatusError, url: str, base_url: str) -> httpx.Response:
+        """The answer to pass on (429 on every attempt: like any 4xx), or the UpstreamUnavailable that says why the
+        call was not sent again."""
+        status = exc.response.status_code
+        if status < 500:
+            return exc.response
+        why = {
+            NEVER_SENT: f"{self._max_attempts} times",
+            MAYBE_GENERATED: f"after {MAX_GENERATIONS} attempts that may each have generated the turn (not sent again)",
+            TIMED_OUT: "(a timeout: not sent again, the engine may still be producing the turn)",
+        }[exc.failure]
+        raise UpstreamUnavailable(
+            502 if exc.failure != TIMED_OUT else 504,
+            f"vLLM at {url} answered HTTP {status} {why}: {error_message(exc.response)}",
+            base_url,
+        )
+
+    def _after_transport(self, exc: BaseException, url: str, base_url: str) -> UpstreamUnavailable:
+        failure = classify_exception(exc)
+        if failure == TIMED_OUT:
+            return UpstreamUnavailable(
+                504,
+                f"vLLM at {url} did not answer within the adapter's timeout ({type(exc).__name__}); not sent again: "
+                "the engine may still be producing this turn, and a second copy would generate it twice. Raise the "
+                "adapter's request_timeout_seconds for longer turns",
+                base_url,
+            )
+        if failure == MAYBE_GENERATED:
+            return UpstreamUnavailable(
+                502,
+                f"vLLM at {url} dropped the call {MAX_GENERATIONS} times ({type(exc).__name__}: {exc}); not sent "
+                "again, so the turn is generated at most twice",
+                base_url,
+            )
+        return UpstreamUnavailable(
+            503,
+            f"vLLM at {url} is unreachable after {self._max_attempts} attempts: {type(exc).__name__}: {exc}",
+            base_url,
+        )
 
     async def _post(self, url: str, content: bytes, headers: dict[str, str]) -> httpx.Response:
         """POST a JSON body over aiohttp and read the answer whole (see the module docstring)."""
@@ -287,11 +332,5 @@ async def _remember_url(_session: Any, context: Any, params: Any) -> None:
     context.url = str(params.url)  # the connection-created signal of the same request reads it
 
 
-_TRANSPORT_ERRORS = (
-    httpx.TransportError,
-    aiohttp.ClientConnectionError,
-    aiohttp.ClientPayloadError,
-    asyncio.TimeoutError,
-    UpstreamStatusError,
-)
-"""What a retry can help with: the connection (either client's), a timeout, or a "not now" answer."""
+RETRIED_ERRORS = (*TRANSPORT_ERRORS, UpstreamStatusError)
+"""What `_send` may send again, as retry_policy.py classes it."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 
 def chat_completion(model: str, message: dict[str, Any], finish_reason: str = "stop") -> dict[str, Any]:
@@ -35,6 +35,8 @@ class FakeUpstream:
     health_checks: int = 0
     router_workers: list[str] | None = None
     """Answer GET /list_workers as vllm-router does, with these workers (None: 404, as vLLM)."""
+    error_text: str | None = None
+    """Fail with this text body, as vllm-router does for a worker it could not reach (None: vLLM's JSON error)."""
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -46,6 +48,8 @@ class FakeUpstream:
             self.sessions.append(request.headers.get("x-session-id"))
             failing = self.fail_times is None or len(self.requests) <= self.fail_times
             if self.status != 200 and failing:
+                if self.error_text is not None:
+                    return PlainTextResponse(self.error_text, status_code=self.status)
                 return JSONResponse({"error": {"message": f"{self.name} is broken"}}, status_code=self.status)
             return JSONResponse(chat_completion(body["model"], {"role": "assistant", "content": f"from {self.name}"}))
 

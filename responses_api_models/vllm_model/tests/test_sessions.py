@@ -1,6 +1,7 @@
 """Every call the adapter makes carries its conversation's x-session-id (what vllm-router keeps a conversation on one
-replica by); a list of URLs is refused with how to route them; behind a router a 5xx is tried once more (fakes: the
-real router's tests are tests/test_router_gym.py)."""
+replica by); a list of URLs is refused with how to route them; behind a router its own text 500 is tried once more,
+vLLM's JSON 500 never (fakes: the real router's tests are tests/test_router_retries.py and tests/test_router_gym.py).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
+from nemo_gym_tok.router.fleet import PROBE_MESSAGES
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 from responses_api_models.vllm_model.tests.fake_upstream import FakeUpstream
@@ -59,24 +61,41 @@ def test_a_list_of_urls_is_refused_with_how_to_route_them() -> None:
         VLLMModelConfig(router={"worker_urls": ["http://a:8000"]}, model="m")
 
 
-@pytest.mark.parametrize("behind_router", [True, False])
-def test_a_5xx_is_tried_once_more_behind_a_router_only(behind_router: bool) -> None:
-    upstream = FakeUpstream("up", status=500, fail_times=1, router_workers=["http://w:1"] if behind_router else None)
+ROUTER_ERROR = "Request failed: error sending request for url (http://127.0.0.1:1/v1/chat/completions)"
+
+
+def behind_fake_router(stack: ExitStack, upstream: FakeUpstream) -> str:
+    """The adapter in front of `upstream` answering as vllm-router with itself as its one worker (which the adapter's
+    fleet check asks directly)."""
+    url = stack.enter_context(serve_in_thread(upstream.app()))
+    upstream.router_workers = [url]
+    config = VLLMModelConfig(base_url=f"{url}/v1", model="m", retry_backoff_seconds=0.01)
+    return stack.enter_context(serve_in_thread(VLLMModel("policy_model", config).build_app()))
+
+
+def calls(upstream: FakeUpstream) -> list[dict[str, Any]]:
+    """The chat calls `upstream` took, the fleet check's probe left out."""
+    return [body for body in upstream.requests if body.get("messages") != PROBE_MESSAGES]
+
+
+@pytest.mark.parametrize("error_text", [ROUTER_ERROR, None])
+def test_the_routers_own_500_is_tried_once_more_vllms_never(error_text: str | None) -> None:
+    upstream = FakeUpstream("up", status=500, fail_times=1, error_text=error_text)
     with ExitStack() as stack:
-        adapter = serve_adapter(stack, upstream)
+        adapter = behind_fake_router(stack, upstream)
         answer = httpx.post(f"{adapter}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
-    if behind_router:  # the router's 500 for a call its worker dropped: tried again, answered
-        assert answer.status_code == 200 and len(upstream.requests) == 2
+    if error_text is not None:  # its worker died under the call, maybe mid-turn: sent once more, answered
+        assert answer.status_code == 200 and len(calls(upstream)) == 2
         assert upstream.sessions[0] == upstream.sessions[1]  # the retry keeps the conversation's key
-    else:  # vLLM's own 500 for this request: not retried, passed on with vLLM's reason
-        assert answer.status_code == 502 and len(upstream.requests) == 1
+    else:  # vLLM's own 500, its JSON error, for this request: not sent again, passed on with vLLM's reason
+        assert answer.status_code == 502 and len(calls(upstream)) == 1
         assert "up is broken" in answer.json()["error"]["message"]
 
 
-def test_behind_a_router_a_second_5xx_is_passed_on() -> None:
-    upstream = FakeUpstream("router", status=500, router_workers=["http://w:1"])
+def test_a_second_lost_call_is_passed_on_not_sent_a_third_time() -> None:
+    upstream = FakeUpstream("router", status=500, error_text=ROUTER_ERROR)
     with ExitStack() as stack:
-        adapter = serve_adapter(stack, upstream)
+        adapter = behind_fake_router(stack, upstream)
         answer = httpx.post(f"{adapter}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
-    assert answer.status_code == 502 and len(upstream.requests) == 2
-    assert "router is broken" in answer.json()["error"]["message"]
+    assert answer.status_code == 502 and len(calls(upstream)) == 2
+    assert "after 2 attempts that may each have generated the turn" in answer.json()["error"]["message"]
