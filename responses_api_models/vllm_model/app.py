@@ -38,6 +38,7 @@ from responses_api_models.vllm_model.config import VLLMModelConfig
 from responses_api_models.vllm_model.fleet import FleetFingerprint, WorkerUnreachable
 from responses_api_models.vllm_model.local_splice import AdapterSplicer
 from responses_api_models.vllm_model.nemo_gym_token_store import NeMoGymTokenStore
+from responses_api_models.vllm_model.reasoning_parser import refuse_parsed_reasoning
 from responses_api_models.vllm_model.request_metadata import apply_metadata
 from responses_api_models.vllm_model.response_fields import request_echo, response_usage
 from responses_api_models.vllm_model.responses_events import responses_sse
@@ -312,6 +313,8 @@ class VLLMModel(ModelServer):
             listed = await self.declared_workers.check(self.upstream.get_small, url)
             model = str(call.body.get("model") or "")
             await self.fleet.check_workers(url, listed, lambda worker: self._worker_fingerprint(worker, model))
+        if self.config.uses_reasoning_parser is False:
+            refuse_parsed_reasoning(result, url)
         if call.confirm is not None:
             await call.confirm()
         if call.telemetry_ready is not None:

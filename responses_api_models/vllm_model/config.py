@@ -64,6 +64,17 @@ class VLLMModelConfig(BaseServerConfig):
     generated the turn (the connection dropped mid-call, a router's or proxy's 502/500) is sent again once, a timeout
     or vLLM's own 5xx never (retry_policy.py)."""
     retry_backoff_seconds: float = 0.5
+    request_prompt_and_generation_token_ids: bool | None = None
+    """NeMo Gym's key (its vllm_model_for_training.yaml writes `false`, its default): whether its adapter asks vLLM for
+    `return_token_ids` or takes prompt ids from `/tokenize`. Accepted so its files start this adapter; which way this
+    adapter takes the ids is `use_return_token_ids` (vLLM's own ids wherever the server gives them, which every vLLM it
+    supports does), and either way each turn's ids are checked against the history's."""
+    uses_reasoning_parser: bool | None = None
+    """NeMo Gym's key (its training configs set it): whether the vLLM server runs a reasoning parser. False: it runs
+    none, so an answer that carries reasoning apart from its content means the server is not the one the config
+    describes, and is refused (502 `reasoning_parser_mismatch`), as NeMo Gym's adapter refuses it. True: reasoning
+    comes back apart from the content, as `reasoning_content` (Chat Completions) and reasoning items (Responses), which
+    is how this adapter always returns it. Unset: no assumption."""
     nemo_gym_token_capture_dir: str | None = None
     """NeMo Gym's `token_id_capture.dir`: calls on its training-capture paths are recorded there in its file store's
     layout (nemo_gym_token_store.py). Unset, such calls are served with their bundles only."""

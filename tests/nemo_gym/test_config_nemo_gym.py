@@ -299,3 +299,16 @@ def test_every_interpolation_nemo_gyms_configs_write_resolves_as_omegaconf_resol
     )
     assert differences == []
     assert agree >= 100
+
+
+def test_nemo_gyms_training_config_for_vllm_model_starts_this_adapter(shipped) -> None:
+    """NeMo Gym's vllm_model_for_training.yaml (what its training recipes put in front of vLLM) sets
+    `uses_reasoning_parser`, which this adapter once refused as an unknown key; it now takes the file whole."""
+    from responses_api_models.vllm_model.config import VLLMModelConfig
+
+    root, values_file, _, _ = shipped
+    path = root / "responses_api_models/vllm_model/configs/vllm_model_for_training.yaml"
+    instance = load_config([values_file, path]).instance("policy_model")
+    assert instance.fields["uses_reasoning_parser"] is True
+    adapter = VLLMModelConfig.model_validate(instance.fields)
+    assert adapter.uses_reasoning_parser is True and adapter.return_token_id_information is True
