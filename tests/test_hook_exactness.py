@@ -149,6 +149,7 @@ def test_new_token_segment_uses_the_template_and_later_turns_continue_it(vllm_se
         "template_differed": False,
         "replaced_tokens": 0,
         "new_segment": True,
+        "new_segment_reason": "asked",
     }
     prompt, generation = restarted["prompt_token_ids"], restarted["choices"][0]["token_ids"]
     assert prompt[: len(first_turn["prompt_token_ids"])] != first_turn["prompt_token_ids"]

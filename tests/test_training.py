@@ -131,10 +131,19 @@ def test_replaced_end_token_is_contiguous_and_keeps_the_sampled_id() -> None:
         rollout_to_training_sequences(record(item([1, 2], [3, RETURN]), item([1, 2, 3, CLOSE, 5], [6])))
 
 
-def test_check_file_counts_new_segments(tmp_path) -> None:
+def test_check_file_counts_asked_new_segments_and_fails_unasked_ones(tmp_path) -> None:
     restarted = {"applied": False, "template_differed": False, "replaced_tokens": 0, "new_segment": True}
+    asked = {**restarted, "new_segment_reason": "asked"}
     path = tmp_path / "rollouts.jsonl"
-    path.write_text(json.dumps(record(item([1, 2], [3, END]), item([7, 8], [4], prefix_splice=restarted))) + "\n")
+    path.write_text(json.dumps(record(item([1, 2], [3, END]), item([7, 8], [4], prefix_splice=asked))) + "\n")
     report = check_file(path)
-    assert report.ok and report.new_segments == 1
-    assert "new token segments (start_token_segment; one training sequence each): 1" in report.format()
+    assert report.ok and report.new_segments == 1 and report.unasked_segments == 0
+    assert "asked for (start_token_segment; one training sequence each): 1" in report.format()
+    for splice, why in (
+        ({**restarted, "new_segment_reason": "history_without_ids"}, "its history carried no token ids"),
+        (restarted, "prefix_splice.new_segment_reason says None"),  # written before the reason was
+    ):
+        path.write_text(json.dumps(record(item([1, 2], [3, END]), item([7, 8], [4], prefix_splice=splice))) + "\n")
+        report = check_file(path)
+        assert not report.ok and report.contiguous == 0 and report.unasked_segments == 1 and report.new_segments == 0
+        assert "model call 2 started a new token segment nobody asked for: " + why in report.failures[0]

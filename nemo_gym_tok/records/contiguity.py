@@ -10,7 +10,14 @@ from typing import Any
 from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.contract.token_sources import PrefixMismatchError, check_prefix
 from nemo_gym_tok.records.rollout_record import MalformedRecordError, UnknownSchemaVersionError, full_output
-from nemo_gym_tok.types.tokens import WEIGHT_VERSION_KEY, WEIGHT_VERSION_SPANS_KEY, weight_versions_problem
+from nemo_gym_tok.types.tokens import (
+    NEW_SEGMENT_REASON_KEY,
+    SEGMENT_ASKED,
+    SEGMENT_HISTORY_WITHOUT_IDS,
+    WEIGHT_VERSION_KEY,
+    WEIGHT_VERSION_SPANS_KEY,
+    weight_versions_problem,
+)
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -46,6 +53,19 @@ class BundledTurn:
     def starts_segment(self) -> bool:
         """The caller asked for the template's ids from this call on (`start_token_segment`): a new sequence."""
         return bool(self.prefix_splice and self.prefix_splice.get("new_segment"))
+
+    @property
+    def unasked_segment(self) -> str | None:
+        """Why this call started a new token segment nobody asked for (None when it started none, or the caller asked:
+        `new_segment_reason` "asked"). Records from before the reason was written say none: unasked too."""
+        if not self.starts_segment:
+            return None
+        reason = (self.prefix_splice or {}).get(NEW_SEGMENT_REASON_KEY)
+        if reason == SEGMENT_ASKED:
+            return None
+        if reason == SEGMENT_HISTORY_WITHOUT_IDS:
+            return "its history carried no token ids, so the adapter started a new segment crossing vllm-router"
+        return f"prefix_splice.{NEW_SEGMENT_REASON_KEY} says {reason!r}, not {SEGMENT_ASKED!r}"
 
     @property
     def end_token_replaced(self) -> bool:
@@ -173,6 +193,10 @@ class ContiguityReport:
     contiguous: int = 0
     repaired_turns: int = 0
     new_segments: int = 0
+    """Calls that started a new token segment the caller asked for (`start_token_segment`): one training sequence
+    each, not a contiguity failure."""
+    unasked_segments: int = 0
+    """Calls that started a new token segment nobody asked for: each fails its rollout."""
     without_bundles: int = 0
     unreadable_lines: int = 0
     unreadable_records: int = 0
@@ -196,8 +220,10 @@ class ContiguityReport:
             f"token-contiguous rollouts: {self.contiguous}/{self.rollouts}",
             f"turns repaired by the prefix splice: {self.repaired_turns}",
         ]
-        if self.new_segments:
-            lines.append(f"new token segments (start_token_segment; one training sequence each): {self.new_segments}")
+        lines.append(
+            f"new token segments the caller asked for (start_token_segment; one training sequence each): "
+            f"{self.new_segments}; started without the caller asking (failures): {self.unasked_segments}"
+        )
         if self.without_bundles:
             lines.append(f"rollouts without token bundles: {self.without_bundles}")
         if self.unreadable_lines:
@@ -238,7 +264,9 @@ def check_file(path: str | Path, decode: Decode | None = None, max_failures: int
             report.turns += len(turns)
             report.multi_turn += len(turns) > 1
             report.repaired_turns += sum(turn.repaired for turn in turns)
-            report.new_segments += sum(turn.starts_segment for turn in turns)
+            unasked = [(index, turn.unasked_segment) for index, turn in enumerate(turns) if turn.unasked_segment]
+            report.unasked_segments += len(unasked)
+            report.new_segments += sum(turn.starts_segment for turn in turns) - len(unasked)
             report.unknown_versions += bool(turns) and has_unknown_weight_version(turns)
             if spans_weight_versions(turns):
                 report.spanning_versions += 1
@@ -251,7 +279,11 @@ def check_file(path: str | Path, decode: Decode | None = None, max_failures: int
             else:
                 try:
                     check_contiguous(turns, decode)
-                    report.contiguous += 1
+                    if unasked:
+                        index, why = unasked[0]
+                        problem = f"model call {index + 1} started a new token segment nobody asked for: {why}"
+                    else:
+                        report.contiguous += 1
                 except NotContiguousError as exc:
                     problem = str(exc)
             if problem and len(report.failures) < max_failures:

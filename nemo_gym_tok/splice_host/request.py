@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nemo_gym_tok.splice import NEW_SEGMENT_KEY, PrefixSource, SpliceError, find_prefix_source
+from nemo_gym_tok.types.tokens import NEW_SEGMENT_REASON_KEY, SEGMENT_ASKED
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,13 @@ def read_splice_request(
 
 def new_segment_telemetry() -> dict[str, Any]:
     """`prefix_splice` of a request that took the template's ids on purpose (start_token_segment: true)."""
-    return {"applied": False, "template_differed": False, "replaced_tokens": 0, "new_segment": True}
+    return {
+        "applied": False,
+        "template_differed": False,
+        "replaced_tokens": 0,
+        "new_segment": True,
+        NEW_SEGMENT_REASON_KEY: SEGMENT_ASKED,
+    }
 
 
 def first_turn_telemetry() -> dict[str, Any]:

@@ -60,6 +60,13 @@ TELEMETRY_FIELDS = (
 WEIGHT_VERSION_KEY = "weight_version"
 WEIGHT_VERSION_SPANS_KEY = "weight_version_spans"
 REPLICA_KEY = "replica"
+NEW_SEGMENT_REASON_KEY = "new_segment_reason"
+"""Why a call started a new token segment (`prefix_splice.new_segment`): one of the two below."""
+SEGMENT_ASKED = "asked"
+"""The caller sent `start_token_segment: true`: it took the template's ids on purpose (an edited history, say)."""
+SEGMENT_HISTORY_WITHOUT_IDS = "history_without_ids"
+"""The adapter set it crossing vllm-router, for a history with assistant turns and no token ids: nobody asked, and
+the rollout's ids are not contiguous there (`ngt check` fails it)."""
 # 1 where the grammar left the sampler one token (nemo_gym_tok.contract.constrained.forced_mask), else 0.
 ForcedFlag = Annotated[int, Strict(), Field(ge=0, le=1)]
 

@@ -23,8 +23,9 @@ from nemo_gym_tok.servers.base import BaseServerConfig, ModelServer
 from nemo_gym_tok.servers.bodies import json_object
 from nemo_gym_tok.servers.json_response import JSONBytesResponse
 from nemo_gym_tok.servers.openapi import json_body
-from nemo_gym_tok.splice import PREFIX_KEY, TERMINATOR_ENV
+from nemo_gym_tok.splice import NEW_SEGMENT_KEY, PREFIX_KEY, TERMINATOR_ENV
 from nemo_gym_tok.types import ChatCompletionRequest, Response, ResponsesRequest
+from nemo_gym_tok.types.tokens import NEW_SEGMENT_REASON_KEY, SEGMENT_HISTORY_WITHOUT_IDS
 from responses_api_models.vllm_model.behind_router import (
     DeclaredWorkers,
     RouterView,
@@ -323,6 +324,8 @@ class VLLMModel(ModelServer):
             result["prefix_splice"] = {**call.telemetry, "spliced_by": "adapter"}
         elif isinstance(result.get("prefix_splice"), dict):
             result["prefix_splice"]["spliced_by"] = "hook"
+            if call.body.get(NEW_SEGMENT_KEY) and not call.caller_body.get(NEW_SEGMENT_KEY):
+                result["prefix_splice"][NEW_SEGMENT_REASON_KEY] = SEGMENT_HISTORY_WITHOUT_IDS  # crossing_body set it
         if call.needs_ids:
             await attach_bundles(
                 result,

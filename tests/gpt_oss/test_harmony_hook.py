@@ -238,4 +238,5 @@ def test_a_new_token_segment_takes_harmony_ids_as_they_are(online, tokenizer) ->
         "template_differed": False,
         "replaced_tokens": 0,
         "new_segment": True,
+        "new_segment_reason": "asked",
     }

@@ -119,7 +119,13 @@ def test_a_cached_tokenizer_still_loads_with_the_hub_unreachable(dead_hub: str, 
         )
     )
     assert time.monotonic() - started < LOAD_LIMIT_SECONDS
-    assert call.telemetry == {"applied": False, "template_differed": False, "replaced_tokens": 0, "new_segment": True}
+    assert call.telemetry == {
+        "applied": False,
+        "template_differed": False,
+        "replaced_tokens": 0,
+        "new_segment": True,
+        "new_segment_reason": "asked",
+    }
 
 
 def test_an_uncached_tokenizer_fails_the_same_way_with_the_hub_cache_empty(dead_hub: str, hub_cache: Path) -> None:
