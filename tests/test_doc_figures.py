@@ -207,7 +207,7 @@ def test_every_key_is_known_and_quoted_alike(mentions: list[Mention]) -> None:
 
 def test_every_source_is_declared() -> None:
     ci_run = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    saved = set(re.findall(r"^step (\S+) ", ci_run, re.M))
+    saved = set(re.findall(r"^\s*step (\S+) ", ci_run, re.M))
     for key, figure in FIGURES.items():
         assert figure.step is None or figure.step in saved, (
             f"fig:{key} reads the output of `{figure.step}`, not a .ci/run step"
