@@ -3,7 +3,8 @@ SIGKILLed and restarted; counts rollouts lost and written twice, contiguity, eve
 pushed checkpoint kept by a FleetKeeper, the weight version of every bundle.
 
 `make soak` runs about 20 minutes (`python -m nemo_gym_tok.testing.soak --help`); `make test-fleet` runs a
-three-minute version with one kill of each kind (tests/fleet/test_soak.py).
+three-minute version with one kill of each kind (tests/fleet/test_router_fleet.py, its last step); the report's
+counts and the faults they catch are nemo_gym_tok/testing/soak_report.py's.
 """
 
 from __future__ import annotations
@@ -20,15 +21,15 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_tok.common.exact_json import loads_exact
+from nemo_gym_tok.collect import failures_path_for, read_failures
 from nemo_gym_tok.config import load_config
-from nemo_gym_tok.records.contiguity import check_file
 from nemo_gym_tok.servers.launcher import Gym
 from nemo_gym_tok.testing.gym_configs import demo_config_behind_router
+from nemo_gym_tok.testing.soak_report import MAX_RSS_GROWTH, OutputCounts, SoakReport, calls_per_replica, redo_reason
 from nemo_gym_tok.testing.soak_weights import (
     KeepWeights,
     bundle_versions,
@@ -44,97 +45,7 @@ KINDS = ("replica", "environment", "agent", "collector")
 ENVIRONMENT, AGENT = "number_guess", "number_guess_agent"
 ROWS = Path(__file__).resolve().parents[2] / "resources_servers" / ENVIRONMENT / "data" / "example.jsonl"
 MODEL_NAME = "tiny-qwen3"
-MAX_RSS_GROWTH = 0.10
 MAX_COLLECT_RUNS = 40
-
-
-@dataclass
-class SoakReport:
-    """What the soak counted; `ok` when nothing was lost or doubled, every rollout is contiguous and no gym process
-    grew past MAX_RSS_GROWTH."""
-
-    expected: int
-    written: int
-    distinct: int
-    lost: int
-    duplicated: int
-    torn_lines: int
-    contiguous: int
-    collect_runs: int
-    seconds: float
-    kills: list[dict[str, Any]] = field(default_factory=list)
-    rss_kib: dict[str, tuple[int, int]] = field(default_factory=dict)
-    """Per gym process (by server name): RSS after warm-up and at the end."""
-    pushed_version: str | None = None
-    """The version pushed before the collection and kept by a FleetKeeper (None: no push, no keeper)."""
-    versions: dict[str, int] = field(default_factory=dict)
-    """Model calls per weight version, over every bundle written."""
-    replicas: list[dict[str, Any]] = field(default_factory=list)
-    """Per replica kill, with a keeper: seconds to its drop, to its readmission, its resync (soak_weights.py)."""
-    routed_at_end: list[str] = field(default_factory=list)
-
-    @property
-    def weights_kept(self) -> bool:
-        """No keeper, or every bundle on the pushed version and every killed replica readmitted."""
-        if self.pushed_version is None:
-            return True
-        readmitted = all(figure["readmitted"] for figure in self.replicas)
-        return set(self.versions) == {self.pushed_version} and readmitted
-
-    @property
-    def worst_rss_growth(self) -> float:
-        return max(((end - start) / start for start, end in self.rss_kib.values() if start), default=0.0)
-
-    @property
-    def ok(self) -> bool:
-        return (
-            self.lost == 0
-            and self.duplicated == 0
-            and self.torn_lines == 0
-            and self.contiguous == self.expected
-            and self.worst_rss_growth < MAX_RSS_GROWTH
-            and self.weights_kept
-        )
-
-    def format(self) -> str:
-        kinds = Counter(kill["kind"] for kill in self.kills)
-        lines = [
-            f"soak: {self.seconds:.0f} s, {len(self.kills)} kills ({', '.join(f'{k} {n}' for k, n in kinds.items())}), "
-            f"{self.collect_runs} collector runs",
-            f"rollouts: expected {self.expected}, written {self.written}, lost {self.lost}, duplicated "
-            f"{self.duplicated}, torn lines {self.torn_lines}, contiguous {self.contiguous}/{self.expected} "
-            f"({self.contiguous / max(self.expected, 1):.0%})",
-        ]
-        for name, (start, end) in sorted(self.rss_kib.items()):
-            growth = (end - start) / start if start else 0.0
-            lines.append(f"  RSS {name}: {start / 1024:.1f} MiB -> {end / 1024:.1f} MiB ({growth:+.1%})")
-        for kill in self.kills:
-            lines.append(f"  kill at {kill['at']:.0f} s: {kill['kind']} {kill['target']} ({kill['note']})")
-        if self.pushed_version is not None:
-            lines.append(
-                f"weights: pushed {self.pushed_version!r}, kept by a FleetKeeper; bundles per version {self.versions}; "
-                f"routed at the end {self.routed_at_end}"
-            )
-        for figure in self.replicas:
-            lines.append(
-                f"  replica {figure['url']}: dropped {_seconds(figure['drop_seconds'])} after its kill "
-                f"({figure['dropped_because']}); routed again {_seconds(figure['ready_to_routed_seconds'])} after it "
-                f"was up, its resync {_seconds(figure['resync_seconds'])}, {_relative(figure)}: {figure['readmitted']}"
-            )
-        lines.append("soak: OK" if self.ok else "soak: FAILED")
-        return "\n".join(lines)
-
-
-def _seconds(value: float | None) -> str:
-    return "never" if value is None else f"{value:.2f} s"
-
-
-def _relative(figure: dict[str, Any]) -> str:
-    """When the replica was readmitted against the collection's end."""
-    left = figure["collecting_after_readmission"]
-    if left is None:
-        return "never readmitted"
-    return f"{left:.0f} s before the collection ended" if left >= 0 else f"{-left:.0f} s after the collection ended"
 
 
 class Replica:
@@ -217,6 +128,10 @@ class Soak:
         self.keeper_events: list[Any] = []
         self.output = workdir / "rollouts.jsonl"
         self.kills: list[dict[str, Any]] = []
+        self.redone: Counter[str] = Counter()
+        self.redone_examples: dict[str, str] = {}
+        self.line_counts: list[tuple[float, int]] = []
+        """(seconds from the start, lines written then), every half second: where the calls after a time begin."""
         self._collector: subprocess.Popen[bytes] | None = None
         self._collector_lock = threading.Lock()
         self._done = threading.Event()
@@ -240,6 +155,7 @@ class Soak:
             supervisor.start()
             killer = threading.Thread(target=self._kill_loop, args=(gym,), daemon=True)
             killer.start()
+            threading.Thread(target=self._count_lines, daemon=True).start()
             warm_rss: dict[str, int] = {}
             try:
                 runs = self._collect_until_complete(gym, warm_rss)
@@ -298,6 +214,10 @@ class Soak:
             self.log(f"soak: collector run {run} exited {self._collector.returncode}: {summary[0]}")
             if self._collector.returncode == 0:
                 return run
+            for entry in read_failures(failures_path_for(self.output)).values():  # the next run redoes each
+                reason = redo_reason(entry)
+                self.redone[reason] += 1
+                self.redone_examples.setdefault(reason, str(entry.get("reason", ""))[:300])
             time.sleep(1.0)  # a failed run retries what failed; a killed one resumes
         raise RuntimeError(f"the collection did not complete in {MAX_COLLECT_RUNS} collector runs")
 
@@ -315,6 +235,11 @@ class Soak:
             for name, rss in gym_rss(gym).items():
                 warm_rss.setdefault(name, rss)
             time.sleep(0.5)
+
+    def _count_lines(self) -> None:
+        while not self._done.wait(0.5):
+            lines = self.output.read_bytes().count(b"\n") if self.output.exists() else 0
+            self.line_counts.append((self._elapsed(), lines))
 
     def _kill_loop(self, gym: Gym) -> None:
         plan = iter(self.schedule) if self.schedule is not None else None
@@ -365,34 +290,38 @@ class Soak:
         return time.monotonic() - self._started
 
     def _report(self, runs: int, warm_rss: dict[str, int], end_rss: dict[str, int]) -> SoakReport:
-        keys, torn = [], 0
-        for line in self.output.read_text().splitlines():
-            try:
-                rollout = loads_exact(line)["rollout_id"]
-            except (ValueError, KeyError, TypeError):
-                torn += 1
-                continue
-            keys.append((rollout["row_hash"], rollout["occurrence"], rollout["repeat"], rollout["agent"]))
-        distinct = len(set(keys))
+        replicas = (
+            replica_figures(self.keeper_events, self.kills, self._started, self.collected_at) if self.keep else []
+        )
+        lines = self.output.read_text().splitlines()
+        for figure in replicas:
+            figure["share_after_readmission"] = self._share_after(figure, lines)
         return SoakReport(
             expected=self.expected,
-            written=len(keys),
-            distinct=distinct,
-            lost=self.expected - distinct,
-            duplicated=len(keys) - distinct,
-            torn_lines=torn,
-            contiguous=check_file(self.output).contiguous,
+            output=OutputCounts.read(self.output),
             collect_runs=runs,
             seconds=self._elapsed(),
+            redone=dict(self.redone),
+            redone_examples=self.redone_examples,
             kills=self.kills,
             rss_kib={name: (warm_rss[name], end_rss[name]) for name in warm_rss if name in end_rss},
             pushed_version=self.keep.version if self.keep else None,
             versions=dict(bundle_versions(self.output)) if self.keep else {},
-            replicas=replica_figures(self.keeper_events, self.kills, self._started, self.collected_at)
-            if self.keep
-            else [],
+            replicas=replicas,
             routed_at_end=self.routed_at_end,
         )
+
+    def _share_after(self, figure: dict[str, Any], lines: list[str]) -> float | None:
+        """The share of the model calls written after the replica's readmission that it served (None: it was not
+        readmitted while the collection ran, or nothing was written after)."""
+        left = figure["collecting_after_readmission"]
+        if left is None or left <= 0:
+            return None
+        readmitted_at = self.collected_at - left
+        written = max((count for at, count in self.line_counts if at <= readmitted_at), default=0)
+        served = calls_per_replica(lines[written:])
+        total = sum(served.values())
+        return served[figure["url"]] / total if total else None
 
 
 def gym_rss(gym: Gym) -> dict[str, int]:
@@ -464,6 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = soak.run()
     print(report.format(), flush=True)
     (args.workdir / "soak-report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
+    (args.workdir / "soak-report.txt").write_text(report.format() + "\n")
     return 0 if report.ok else 1
 
 

@@ -4,8 +4,9 @@ workers, takes the dead one out of the router and names it; a replica with anoth
 joins and, let in past that check, on its first answer; a good replica started again on that port while a collection
 runs is kept out of the router by the FleetKeeper until it serves the pushed weights and version, proven, and then
 takes new sessions, not one turn coming from start-up weights; then the soak's short version, its checkpoint kept by a
-FleetKeeper, kills a replica (dropped from the router at once, back only resynced and proven), the environment, the
-agent and the collector once each. `make test-fleet`: one test, so the replicas start once."""
+FleetKeeper, kills a replica (dropped from the router at once, back only resynced and proven, and serving again before
+the collection ends), the environment, the agent and the collector once each. `make test-fleet`: one test, so the
+replicas start once."""
 
 from __future__ import annotations
 
@@ -46,11 +47,12 @@ REPEATS = 5
 """8 rows x 5: 40 rollouts of up to 4 model calls each."""
 KILL_AFTER_ROLLOUTS = 6
 SHORT_SOAK: dict[str, Any] = {
-    "rollouts": 160,
+    "rollouts": 400,
     "concurrency": 32,
-    # Seconds from the soak gym's start, once a tenth of the rollouts are in. The replica goes last: its restart
-    # takes a minute or more, during which the other replica carries every call.
-    "schedule": [(15.0, "environment"), (30.0, "agent"), (45.0, "collector"), (60.0, "replica")],
+    # Seconds from the soak gym's start, once a tenth of the rollouts are in. The replica goes first: its restart
+    # takes a minute or so, during which the other replica carries every call, and it must be back, resynced,
+    # proven and taking calls before the collection ends.
+    "schedule": [(5.0, "replica"), (35.0, "environment"), (50.0, "agent"), (65.0, "collector")],
 }
 assert {kind for _, kind in SHORT_SOAK["schedule"]} == set(KINDS)
 
@@ -253,8 +255,10 @@ def test_a_fleet_behind_the_router_survives_a_killed_replica_and_refuses_a_forei
         assert "proven against the push's probe" in (restarted["readmitted"] or ""), report.format()
         assert sorted(report.routed_at_end) == sorted([live, back.base_url]), report.format()
         assert [kill["kind"] for kill in report.kills] == [kind for _, kind in SHORT_SOAK["schedule"]], report.format()
-        assert report.lost == 0 and report.duplicated == 0 and report.torn_lines == 0, report.format()
-        assert report.contiguous == report.expected == SHORT_SOAK["rollouts"], report.format()
+        assert report.lost == 0 and report.duplicated == 0 and report.output.torn_lines == 0, report.format()
+        assert report.output.unasked_segments == 0, report.format()
+        assert report.output.contiguous == report.expected == SHORT_SOAK["rollouts"], report.format()
+        assert restarted["share_after_readmission"] and report.rejoined, report.format()  # back and serving in time
         assert report.collect_runs >= 2  # the collector's kill, at least, made it resume
         names = {"number_guess", "number_guess_agent", "policy_model", "head", "router:policy_model"}
         assert names <= report.rss_kib.keys() and report.worst_rss_growth < MAX_RSS_GROWTH, report.format()
