@@ -192,9 +192,7 @@ class VLLMUpstream:
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self._max_attempts),
             wait=wait_exponential(multiplier=self._backoff_seconds, max=10),
-            retry=retry_if_exception(
-                lambda e: isinstance(e, (*TRANSPORT_ERRORS, UpstreamStatusError)) and send_again(e)
-            ),
+            retry=retry_if_exception(lambda e: isinstance(e, RETRIED_ERRORS) and send_again(e)),
             reraise=True,
         )
         try:
