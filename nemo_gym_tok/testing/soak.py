@@ -348,11 +348,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "tiny model to both as version soak-1 and start a FleetKeeper on the router, and collect number_guess "
             "rollouts while a replica, the environment, the agent or the collector is SIGKILLed every --kill-every "
             "seconds (each restarted: a replica on its port, taken back by the keeper once resynced and proven; the "
-            "servers by ngt run; the collector by resuming). Prints rollouts expected / written / lost / duplicated, "
-            "contiguity, every gym process's RSS after warm-up and at the end, the kills, the bundles per weight "
-            "version and the keeper's figures; exit 1 unless nothing was lost or doubled, every rollout is "
-            f"contiguous, no process grew {MAX_RSS_GROWTH:.0%} or more, every bundle carries soak-1 and every killed "
-            "replica was readmitted."
+            "servers by ngt run; the collector by resuming). Prints, and writes as soak-report.txt and .json in "
+            "--workdir, rollouts expected / written / lost / duplicated / torn, contiguity, new token segments asked "
+            "for and not, rollouts redone by reason, model calls per replica, every gym process's RSS after warm-up "
+            "and at the end, the kills, the bundles per weight version and the keeper's figures; exit 1 unless "
+            "nothing was lost, doubled or torn, every rollout is contiguous with no segment nobody asked for, no "
+            f"process grew {MAX_RSS_GROWTH:.0%} or more, every bundle carries soak-1 and a killed replica came back "
+            "and served calls before the collection ended."
         ),
     )
     parser.add_argument(
