@@ -13,8 +13,8 @@ message), as 1-token chat completions, interleaved:
                 stock (the same messages without a bundle, same capture fields: stock templating) and vs direct
                 token-in (the same with the spliced ids). As an episode's next turn: the call before goes through
                 the adapter first, and each round is a request never sent before (" (round N)", as in P2).
-The adapter mode is measured on several histories (--histories, kind-seed: bench/_episode.py KINDS), the hook mode
-on the first. Warm-up first; prefix caching is on, so every repeat of every variant hits the cache alike.
+The adapter mode is measured on several histories (--histories, kind-seed: bench/benchkit/episode.py KINDS), the hook
+mode on the first. Warm-up first; prefix caching is on, so every repeat of every variant hits the cache alike.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from typing import Any
 
 import httpx
 import orjson
-from _episode import DEFAULT_HISTORIES, Call, build_episode, calls_for, nearest_calls, parse_history, tokenize
-from _figures import Figure, Table, command, fmt, run_standalone
-from _gym_processes import cpu_seconds
-from _hops import RecordingProxy, adapter_instance, gym, passthrough, serve_app
-from _server import JSON_HEADERS, MODEL, BenchError, bench_model, note, vllm_server
-from _timing import interleaved, median, percentile, post_ms, ratio
+from benchkit.episode import DEFAULT_HISTORIES, Call, build_episode, calls_for, nearest_calls, parse_history, tokenize
+from benchkit.figures import Figure, Table, command, fmt, run_standalone
+from benchkit.gym_processes import cpu_seconds
+from benchkit.hops import RecordingProxy, adapter_instance, gym, passthrough, serve_app
+from benchkit.server import JSON_HEADERS, MODEL, BenchError, bench_model, note, vllm_server
+from benchkit.timing import interleaved, median, percentile, post_ms, ratio
 from targets import Reading, worst
 from transformers import AutoTokenizer
 
@@ -266,7 +266,7 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
     capture = sorted(k for k in direct[calls[0].number] if k not in ("model", "messages", "max_tokens"))
     figure.notes.append(
         "Direct requests carry what the adapter sends vLLM: the messages with the bundle, max_tokens 1 "
-        f"and {', '.join(capture)}. Bare hop: the same direct requests through bench/_passthrough.py, "
+        f"and {', '.join(capture)}. Bare hop: the same direct requests through bench/benchkit/passthrough.py, "
         "a process that only forwards bytes (served and forwarding as the adapter is): what any hop "
         "costs here before doing any work; adapter/bare hop is the adapter's own share (the target), adapter/direct "
         "is informational."
@@ -344,7 +344,7 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
         "and the capture fields the adapter sends (vLLM templates the text); direct token-in: the same with the "
         "call's spliced ids as kv_transfer_params.prompt_token_ids (checked once to be the adapter's own ids). "
         "The stock vLLM runs with NEMO_GYM_TOK_PREFIX_SPLICE=0. Histories: "
-        f"{', '.join(args.histories)} (kind-seed, bench/_episode.py KINDS); the targets judge the worst."
+        f"{', '.join(args.histories)} (kind-seed, bench/benchkit/episode.py KINDS); the targets judge the worst."
     )
     adapter_figure.notes.append(
         "Stock prompt ids: the prompt vLLM templates from the same messages (/tokenize). A template that leaves out "

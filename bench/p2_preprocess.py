@@ -4,8 +4,8 @@
     .venv/bin/python bench/p2_preprocess.py --vllm-url URL  # or uses one serving the bench model as tiny-qwen3
 
 Several synthetic histories (--histories, kind-seed; default five: plain words, text decoded from random ids, tool
-calls, reasoning, and a mix: bench/_episode.py KINDS), each an episode of up to 128 model calls (about 232 model ids
-per assistant turn, about 253 prompt ids a turn, so call 128 holds about 32.3k ids). At the calls measured the same
+calls, reasoning, and a mix: bench/benchkit/episode.py KINDS), each an episode of up to 128 model calls (about 232 model
+ids per assistant turn, about 253 prompt ids a turn, so call 128 holds about 32.3k ids). At the calls measured the same
 request is sent three ways, interleaved, as a 1-token chat completion:
   hook      the history with the previous call's bundle on the last assistant message (the hook splices);
   stock     the same messages without a bundle (vLLM templates and tokenizes the text);
@@ -37,15 +37,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import _episode
 import httpx
 import orjson
-from _episode import DEFAULT_HISTORIES, Call, build_episode, nearest_calls, parse_history
-from _figures import Figure, command, run_standalone
-from _metrics import has_preprocess_timer, preprocess_delta, scrape
-from _p2_tables import History, add_tables
-from _server import MODEL, BenchError, bench_model, note
-from _timing import median, post_ms, slope
+from benchkit import episode as synthetic_episode
+from benchkit.episode import DEFAULT_HISTORIES, Call, build_episode, nearest_calls, parse_history
+from benchkit.figures import Figure, command, run_standalone
+from benchkit.metrics import has_preprocess_timer, preprocess_delta, scrape
+from benchkit.p2_tables import History, add_tables
+from benchkit.server import MODEL, BenchError, bench_model, note
+from benchkit.timing import median, post_ms, slope
 from transformers import AutoTokenizer
 
 VARIANTS = ("stock", "hook", "token_in")
@@ -134,7 +134,7 @@ def _varied_tokenize_body(call: Call, tokenizer: Any, variant: str) -> Callable[
                 "model": MODEL,
                 "messages": varied.bundled if variant == "hook" else varied.plain,
                 "add_generation_prompt": True,
-                **_episode.tokenize_fields(varied.fields),
+                **synthetic_episode.tokenize_fields(varied.fields),
             }
         )
 
@@ -145,7 +145,7 @@ def _check_varied_ids(url: str, call: Call, tokenizer: Any) -> None:
     """The token-in variant's ids for a varied request are the hook's own for it (checked on a round never timed)."""
     probe = call.varied(tokenizer, -1000)
     with httpx.Client(base_url=url, timeout=600) as http:
-        if _episode.tokenize(http, probe.bundled, probe.fields) != probe.prompt_ids:
+        if synthetic_episode.tokenize(http, probe.bundled, probe.fields) != probe.prompt_ids:
             raise BenchError("the varied request's token-in ids are not the hook's spliced ids for it")
 
 
@@ -190,7 +190,7 @@ def measure_history(
                 {
                     **row,
                     "size": checkpoints[call.number],
-                    "stock_ids": len(_episode.tokenize(http, call.plain, call.fields)),
+                    "stock_ids": len(synthetic_episode.tokenize(http, call.plain, call.fields)),
                     "tokenize_e2e": {v: t_measured.e2e_median(v) for v in tokenize},
                     "tokenize_server": {v: t_measured.server_median(v) for v in tokenize},
                 }

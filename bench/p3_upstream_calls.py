@@ -23,11 +23,11 @@ from typing import Any
 
 import httpx
 import orjson
-from _episode import user_message
-from _figures import Figure, Table, command, run_standalone
-from _hops import adapter_instance, gym
-from _metrics import http_requests, scrape
-from _server import JSON_HEADERS, MODEL, BenchError
+from benchkit.episode import user_message
+from benchkit.figures import Figure, Table, command, run_standalone
+from benchkit.hops import adapter_instance, gym
+from benchkit.metrics import http_requests, scrape
+from benchkit.server import JSON_HEADERS, MODEL, BenchError
 from targets import Reading
 
 from nemo_gym_tok.common.exact_json import loads_exact

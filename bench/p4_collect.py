@@ -31,13 +31,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import _hops
 import httpx
-from _figures import Figure, Table, command, run_standalone
-from _hops import RecordingProxy, adapter_instance, serve_app
-from _metrics import engine_work, http_requests, scrape
-from _server import JSON_HEADERS, MODEL, REPO, BenchError, note
-from _timing import median, process_cpu_seconds, ratio
+from benchkit import hops as gym_hops
+from benchkit.figures import Figure, Table, command, run_standalone
+from benchkit.hops import RecordingProxy, adapter_instance, serve_app
+from benchkit.metrics import engine_work, http_requests, scrape
+from benchkit.server import JSON_HEADERS, MODEL, REPO, BenchError, note
+from benchkit.timing import median, process_cpu_seconds, ratio
 
 from nemo_gym_tok.common.exact_json import loads_exact
 
@@ -124,7 +124,7 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> Figure:
                 "responses_api_agents": {"simple_agent": {**agent, "model_server": "policy_model_rec"}}
             },
         }
-        with _hops.gym(instances) as running:
+        with gym_hops.gym(instances) as running:
             note(f"P4: recording run ({args.rollouts} rollouts, concurrency {args.concurrency}) ...")
             summary = asyncio.run(
                 collect(

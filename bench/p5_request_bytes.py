@@ -23,10 +23,10 @@ from typing import Any
 
 import httpx
 import orjson
-from _figures import Figure, Table, command, run_standalone
-from _hops import Exchange, RecordingProxy, adapter_instance, serve_app
-from _server import MODEL, REPO, BenchError, note
-from _timing import ratio
+from benchkit.figures import Figure, Table, command, run_standalone
+from benchkit.hops import Exchange, RecordingProxy, adapter_instance, serve_app
+from benchkit.server import MODEL, REPO, BenchError, note
+from benchkit.timing import ratio
 
 from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS

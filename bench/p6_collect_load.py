@@ -52,13 +52,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import _hops
-from _figures import Figure, Table, command, run_standalone
-from _gym_processes import api_server_pid, cpu_seconds, rss_kib
-from _hops import adapter_instance
-from _metrics import engine_work, http_requests, scrape
-from _server import MODEL, REPO, BenchError, note, text_of_ids, vllm_server
-from _timing import median, ratio
+from benchkit import hops as gym_hops
+from benchkit.figures import Figure, Table, command, run_standalone
+from benchkit.gym_processes import api_server_pid, cpu_seconds, rss_kib
+from benchkit.hops import adapter_instance
+from benchkit.metrics import engine_work, http_requests, scrape
+from benchkit.server import MODEL, REPO, BenchError, note, text_of_ids, vllm_server
+from benchkit.timing import median, ratio
 from targets import Reading
 
 from nemo_gym_tok.common.exact_json import loads_exact
@@ -250,7 +250,9 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
             server = url if name == "hook" else str(stock)
             if (pid := api_server_pid(server)) is None:
                 note(f"P6: no single vLLM API server process found for {server}: its CPU is not measured")
-            setups.append(Setup(name, server, stack.enter_context(_hops.gym(instances(name, server, args.calls))), pid))
+            setups.append(
+                Setup(name, server, stack.enter_context(gym_hops.gym(instances(name, server, args.calls))), pid)
+            )
         for setup in setups:
             note(f"P6 {setup.name}: warm-up ({args.warmup} rollouts) ...")
             warm = rows(args.warmup, 0, f"{setup.name} warm-up", args.max_tokens, reference)

@@ -15,14 +15,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import _hops
 import httpx
-from _figures import Figure, Table, command, judged, standalone_argv
-from _gym_processes import api_server_pid, cpu_seconds
-from _metrics import Metrics, engine_work, http_requests, scrape
-from _replicas import replicas, reset_prefix_cache, worker_cpus
-from _server import MODEL, REPO, BenchError, note, text_of_ids
-from _timing import ratio
+from benchkit import hops as gym_hops
+from benchkit.figures import Figure, Table, command, judged, standalone_argv
+from benchkit.gym_processes import api_server_pid, cpu_seconds
+from benchkit.metrics import Metrics, engine_work, http_requests, scrape
+from benchkit.replicas import replicas, reset_prefix_cache, worker_cpus
+from benchkit.server import MODEL, REPO, BenchError, note, text_of_ids
+from benchkit.timing import ratio
 from targets import Reading, text
 
 from nemo_gym_tok.common.exact_json import loads_exact
@@ -289,7 +289,7 @@ def run(url: str | None, args: argparse.Namespace, argv: Sequence[str]) -> Figur
         gyms = {}
         for policy in POLICIES:
             note(f"P7 {policy}: starting its gym behind a vllm-router in front of {', '.join(workers)} ...")
-            gyms[policy] = stack.enter_context(_hops.gym(instances(workers, policy, args.calls)))
+            gyms[policy] = stack.enter_context(gym_hops.gym(instances(workers, policy, args.calls)))
         first = 0
         for policy in POLICIES:
             note(f"P7 {policy}: warm-up ({args.warmup} rollouts) ...")

@@ -26,10 +26,10 @@ import p4_collect
 import p5_request_bytes
 import p6_collect_load
 import p7_routing
-from _figures import Figure, command, fmt, judged
-from _machine import machine_facts
-from _server import BENCH_ARGS, REPO, vllm_server
-from _timing import median, ratio
+from benchkit.figures import Figure, command, fmt, judged
+from benchkit.machine import machine_facts
+from benchkit.server import BENCH_ARGS, REPO, vllm_server
+from benchkit.timing import median, ratio
 from targets import MISSED, Verdict, text
 
 FULL: dict[str, list[str]] = {"P1": [], "P2": [], "P3": [], "P4": [], "P5": [], "P6": [], "P7": []}

@@ -250,10 +250,15 @@ def _is_private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
+SCRIPT_FOLDERS = ("bench",)
+"""Folders of scripts that put themselves on sys.path: their modules are imported as top-level names."""
+
+
 def _resolve(module: str, folder: str) -> str | None:
-    """The repo file of `module` (its __init__.py for a package): from the root, else beside the importing file."""
+    """The repo file of `module` (its __init__.py for a package): from the root, beside the importing file, else in a
+    script folder (a test importing bench's modules as bench's scripts do)."""
     base = module.replace(".", "/")
-    for prefix in ("", f"{folder}/" if folder else ""):
+    for prefix in ("", f"{folder}/" if folder else "", *(f"{script}/" for script in SCRIPT_FOLDERS)):
         for candidate in (f"{prefix}{base}.py", f"{prefix}{base}/__init__.py"):
             if (ROOT / candidate).is_file():
                 return candidate
@@ -286,10 +291,11 @@ def _docstrings(tree: ast.AST) -> set[int]:
 
 
 def private_imports(file: str, source: str | None = None) -> list[str]:
-    """This project's private modules and names that `file` imports from a folder other than its own.
+    """This project's private modules that `file` imports from a folder other than its own, and private names it
+    imports from another module.
 
-    A private module (`x._y`) belongs to the folder it sits in; a private name (`from x import _y`) to the folder of
-    the module that holds it. A dotted string naming one (a monkeypatch target) and a private module reached as an
+    A private module (`x._y`) belongs to the folder it sits in; a private name (`from x import _y`) to the module that
+    holds it. A dotted string naming one (a monkeypatch target) and a private module reached as an
     attribute of an imported package (`splice._splice`) count as imports of it.
     """
     folder = _home(file)
@@ -299,14 +305,21 @@ def private_imports(file: str, source: str | None = None) -> list[str]:
 
     def check(dotted: str, line: int, *, modules_only: bool = False) -> None:
         parts = dotted.split(".")
-        index = next((i for i, part in enumerate(parts) if _is_private(part)), None)
-        if index is None or (modules_only and _resolve(".".join(parts[: index + 1]), folder) is None):
-            return
-        owner = _private_owner(parts, index, folder)
-        if owner is not None and owner != folder:
-            hit = f"{file}:{line}: {'.'.join(parts[: index + 1])} (private to {owner or 'the root'}/)"
-            if hit not in found:
+        for index in (i for i, part in enumerate(parts) if _is_private(part)):
+            private = ".".join(parts[: index + 1])
+            module = _resolve(private, folder)
+            if module is None and (modules_only or _private_owner(parts, index, folder) is None):
+                return  # not this project's, or an attribute of a name (checked where it is defined)
+            if module is None:  # a private name: its own module's alone
+                holder = _resolve(".".join(parts[:index]), folder)
+                hit = None if holder == file else f"{file}:{line}: {private} (private to {holder})"
+            else:
+                owner = _private_owner(parts, index, folder)
+                hit = None if owner == folder else f"{file}:{line}: {private} (private to {owner or 'the root'}/)"
+            if hit is not None and hit not in found:
                 found.append(hit)
+            if hit is not None or module is None:
+                return
 
     bound: dict[str, str] = {}  # a name an import binds -> what it names, for `package._module` reached through it
     for node in ast.walk(tree):
@@ -359,7 +372,9 @@ def test_no_private_import_across_packages() -> None:
         ("nemo_gym_tok/splice/planted.py", "from PKG.splice._splice import splice_prompt", False),
         ("nemo_gym_tok/splice/planted.py", "from ._render import ChatRenderer", False),
         ("nemo_gym_tok/vllm/planted.py", "from ..splice._render import ChatRenderer", True),
-        ("bench/planted.py", "from _server import MODEL", False),
+        ("bench/planted.py", "from benchkit.server import MODEL", False),
+        ("nemo_gym_tok/splice/planted.py", "from PKG.splice._splice import _private_helper", True),
+        ("nemo_gym_tok/servers/planted.py", "from PKG.servers.http_pool import _pooled", True),
         ("tests/planted.py", "from PKG import splice\nsplice._splice.splice_prompt = None", True),
         ("tests/planted.py", "import PKG.testing.tiny_model as tm\ntm._cache.file_sha256", True),
         ("tests/planted.py", "from PKG.splice import SplicedPrompt\nSplicedPrompt._verify", False),
@@ -371,3 +386,14 @@ def test_the_private_import_scan_sees_a_planted_one(file: str, source: str, flag
     # PKG stands for the package so that the scan of this very file does not read the plants as its imports.
     found = private_imports(file, source.replace("PKG", "nemo_gym_tok"))
     assert bool(found) is flagged, found
+
+
+def test_a_test_importing_a_private_module_of_a_script_folder_is_seen(tmp_path: Path) -> None:
+    # bench/ puts itself on sys.path; a test doing the same reaches its modules as top-level names.
+    probe = ROOT / "bench" / f"_probe_{tmp_path.name}.py"
+    probe.write_text("VALUE = 1\n", encoding="utf-8")
+    try:
+        assert private_imports("tests/planted.py", f"from {probe.stem} import VALUE")
+        assert not private_imports("bench/planted.py", f"from {probe.stem} import VALUE")
+    finally:
+        probe.unlink()

@@ -13,7 +13,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 if str(BENCH) not in sys.path:  # bench/ is a folder of scripts, not a package: its scripts import siblings this way
     sys.path.insert(0, str(BENCH))
 
-from _server import BenchError  # noqa: E402
+from benchkit.server import BenchError  # noqa: E402
 from p6_collect_load import (  # noqa: E402
     AGENT,
     concurrency_order,

@@ -15,9 +15,9 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 if str(BENCH) not in sys.path:  # bench/ is a folder of scripts, not a package: its scripts import siblings this way
     sys.path.insert(0, str(BENCH))
 
-from _figures import Figure  # noqa: E402
-from _metrics import Metrics  # noqa: E402
-from _server import BenchError  # noqa: E402
+from benchkit.figures import Figure  # noqa: E402
+from benchkit.metrics import Metrics  # noqa: E402
+from benchkit.server import BenchError  # noqa: E402
 from p7_routing import (  # noqa: E402
     add_tables,
     block_size,
@@ -34,7 +34,7 @@ ENGINE = frozenset({("engine", "0"), ("model_name", "tiny-qwen3")})
 
 
 def metrics(hits: float, queries: float, calls: float, prompt: float = 0.0) -> Metrics:
-    """A replica's /metrics as `_metrics.scrape` keys them: the counters P7 reads."""
+    """A replica's /metrics as `benchkit.metrics.scrape` keys them: the counters P7 reads."""
     return {
         ("vllm:prefix_cache_hits_total", ENGINE): hits,
         ("vllm:prefix_cache_queries_total", ENGINE): queries,

@@ -10,7 +10,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 if str(BENCH) not in sys.path:  # bench/ is a folder of scripts, not a package: its scripts import siblings this way
     sys.path.insert(0, str(BENCH))
 
-from _figures import Figure  # noqa: E402
+from benchkit.figures import Figure  # noqa: E402
 from report import collect_figures, document  # noqa: E402
 
 FACTS = {"date": "d", "cpu": "c", "memory": "m", "load": "l", "vllm": "v", "python": "p", "placement": "x"}

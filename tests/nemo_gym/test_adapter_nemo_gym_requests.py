@@ -29,7 +29,7 @@ from nemo_gym_tok.vllm_server import VLLMServer
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 from tests.nemo_gym import gym
 from tests.nemo_gym.nemo_rl_rule import check_collection
-from tests.nemo_gym.test_nemo_gym_agent_via_adapter import MODEL_KEY, _overrides, _rows
+from tests.nemo_gym.test_nemo_gym_agent_via_adapter import MODEL_KEY, agent_overrides, agent_rows
 from tests.nemo_gym.test_nemo_gym_prefix_backend import ENVIRONMENTS
 
 pytestmark = pytest.mark.vllm
@@ -100,7 +100,7 @@ def _thinking_off(row: dict[str, Any]) -> bool:
 def test_training_capture_and_metadata_through_adapter(vllm_server: VLLMServer, tmp_path: Path) -> None:
     capture_dir = tmp_path / "capture"
     config, agent_key, build_rows, _ = ENVIRONMENTS[ENVIRONMENT]
-    rows = _rows(ENVIRONMENT)
+    rows = agent_rows(ENVIRONMENT)
     distinct = len(build_rows(gym.package_root()))
     for index, row in enumerate(rows):
         row.update(_ng_task_index=index % distinct, _ng_rollout_index=index // distinct)
@@ -109,7 +109,7 @@ def test_training_capture_and_metadata_through_adapter(vllm_server: VLLMServer, 
             metadata["chat_template_kwargs"] = THINKING_OFF
     seen: list[dict[str, Any]] = []
     with serve_adapter(vllm_server, capture_dir, seen) as adapter_url:
-        overrides = _overrides(adapter_url, agent_key)
+        overrides = agent_overrides(adapter_url, agent_key)
         overrides[agent_key]["responses_api_agents"]["simple_agent"]["token_id_capture"] = True
         overrides["token_id_capture"] = {"enabled": True, "dir": str(capture_dir)}
         with gym.running_gym([config], overrides, external=[MODEL_KEY]) as running:

@@ -26,7 +26,7 @@ from nemo_gym_tok.vllm_server import VLLMServer
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 from tests.nemo_gym import gym
 from tests.nemo_gym.nemo_rl_rule import check_collection
-from tests.nemo_gym.test_nemo_gym_prefix_backend import ENVIRONMENTS, MAX_STEPS, ROWS_PER_CASE, _metrics, seeded
+from tests.nemo_gym.test_nemo_gym_prefix_backend import ENVIRONMENTS, MAX_STEPS, ROWS_PER_CASE, seeded, vllm_metrics
 
 pytestmark = pytest.mark.vllm
 
@@ -70,7 +70,7 @@ def serve_adapter(server: VLLMServer, splice: str, seen: list[dict[str, Any]]) -
         yield url
 
 
-def _rows(environment: str) -> list[dict[str, Any]]:
+def agent_rows(environment: str) -> list[dict[str, Any]]:
     _, _, build_rows, max_output_tokens = ENVIRONMENTS[environment]
     base = build_rows(gym.package_root())
     rows = []
@@ -87,7 +87,7 @@ def _rows(environment: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _overrides(adapter_url: str, agent_key: str) -> dict[str, Any]:
+def agent_overrides(adapter_url: str, agent_key: str) -> dict[str, Any]:
     """The adapter as NeMo Gym's `policy_model`: an instance with its host and port, resolved but not launched."""
     address = urlsplit(adapter_url)
     model = {"entrypoint": "app.py", "host": address.hostname, "port": address.port}
@@ -100,8 +100,8 @@ def _overrides(adapter_url: str, agent_key: str) -> dict[str, Any]:
 def collect(adapter_url: str, environment: str) -> list[gym.RunResult]:
     """The environment's rows through NeMo Gym's simple_agent `/run`, its model server being the adapter."""
     config, agent_key, _, _ = ENVIRONMENTS[environment]
-    with gym.running_gym([config], _overrides(adapter_url, agent_key), external=[MODEL_KEY]) as running:
-        return gym.run_rows(running.url(agent_key), _rows(environment))
+    with gym.running_gym([config], agent_overrides(adapter_url, agent_key), external=[MODEL_KEY]) as running:
+        return gym.run_rows(running.url(agent_key), agent_rows(environment))
 
 
 def check(label: str, results: list[gym.RunResult], seen: list[dict[str, Any]]) -> tuple[int, list[str]]:
@@ -133,10 +133,10 @@ def check(label: str, results: list[gym.RunResult], seen: list[dict[str, Any]]) 
 @pytest.mark.parametrize("environment", list(ENVIRONMENTS))
 def test_agent_via_adapter_on_hooked_vllm(vllm_server: VLLMServer, environment: str) -> None:
     seen: list[dict[str, Any]] = []
-    before = _metrics(vllm_server.base_url)
+    before = vllm_metrics(vllm_server.base_url)
     with serve_adapter(vllm_server, "hook", seen) as adapter_url:
         results = collect(adapter_url, environment)
-    after = _metrics(vllm_server.base_url)
+    after = vllm_metrics(vllm_server.base_url)
     repaired = after["nemo_gym_tok_prefix_splice_drifted_turns_total"] - before.get(
         "nemo_gym_tok_prefix_splice_drifted_turns_total", 0.0
     )

@@ -86,7 +86,7 @@ def seeded(index: int) -> dict[str, str]:
     return {"extra_body": json.dumps({"seed": SEED_BASE + index})}
 
 
-def _metrics(base_url: str) -> dict[str, float]:
+def vllm_metrics(base_url: str) -> dict[str, float]:
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
     return {
         line.split()[0]: float(line.split()[1])
@@ -136,14 +136,14 @@ def test_rollouts_contiguous(vllm_server: Any, environment: str, mode: str, tmp_
         rows.append(row)
     configs = [MODEL_CONFIG, *([SUPPLY_CONFIG] if mode == "supply_prefix" else []), config]
     transport_log = tmp_path / "transport.jsonl"
-    before = _metrics(vllm_server.base_url)
+    before = vllm_metrics(vllm_server.base_url)
     with gym.running_gym(
         configs,
         _overrides(vllm_server, agent_key, mode, tmp_path / "capture"),
         env={"NEMO_GYM_VLLM_TRANSPORT_LOG": str(transport_log)},
     ) as running:
         results = gym.run_rows(running.url(agent_key), rows)
-    after = _metrics(vllm_server.base_url)
+    after = vllm_metrics(vllm_server.base_url)
     delta = {
         name.removeprefix("nemo_gym_tok_prefix_splice").strip("_"): after[name] - before.get(name, 0.0)
         for name in after

@@ -6,7 +6,7 @@ import contextlib
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from _timing import process_cpu_seconds
+from benchkit.timing import process_cpu_seconds
 
 
 def rss_kib(pid: int) -> int:

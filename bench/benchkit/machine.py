@@ -11,9 +11,10 @@ from pathlib import Path
 
 import httpx
 import orjson
-from _episode import user_message
-from _server import JSON_HEADERS, MODEL, server_version
-from _timing import process_cpu_seconds
+
+from benchkit.episode import user_message
+from benchkit.server import JSON_HEADERS, MODEL, server_version
+from benchkit.timing import process_cpu_seconds
 
 
 def machine_facts(url: str | None = None) -> dict[str, str]:

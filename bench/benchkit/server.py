@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as `python bench/pN_....py`: the repo's packages (resources_servers, ...) too
     sys.path.insert(0, str(REPO))
 

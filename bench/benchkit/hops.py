@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _server import MODEL, BenchError
+
+from benchkit.server import MODEL, BenchError
 
 
 @dataclass
@@ -96,11 +97,11 @@ def gym(instances: dict[str, Any]) -> Iterator[Any]:
 
 @contextlib.contextmanager
 def passthrough(upstream: str) -> Iterator[str]:
-    """bench/_passthrough.py in its own process in front of `upstream`: a hop that does nothing but forward."""
+    """bench/benchkit/passthrough.py in its own process in front of `upstream`: a hop that does nothing but forward."""
     from nemo_gym_tok.common.net import free_port
 
     port = free_port("127.0.0.1")
-    script = Path(__file__).with_name("_passthrough.py")
+    script = Path(__file__).with_name("passthrough.py")
     process = subprocess.Popen([sys.executable, str(script), upstream, str(port)])
     url = f"http://127.0.0.1:{port}"
     try:

@@ -11,8 +11,8 @@ from typing import Any
 
 import httpx
 import orjson
-from _server import CONTEXT, JSON_HEADERS, MODEL, BenchError, bench_model
 
+from benchkit.server import CONTEXT, JSON_HEADERS, MODEL, BenchError, bench_model
 from nemo_gym_tok.common.exact_json import loads_exact
 
 GENERATED_PER_TURN = 232

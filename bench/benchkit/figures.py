@@ -9,8 +9,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from _server import PYTHON, vllm_server
 from targets import TARGETS, Verdict, text, verdicts
+
+from benchkit.server import PYTHON, vllm_server
 
 
 def fmt(value: Any, digits: int = 1) -> str:

@@ -9,7 +9,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httpx
-from _server import JSON_HEADERS, BenchError
+
+from benchkit.server import JSON_HEADERS, BenchError
 
 
 def post_ms(http: httpx.Client, path: str, content: bytes) -> float:

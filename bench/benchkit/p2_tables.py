@@ -8,10 +8,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from _figures import Figure, Table, fmt
-from _metrics import PREPROCESS_METRIC
-from _timing import median, ratio
 from targets import Reading, worst
+
+from benchkit.figures import Figure, Table, fmt
+from benchkit.metrics import PREPROCESS_METRIC
+from benchkit.timing import median, ratio
 
 VARIANTS = ("stock", "hook", "token_in")
 TIMER_PATH = {"stock": "template", "hook": "spliced", "token_in": "token_in"}
@@ -252,14 +253,14 @@ def add_tables(
             f"{mislabelled}; the figures above are per request and do not depend on the label."
         )
     figure.notes.append(
-        f"Histories ({', '.join(h.name for h in histories)}; kind-seed, bench/_episode.py KINDS): words is plain words "
-        "with 1 id in 20 of any kind (the one history of earlier runs), random is text decoded from ids of any kind, "
-        "tools ends every assistant turn with a tool call answered by a tool message (the requests carry a tool "
-        "definition), reasoning opens every assistant turn with <think> text the template drops from earlier turns "
-        "(stock vLLM then templates a shorter prompt than the spliced one, which keeps the model's own ids of every "
-        "turn: see stock prompt ids), mixed draws one of the four per turn. Each ratio is taken within a history; "
-        "the median and the worst are over the histories at that size, and the targets judge the worst. The growth "
-        "table and the plot show the first history."
+        f"Histories ({', '.join(h.name for h in histories)}; kind-seed, bench/benchkit/episode.py KINDS): words is "
+        "plain words with 1 id in 20 of any kind (the one history of earlier runs), random is text decoded from ids "
+        "of any kind, tools ends every assistant turn with a tool call answered by a tool message (the requests carry"
+        " a tool definition), reasoning opens every assistant turn with <think> text the template drops from earlier "
+        "turns (stock vLLM then templates a shorter prompt than the spliced one, which keeps the model's own ids of "
+        "every turn: see stock prompt ids), mixed draws one of the four per turn. Each ratio is taken within a "
+        "history; the median and the worst are over the histories at that size, and the targets judge the worst. The "
+        "growth table and the plot show the first history."
     )
     figure.notes.append(
         f"{args.repeats} timed repeats per variant at the size-table calls, {args.episode_repeats} at every "

@@ -11,9 +11,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
-from _gym_processes import api_server_pid
-from _server import BENCH_ARGS, MODEL, BenchError, bench_model, note
 
+from benchkit.gym_processes import api_server_pid
+from benchkit.server import BENCH_ARGS, MODEL, BenchError, bench_model, note
 from nemo_gym_tok.common.exact_json import loads_exact
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"

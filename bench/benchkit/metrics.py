@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 
 import httpx
-from _timing import ratio
+
+from benchkit.timing import ratio
 
 PREPROCESS_METRIC = "nemo_gym_tok_preprocess_seconds"
 """The hook's server-side timer (a histogram labelled `path`: spliced, template, token_in, new_segment, refused)."""

@@ -1,6 +1,6 @@
 """A bare forwarding process, P1's floor: each request's bytes to vLLM and the answer's bytes back, nothing else.
 
-    python bench/_passthrough.py UPSTREAM_URL PORT
+    python bench/benchkit/passthrough.py UPSTREAM_URL PORT
 
 Served as the adapter is (uvicorn, its own process, the gym servers' keep-alive) and forwarding as the adapter does
 (one aiohttp session with the adapter's pool: `http_pool.aiohttp_session`), it costs what any hop between a client

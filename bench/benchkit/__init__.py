@@ -1,0 +1,1 @@
+"""Shared code of the bench scripts, one module per job (bench/README.md)."""
