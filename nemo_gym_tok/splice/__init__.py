@@ -6,8 +6,6 @@ which the vLLM hook and the adapter share, calls it.
 
 from nemo_gym_tok.splice._fixed_text import FixedTextMatcher
 from nemo_gym_tok.splice._ids import (
-    NEW_SEGMENT_KEY,
-    PREFIX_KEY,
     PrefixSource,
     check_starts_with,
     check_token_ids,
@@ -32,6 +30,7 @@ from nemo_gym_tok.splice._result import RepairedTurn, SplicedPrompt, SpliceResul
 from nemo_gym_tok.splice._splice import splice_prompt
 from nemo_gym_tok.splice._structure import Body, Layout
 from nemo_gym_tok.splice._tail import match_chunks, matched_layout
+from nemo_gym_tok.types.tokens import NEW_SEGMENT_KEY, PREFIX_KEY  # the request fields, named in types/
 
 __all__ = [
     "NEW_SEGMENT_KEY",

@@ -9,13 +9,9 @@ from typing import Any
 
 from nemo_gym_tok.contract.token_sources import PrefixMismatchError, check_prefix
 from nemo_gym_tok.splice._refusals import InvalidTokenIdsError, StalePrefixError
-from nemo_gym_tok.types.tokens import BUNDLE_FIELDS, plain_token_ids
+from nemo_gym_tok.types.tokens import BUNDLE_FIELDS, PREFIX_KEY, plain_token_ids
 
 Decode = Callable[[Sequence[int]], str]
-
-PREFIX_KEY = "required_prefix_token_ids"
-NEW_SEGMENT_KEY = "start_token_segment"
-"""Top-level request field: use the template's ids from this call on (the harness edited the history on purpose)."""
 
 
 @dataclass(frozen=True)

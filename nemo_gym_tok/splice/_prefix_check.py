@@ -7,12 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from nemo_gym_tok.splice._fixed_text import FixedTextMatcher
-from nemo_gym_tok.splice._ids import PREFIX_KEY, PrefixSource
+from nemo_gym_tok.splice._ids import PrefixSource
 from nemo_gym_tok.splice._profile import TemplateProfile
 from nemo_gym_tok.splice._refusals import StalePrefixError, StructureMismatchError
 from nemo_gym_tok.splice._render import ChatRenderer, batch_decoder
 from nemo_gym_tok.splice._structure import Body, Layout, Mismatch, match_fixed_segments
 from nemo_gym_tok.splice._template_text import proven_prompt, render_messages
+from nemo_gym_tok.types.tokens import PREFIX_KEY
 
 
 def check_prefix_structure(

@@ -6,8 +6,8 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from nemo_gym_tok.splice import PREFIX_KEY
 from nemo_gym_tok.types.responses import Response, ResponseUsage
+from nemo_gym_tok.types.tokens import PREFIX_KEY
 from responses_api_agents.simple_agent.episode_items import EpisodeItems
 from responses_api_agents.simple_agent.peers import Peers
 from responses_api_agents.simple_agent.rows import model_row_field, rollout_record

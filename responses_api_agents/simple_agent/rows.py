@@ -7,7 +7,7 @@ from typing import Any
 
 from nemo_gym_tok.records.rollout_record import RECORD_SCHEMA_VERSION, SCHEMA_VERSION_KEY
 from nemo_gym_tok.servers.api_errors import ApiError
-from nemo_gym_tok.splice import PREFIX_KEY
+from nemo_gym_tok.types.tokens import PREFIX_KEY
 
 ROW_PARAMS_KEY = "responses_create_params"
 

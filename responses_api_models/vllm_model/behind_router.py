@@ -9,7 +9,7 @@ from typing import Any
 from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.router.workers import worker_base_url
 from nemo_gym_tok.servers.api_errors import ApiError
-from nemo_gym_tok.splice import NEW_SEGMENT_KEY, PREFIX_KEY
+from nemo_gym_tok.types.tokens import NEW_SEGMENT_KEY, PREFIX_KEY
 
 GetSmall = Callable[[str, str], Awaitable[tuple[int, bytes] | None]]
 LIST_WORKERS_PATH = "/list_workers"
