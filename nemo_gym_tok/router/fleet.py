@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 
 from nemo_gym_tok.common.exact_json import loads_exact
+from nemo_gym_tok.common.keys import key_headers
 from nemo_gym_tok.common.net import shared_ssl_context
 from nemo_gym_tok.contract.provenance import FINGERPRINT_KEY, fingerprint_difference
 
@@ -25,7 +26,7 @@ def worker_fingerprint(
 ) -> dict[str, str] | None:
     """The fingerprint a hooked worker serves with (one generated id, asked of the worker itself, not through the
     router); None for a worker without the hook, whose answers do not say."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = key_headers(api_key)
     try:
         answer = http.post(f"{worker_url.rstrip('/')}{PROBE_PATH}", json=probe_body(model), headers=headers)
     except httpx.TransportError as exc:
@@ -91,7 +92,7 @@ def weight_routes_opened_by(worker_url: str, api_key: str, *, http: httpx.Client
     """The status a worker answers when `api_key` asks for one of its weight routes, None when the key does not open
     them (401 or 403) or the worker serves none (404). Asked with a body vLLM refuses before acting (`[]` to
     /collective_rpc: 400 where the key opens it), so nothing changes on the worker."""
-    headers = {"Authorization": f"Bearer {api_key}"}
+    headers = key_headers(api_key)
     try:
         answer = http.post(f"{worker_url.rstrip('/')}/collective_rpc", json=[], headers=headers)
     except httpx.TransportError as exc:

@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from nemo_gym_tok.common.exact_json import loads_exact
+from nemo_gym_tok.common.keys import key_headers
 from nemo_gym_tok.common.net import shared_ssl_context
 
 ADMIN_TIMEOUT = 10.0
@@ -57,10 +58,6 @@ def _root(router_url: str) -> str:
     return router_url.rstrip("/").removesuffix("/v1").rstrip("/")
 
 
-def _headers(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key and api_key != "EMPTY" else {}
-
-
 @contextmanager
 def _client(http: httpx.Client | None, timeout: float) -> Iterator[httpx.Client]:
     if http is not None:
@@ -84,7 +81,7 @@ def _request(
     with _client(http, timeout) as client:
         try:
             response = client.request(
-                method, f"{root}{path}", params=params, headers=_headers(api_key), timeout=timeout
+                method, f"{root}{path}", params=params, headers=key_headers(api_key), timeout=timeout
             )
         except httpx.TimeoutException as exc:
             raise RouterError(root, f"{method} {path} got no answer within {timeout:.0f}s") from exc

@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 
 from nemo_gym_tok.common.exact_json import loads_exact
+from nemo_gym_tok.common.keys import effective_key
 from nemo_gym_tok.common.net import client_host, shared_ssl_context
 from nemo_gym_tok.config import GymConfig, load_config
 from nemo_gym_tok.router import is_vllm_router
@@ -45,9 +46,8 @@ def push_targets(config_paths: list[str], overrides: list[str], http: httpx.Clie
             router = fields.get("router")
             if isinstance(router, dict) and isinstance(router.get("worker_urls"), list):
                 _add_routed(targets, config, name, router, client)
-            key = fields.get("api_key")
-            if targets.api_key is None and isinstance(key, str) and key and key != "EMPTY":
-                targets.api_key = key
+            if targets.api_key is None:
+                targets.api_key = effective_key(fields.get("api_key"))
     finally:
         if http is None:
             client.close()

@@ -6,6 +6,7 @@ from typing import Any
 
 import httpx
 
+from nemo_gym_tok.common.keys import effective_key
 from nemo_gym_tok.common.net import shared_ssl_context
 from nemo_gym_tok.config import GymConfig, ServerInstance
 from nemo_gym_tok.router import RouterProcess, RouterSpec, RouterStartError
@@ -90,8 +91,7 @@ def start_routers(config: GymConfig, *, ready_timeout: float) -> dict[str, Route
 
 def adapter_key(instance: ServerInstance) -> str | None:
     """The key the adapter's calls carry (None for none: unset or the OpenAI SDK's placeholder "EMPTY")."""
-    key = instance.fields.get("api_key")
-    return key if isinstance(key, str) and key and key != "EMPTY" else None
+    return effective_key(instance.fields.get("api_key"))
 
 
 def check_key_opens_no_weight_route(worker_urls: tuple[str, ...], api_key: str | None) -> None:

@@ -9,6 +9,7 @@ from typing import Any, Literal
 import httpx
 
 from nemo_gym_tok.common.exact_json import loads_exact
+from nemo_gym_tok.common.keys import key_headers
 from nemo_gym_tok.common.remote_errors import error_message
 from nemo_gym_tok.router import is_vllm_router, list_workers
 
@@ -48,7 +49,7 @@ class Replica:
     def __init__(self, url: str, http: httpx.Client, api_key: str | None = None) -> None:
         self.url = server_root(url)
         self._http = http
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key and api_key != "EMPTY" else {}
+        self._headers = key_headers(api_key)
 
     def _call(self, method: str, path: str, *, last_on_connection: bool = False, **kwargs: Any) -> httpx.Response:
         # vLLM's server drops the connection after answering 500 (a worker method it lacks): a call that may get one

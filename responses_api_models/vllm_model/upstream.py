@@ -19,6 +19,7 @@ import httpx
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from nemo_gym_tok.common.exact_json import JSON_HEADERS, dumps, loads_exact
+from nemo_gym_tok.common.keys import key_headers
 from nemo_gym_tok.common.remote_errors import error_message
 from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.servers.client import SESSION_HEADER
@@ -106,7 +107,7 @@ class VLLMUpstream:
         number of seconds times the whole call, with the gym's connect timeout."""
         self._timeout = timeout if isinstance(timeout, httpx.Timeout) else call_timeout(timeout)
         self._limits = limits or pool_limits()
-        self._headers = {"Authorization": f"Bearer {api_key}"}
+        self._headers = key_headers(api_key)
         self._http = httpx.AsyncClient(timeout=self._timeout, limits=self._limits, headers=self._headers)
         self._posts: aiohttp.ClientSession | None = None
         self._gets: aiohttp.ClientSession | None = None
