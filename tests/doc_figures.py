@@ -195,6 +195,13 @@ FIGURES: dict[str, Figure] = {
     "bench.p2.token-in.min": Figure(command="docs/performance.md (`make bench`)", compute="bench_token_in_min"),
     "bench.p2.token-in.max": Figure(command="docs/performance.md (`make bench`)", compute="bench_token_in_max"),
     "bench.p4.adapter-cpu": Figure(command="docs/performance.md (`make bench`)", compute="bench_adapter_cpu"),
+    **{
+        f"bench.p7.{column.replace('_', '-')}.{concurrency}": Figure(
+            command="docs/performance.md (`make bench`)", compute=f"bench_p7_{column}_{concurrency}"
+        )
+        for column in ("hit_ch", "hit_rr", "hit_ratio", "rate_ratio")
+        for concurrency in ("8", "32")
+    },
     # The train demo's committed run (docs/train-demo-metrics.jsonl, `make train-demo`'s metrics.jsonl).
     **{
         f"train-demo.{name}": Figure(

@@ -156,6 +156,14 @@ def train_demo_figures() -> dict[str, str]:
     }
 
 
+P7_COLUMNS = {
+    "hit_ch": "hit rate CH",
+    "hit_rr": "hit rate RR",
+    "hit_ratio": "hit rate CH/RR",
+    "rate_ratio": "rollouts/s CH/RR",
+}
+"""The columns of P7's comparison table in docs/performance.md that docs/scaling.md quotes."""
+
 REPO_SOURCES = {
     **{f"train_demo_{name}": (lambda name=name: train_demo_figures()[name]) for name in TRAIN_DEMO_FIGURES},
     **{
@@ -178,6 +186,17 @@ REPO_SOURCES = {
     "bench_paired_7k": lambda: next(row["hook/stock paired"] for row in _paired_chat_rows() if row["size"] == "7k"),
     "bench_token_in_min": lambda: min((row["hook/token-in paired"] for row in _paired_chat_rows()), key=float),
     "bench_token_in_max": lambda: max((row["hook/token-in paired"] for row in _paired_chat_rows()), key=float),
+    **{
+        f"bench_p7_{column}_{concurrency}": (
+            lambda column=column, concurrency=concurrency: next(
+                row[P7_COLUMNS[column]]
+                for row in _table("concurrency", "hit rate CH/RR")
+                if row["concurrency"] == concurrency
+            )
+        )
+        for column in P7_COLUMNS
+        for concurrency in ("8", "32")
+    },
     "bench_adapter_cpu": lambda: next(
         row["CPU ms / call"] for row in _table("process", "CPU ms / call") if row["process"] == "policy_model"
     ),
