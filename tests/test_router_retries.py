@@ -84,9 +84,10 @@ class Stub:
             self.process.wait()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def fleet() -> Iterator[tuple[str, dict[str, Stub]]]:
-    """Two stub workers behind the router, the adapter in front of it; yields the adapter's URL and the stubs."""
+    """Two stub workers behind the router, the adapter in front of it; yields the adapter's URL and the stubs. One
+    per module: each test sets the modes it needs back to "ok", and the test that kills a worker comes last."""
     with ExitStack() as stack:
         stubs = {name: Stub(name) for name in ("A", "B")}
         for stub in stubs.values():
@@ -105,14 +106,18 @@ def chat(adapter: str, content: str, session: str) -> httpx.Response:
 
 
 def sessions_of(adapter: str, worker: str, count: int) -> list[str]:
-    """`count` session keys the router sends to `worker`."""
-    on = [
-        s
-        for s in (f"s{i}" for i in range(64))
-        if chat(adapter, "which?", s).json()["choices"][0]["message"]["content"] == worker
-    ]
-    assert len(on) >= count, f"only {len(on)} of 64 sessions on {worker}"
-    return on[:count]
+    """The first `count` of 64 session keys the router sends to `worker`; tried again for up to 15 s, as a breaker an
+    earlier test opened on it (RouterSpec: 5 s) closes."""
+    deadline = time.monotonic() + 15
+    while True:
+        on: list[str] = []
+        for key in (f"s{i}" for i in range(64)):
+            if chat(adapter, "which?", key).json()["choices"][0]["message"]["content"] == worker:
+                on.append(key)
+                if len(on) == count:
+                    return on
+        assert time.monotonic() < deadline, f"only {len(on)} of 64 sessions on {worker}"
+        time.sleep(1)
 
 
 def calls(stubs: dict[str, Stub], content: str) -> int:

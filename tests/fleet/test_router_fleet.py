@@ -39,6 +39,7 @@ from nemo_gym_tok.testing.soak_weights import KeepWeights
 from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer, replica_cpu_env
 from nemo_gym_tok.weights import DEV_MODE_ENV, FleetKeeper, FleetWeights, ReplicaError, probe_from_checkpoint
 from nemo_gym_tok.weights import Replica as WeightRoutes
+from tests.fleet.headerless import converse_without_session_header
 from tests.fleet.number_guess import ROWS, collect_number_guess
 from tests.servers import hooked_server
 from tests.weights_support import perturbed_checkpoint
@@ -229,6 +230,21 @@ def test_a_fleet_behind_the_router_survives_a_killed_replica_and_refuses_a_forei
         (tmp_path / "while_back_complete.jsonl").write_text("".join(f"{line}\n" for line in lines))
         assert check_file(tmp_path / "while_back_complete.jsonl").contiguous == len(lines)
         keeper.stop()
+
+        # 3b. A client that sends no session header, through the adapter: its conversations spread over both
+        # replicas (the adapter keys each by its opening), each kept on one, every turn exact.
+        headerless = converse_without_session_header(
+            gym.urls["policy_model"], vllm_server.served_model_name, conversations=16, turns=3
+        )
+        homes = [{reply["replica"] for reply in replies} for replies in headerless]
+        assert all(len(home) == 1 for home in homes), homes
+        assert set().union(*homes) == {live, back.base_url}, homes
+        for replies in headerless:
+            for before, after in zip(replies, replies[1:], strict=False):
+                prefix = before["prompt_token_ids"] + before["generation_token_ids"]
+                assert after["prompt_token_ids"][: len(prefix)] == prefix
+        spread = Counter(home.pop() for home in homes)
+        print(f"fleet: 16 conversations without a session header, 3 turns each: per replica {dict(spread)}, exact")
         print(
             f"fleet: {back.base_url} started again, a collection running from its first /health: up in "
             f"{up - started:.0f} s, routed "
