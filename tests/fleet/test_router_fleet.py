@@ -50,10 +50,12 @@ KILL_AFTER_ROLLOUTS = 6
 SHORT_SOAK: dict[str, Any] = {
     "rollouts": 400,
     "concurrency": 32,
-    # Seconds from the soak gym's start, once a tenth of the rollouts are in. The replica goes first: its restart
-    # takes a minute or so, during which the other replica carries every call, and it must be back, resynced,
-    # proven and taking calls before the collection ends.
-    "schedule": [(5.0, "replica"), (35.0, "environment"), (50.0, "agent"), (65.0, "collector")],
+    # Seconds from the soak gym's start, once a tenth of the rollouts are in (a kill waits for the one before it, a
+    # replica's for its restart). The environment and the agent go first, so the rollouts they fail are in the
+    # failures file the next collector run redoes; then the replica, whose restart takes a minute or so while the
+    # other replica carries every call, and which must be back, resynced, proven and taking calls before the end;
+    # then the collector.
+    "schedule": [(5.0, "environment"), (10.0, "agent"), (15.0, "replica"), (20.0, "collector")],
 }
 assert {kind for _, kind in SHORT_SOAK["schedule"]} == set(KINDS)
 
@@ -276,6 +278,7 @@ def test_a_fleet_behind_the_router_survives_a_killed_replica_and_refuses_a_forei
         assert report.output.contiguous == report.expected == SHORT_SOAK["rollouts"], report.format()
         assert restarted["share_after_readmission"] and report.rejoined, report.format()  # back and serving in time
         assert report.collect_runs >= 2  # the collector's kill, at least, made it resume
+        assert report.redone, report.format()  # the rollouts the environment's and the agent's kills failed
         names = {"number_guess", "number_guess_agent", "policy_model", "head", "router:policy_model"}
         assert names <= report.rss_kib.keys() and report.worst_rss_growth < MAX_RSS_GROWTH, report.format()
 
