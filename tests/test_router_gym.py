@@ -14,7 +14,6 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
 
 from nemo_gym_tok.collect import collect
 from nemo_gym_tok.config import load_config
@@ -27,6 +26,7 @@ from nemo_gym_tok.servers.routers import RouterConfigError, router_spec
 from nemo_gym_tok.testing.gym_configs import demo_config_behind_router
 from nemo_gym_tok.vllm_server import VLLMServer
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
+from tests.relay_worker import relay_worker
 
 REPO = Path(__file__).resolve().parents[1]
 NUMBER_GUESS_ROWS = REPO / "resources_servers" / "number_guess" / "data" / "example.jsonl"
@@ -144,33 +144,19 @@ def fingerprint_rewriting_worker(replica_url: str, mode: dict[str, str]) -> Fast
     then rewritten as `mode["as"]` says: "another template" (a replica serving another chat template) or "none" (a
     replica whose hook found no tokenizer file to fingerprint). What a real replica of either kind answers, without a
     second vLLM."""
-    app = FastAPI()
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    def rewrite(path: str, payload: dict[str, Any], request: Request) -> None:
+        if path != "v1/chat/completions":
+            return
+        for choice in payload["choices"]:
+            message = choice["message"]
+            message["replica"] = f"{request.url.scheme}://{request.url.netloc}"
+            if mode["as"] == "none":
+                message.pop("model_fingerprint", None)
+            elif "model_fingerprint" in message:
+                message["model_fingerprint"] |= {"chat_template_sha256": "0" * 64, "sha256": "1" * 64}
 
-    @app.api_route("/{path:path}", methods=["GET", "POST"])
-    async def relay(path: str, request: Request) -> Response:
-        headers = {name: value for name, value in request.headers.items() if name in ("authorization", "content-type")}
-        async with httpx.AsyncClient(timeout=300) as http:
-            answer = await http.request(
-                request.method, f"{replica_url}/{path}", content=await request.body(), headers=headers
-            )
-        content = answer.content
-        if path == "v1/chat/completions" and answer.status_code == 200:
-            payload = answer.json()
-            for choice in payload["choices"]:
-                message = choice["message"]
-                message["replica"] = f"{request.url.scheme}://{request.url.netloc}"
-                if mode["as"] == "none":
-                    message.pop("model_fingerprint", None)
-                elif "model_fingerprint" in message:
-                    message["model_fingerprint"] |= {"chat_template_sha256": "0" * 64, "sha256": "1" * 64}
-            content = json.dumps(payload).encode()
-        return Response(content, status_code=answer.status_code, media_type="application/json")
-
-    return app
+    return relay_worker(replica_url, rewrite=rewrite)
 
 
 def test_answers_behind_a_router_started_elsewhere_are_held_to_its_workers_fingerprint(

@@ -5,6 +5,7 @@ run: `tests/test_soak_report.py` plants a lost rollout, a torn line mid-file and
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,18 +51,19 @@ class OutputCounts:
         return counts
 
 
-def calls_per_replica(lines: list[str]) -> Counter[str]:
-    """Model calls per replica over the whole records among `lines` (the replica each bundle names)."""
-    served: Counter[str] = Counter()
+def bundled_items(lines: list[str]) -> Iterator[dict[str, Any]]:
+    """The output items that carry a bundle, over the whole records among `lines` (torn lines skipped)."""
     for line in lines:
         try:
             output = loads_exact(line)["response"]["output"]
         except (ValueError, KeyError, TypeError):
             continue
-        for item in output:
-            if isinstance(item, dict) and item.get("generation_token_ids") is not None:
-                served[str(item.get(REPLICA_KEY) or "unnamed")] += 1
-    return served
+        yield from (item for item in output if isinstance(item, dict) and item.get("generation_token_ids") is not None)
+
+
+def calls_per_replica(lines: list[str]) -> Counter[str]:
+    """Model calls per replica over the whole records among `lines` (the replica each bundle names)."""
+    return Counter(str(item.get(REPLICA_KEY) or "unnamed") for item in bundled_items(lines))
 
 
 def redo_reason(entry: dict[str, Any]) -> str:

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.router import list_workers
+from nemo_gym_tok.testing.soak_report import bundled_items
 from nemo_gym_tok.weights import FleetKeeper, FleetWeights, KeeperEvent, WeightProbe, push_weights
 
 READMIT_TIMEOUT = 600.0
@@ -53,16 +53,7 @@ def wait_readmitted(
 def bundle_versions(rollouts: Path) -> Counter[str]:
     """Model calls per weight version (`weight_version` of every output item carrying a bundle; `None` when unlabelled)
     over a rollouts file, torn lines skipped."""
-    versions: Counter[str] = Counter()
-    for line in rollouts.read_text().splitlines():
-        try:
-            output = loads_exact(line)["response"]["output"]
-        except (ValueError, KeyError, TypeError):
-            continue
-        for item in output:
-            if isinstance(item, dict) and item.get("generation_token_ids") is not None:
-                versions[str(item.get("weight_version"))] += 1
-    return versions
+    return Counter(str(item.get("weight_version")) for item in bundled_items(rollouts.read_text().splitlines()))
 
 
 def replica_figures(

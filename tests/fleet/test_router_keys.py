@@ -13,8 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi import FastAPI
 
 from nemo_gym_tok.collect import CollectSummary
 from nemo_gym_tok.config import load_config
@@ -26,6 +25,7 @@ from nemo_gym_tok.vllm.route_auth import WEIGHTS_KEY_ENV
 from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, TEST_BED_ARGS, TEST_BED_ENV, VLLMServer
 from nemo_gym_tok.weights import DEV_MODE_ENV
 from tests.fleet.number_guess import collect_number_guess
+from tests.relay_worker import relay_worker
 from tests.servers import hooked_server
 
 MODEL = "tiny-qwen3"
@@ -50,24 +50,7 @@ def keyed_replica(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 def stand_in(replica_url: str, seen: list[dict[str, Any]]) -> FastAPI:
     """A worker nobody declared: healthy, and every call answered by the real replica (so its answers are valid and
     even name that replica), each request's path and Authorization header recorded first."""
-    app = FastAPI()
-
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.api_route("/{path:path}", methods=["GET", "POST"])
-    async def relay(path: str, request: Request) -> Response:
-        authorization = request.headers.get("authorization")
-        seen.append({"path": f"/{path}", "authorization": authorization})
-        headers = {name: value for name, value in request.headers.items() if name in ("authorization", "content-type")}
-        async with httpx.AsyncClient(timeout=300) as http:
-            answer = await http.request(
-                request.method, f"{replica_url}/{path}", content=await request.body(), headers=headers
-            )
-        return Response(answer.content, status_code=answer.status_code, media_type="application/json")
-
-    return app
+    return relay_worker(replica_url, seen=seen)
 
 
 def run_collect(gym: Gym, output: Path, repeats: int) -> CollectSummary:
