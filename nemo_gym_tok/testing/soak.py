@@ -130,8 +130,9 @@ class Soak:
         self.kills: list[dict[str, Any]] = []
         self.redone: Counter[str] = Counter()
         self.redone_examples: dict[str, str] = {}
-        self.line_counts: list[tuple[float, int]] = []
-        """(seconds from the start, lines written then), every half second: where the calls after a time begin."""
+        self.sizes: list[tuple[float, int]] = []
+        """(seconds from the start, bytes written then), every half second: where the calls after a time begin (a
+        stat, not a read of the growing file)."""
         self._collector: subprocess.Popen[bytes] | None = None
         self._collector_lock = threading.Lock()
         self._done = threading.Event()
@@ -155,7 +156,7 @@ class Soak:
             supervisor.start()
             killer = threading.Thread(target=self._kill_loop, args=(gym,), daemon=True)
             killer.start()
-            threading.Thread(target=self._count_lines, daemon=True).start()
+            threading.Thread(target=self._note_sizes, daemon=True).start()
             warm_rss: dict[str, int] = {}
             try:
                 runs = self._collect_until_complete(gym, warm_rss)
@@ -236,10 +237,10 @@ class Soak:
                 warm_rss.setdefault(name, rss)
             time.sleep(0.5)
 
-    def _count_lines(self) -> None:
+    def _note_sizes(self) -> None:
         while not self._done.wait(0.5):
-            lines = self.output.read_bytes().count(b"\n") if self.output.exists() else 0
-            self.line_counts.append((self._elapsed(), lines))
+            size = self.output.stat().st_size if self.output.exists() else 0
+            self.sizes.append((self._elapsed(), size))
 
     def _kill_loop(self, gym: Gym) -> None:
         plan = iter(self.schedule) if self.schedule is not None else None
@@ -293,9 +294,9 @@ class Soak:
         replicas = (
             replica_figures(self.keeper_events, self.kills, self._started, self.collected_at) if self.keep else []
         )
-        lines = self.output.read_text().splitlines()
+        written = self.output.read_bytes()
         for figure in replicas:
-            figure["share_after_readmission"] = self._share_after(figure, lines)
+            figure["share_after_readmission"] = self._share_after(figure, written)
         return SoakReport(
             expected=self.expected,
             output=OutputCounts.read(self.output),
@@ -311,15 +312,17 @@ class Soak:
             routed_at_end=self.routed_at_end,
         )
 
-    def _share_after(self, figure: dict[str, Any], lines: list[str]) -> float | None:
+    def _share_after(self, figure: dict[str, Any], written: bytes) -> float | None:
         """The share of the model calls written after the replica's readmission that it served (None: it was not
         readmitted while the collection ran, or nothing was written after)."""
         left = figure["collecting_after_readmission"]
         if left is None or left <= 0:
             return None
         readmitted_at = self.collected_at - left
-        written = max((count for at, count in self.line_counts if at <= readmitted_at), default=0)
-        served = calls_per_replica(lines[written:])
+        start = max((size for at, size in self.sizes if at <= readmitted_at), default=0)
+        if start and written[start - 1 : start] != b"\n":  # a line being written then: the calls after begin past it
+            start = written.find(b"\n", start) + 1 or len(written)
+        served = calls_per_replica(written[start:].decode("utf-8", errors="replace").splitlines())
         total = sum(served.values())
         return served[figure["url"]] / total if total else None
 
