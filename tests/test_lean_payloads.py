@@ -33,7 +33,7 @@ from nemo_gym_tok.servers.base import ResourcesServer, ToolHandler
 from nemo_gym_tok.servers.client import SESSION_HEADER, ServerClient
 from nemo_gym_tok.servers.http_pool import pool_limits
 from nemo_gym_tok.servers.inprocess import serve_in_thread
-from nemo_gym_tok.types import ChatCompletionRequest
+from nemo_gym_tok.splice import PREFIX_KEY, find_prefix_source
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS, TELEMETRY_FIELDS
 from resources_servers.number_guess.app import SERVER as NumberGuess
 from responses_api_agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
@@ -76,7 +76,8 @@ def hooked_vllm_stand_in(
         body = await request.json()
         if received is not None:
             received.append(body)
-        prefix = ChatCompletionRequest.model_validate(body).required_prefix() or []
+        source = find_prefix_source(body["messages"], body.get(PREFIX_KEY))
+        prefix = [] if source is None else source.prefix
         prompt = prefix + turn_ids(len(prefix), TURN_PROMPT_IDS, 1000)
         generated = turn_ids(len(prompt), TURN_GENERATION_IDS, 3000)
         return JSONResponse(

@@ -13,6 +13,7 @@ from nemo_gym_tok.splice import (
     InvalidTokenIdsError,
     StalePrefixError,
     StructureMismatchError,
+    check_in_vocabulary,
     check_starts_with,
     check_token_ids,
     detect_profile,
@@ -327,6 +328,31 @@ def test_types_checked_ids_are_still_held_to_the_vocabulary() -> None:
         find_prefix_source(bundled, [1, 100], 100, types_checked=True)
     source = find_prefix_source(bundled, None, 151, types_checked=True)
     assert source is not None and source.prefix == [1, 2, 150] and source.prompt_length == 2
+
+
+def test_a_prefix_found_before_the_vocabulary_is_checked_against_it_where_it_was_sent() -> None:
+    # The adapter finds the prefix once, at validation, before its local template (and vocabulary) is loaded.
+    bundled = [
+        {"role": "user", "content": "a"},
+        {
+            "role": "assistant",
+            "prompt_token_ids": [1, 120],
+            "generation_token_ids": [150],
+            "generation_log_probs": [0.0],
+        },
+    ]
+    source = find_prefix_source(bundled, None, None, types_checked=True)
+    assert source is not None
+    with pytest.raises(InvalidTokenIdsError, match=r"messages\[1\].prompt_token_ids\[1\] = 120 is out of vocab"):
+        check_in_vocabulary(source, 100)
+    with pytest.raises(InvalidTokenIdsError, match=r"messages\[1\].generation_token_ids\[0\] = 150 is out of vocab"):
+        check_in_vocabulary(source, 140)
+    explicit = find_prefix_source(bundled, [3, 200], None, types_checked=True)
+    assert explicit is not None
+    with pytest.raises(InvalidTokenIdsError, match=r"required_prefix_token_ids\[1\] = 200 is out of vocabulary"):
+        check_in_vocabulary(explicit, 151)
+    check_in_vocabulary(source, 151)
+    check_in_vocabulary(source, None)
 
 
 TEXT_CLOSED_TEMPLATE = (

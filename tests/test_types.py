@@ -34,21 +34,6 @@ def test_chat_request_round_trip_keeps_bundles_prefix_and_unknown_fields() -> No
     assert ChatCompletionRequest.model_validate(dumped).model_dump(exclude_unset=True) == body
 
 
-def test_required_prefix_prefers_explicit_then_last_bundle() -> None:
-    other = {"prompt_token_ids": [9], "generation_token_ids": [8], "generation_log_probs": [0.0]}
-    messages = [
-        {"role": "user", "content": "a"},
-        assistant(**other),
-        {"role": "user", "content": "b"},
-        assistant(**BUNDLE),
-    ]
-    derived = ChatCompletionRequest.model_validate({"messages": messages})
-    assert derived.required_prefix() == [1, 2, 3, 4, 5]
-    explicit = ChatCompletionRequest.model_validate({"messages": messages, "required_prefix_token_ids": [7]})
-    assert explicit.required_prefix() == [7]
-    assert ChatCompletionRequest.model_validate({"messages": messages[:1]}).required_prefix() is None
-
-
 @pytest.mark.parametrize("missing", ["prompt_token_ids", "generation_token_ids", "generation_log_probs"])
 def test_bundle_with_a_field_missing_is_rejected_naming_it(missing: str) -> None:
     partial = {k: v for k, v in BUNDLE.items() if k != missing}

@@ -7,6 +7,7 @@ which the vLLM hook and the adapter share, calls it.
 from nemo_gym_tok.splice._fixed_text import FixedTextMatcher
 from nemo_gym_tok.splice._ids import (
     PrefixSource,
+    check_in_vocabulary,
     check_starts_with,
     check_token_ids,
     find_prefix_source,
@@ -57,6 +58,7 @@ __all__ = [
     "UnsupportedTemplateError",
     "added_token_maps",
     "batch_decoder",
+    "check_in_vocabulary",
     "check_starts_with",
     "check_token_ids",
     "detect_profile",

@@ -63,6 +63,22 @@ def find_prefix_source(
     return None
 
 
+def check_in_vocabulary(source: PrefixSource, vocab_size: int | None) -> None:
+    """A prefix found before the vocabulary was known (the adapter reads it once per call, at validation) checked
+    against `vocab_size`; InvalidTokenIdsError names the first id out of it where the caller sent it."""
+    prefix = source.prefix
+    if vocab_size is None or not prefix or max(prefix) < vocab_size:
+        return
+    position = next(i for i, value in enumerate(prefix) if value >= vocab_size)
+    if source.explicit or source.prompt_length is None:
+        field = f"{PREFIX_KEY}[{position}]"
+    elif position < source.prompt_length:
+        field = f"messages[{source.message_index}].prompt_token_ids[{position}]"
+    else:
+        field = f"messages[{source.message_index}].generation_token_ids[{position - source.prompt_length}]"
+    raise InvalidTokenIdsError(f"{field} = {prefix[position]} is out of vocabulary (size {vocab_size})")
+
+
 def check_starts_with(template_full: Sequence[int], prefix: Sequence[int], decode: Decode | None = None) -> None:
     """For a prefix with no assistant turn to splice: the template's prompt must already start with it."""
     try:

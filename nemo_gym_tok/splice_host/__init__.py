@@ -19,6 +19,7 @@ from nemo_gym_tok.splice_host.request import (
     first_turn_telemetry,
     new_segment_telemetry,
     read_splice_request,
+    within_vocabulary,
 )
 
 __all__ = [
@@ -34,4 +35,5 @@ __all__ = [
     "read_splice_request",
     "scope_key",
     "template_text",
+    "within_vocabulary",
 ]

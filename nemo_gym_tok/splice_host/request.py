@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nemo_gym_tok.splice import NEW_SEGMENT_KEY, PrefixSource, SpliceError, find_prefix_source
+from nemo_gym_tok.splice import NEW_SEGMENT_KEY, PrefixSource, SpliceError, check_in_vocabulary, find_prefix_source
 from nemo_gym_tok.types.tokens import NEW_SEGMENT_REASON_KEY, SEGMENT_ASKED
 
 
@@ -28,11 +28,19 @@ def read_splice_request(
 ) -> SpliceRequest:
     """The prefix of `messages` (the top-level `required_prefix` first, else the last bundle) and the request's
     `start_token_segment` value; raises SpliceError naming what to fix. `types_checked`: every id list was validated
-    as token ids already (find_prefix_source)."""
+    as token ids already (find_prefix_source). Read once per call: the adapter reads it at validation (ChatCall) and
+    hands it on (`within_vocabulary`), the hook when vLLM hands it the parsed request."""
     source = find_prefix_source(messages, required_prefix, vocab_size, types_checked=types_checked)
     if new_segment is not None and not isinstance(new_segment, bool):
         raise SpliceError(f"{NEW_SEGMENT_KEY} must be true or false, got {new_segment!r}")
     return SpliceRequest(source, bool(new_segment))
+
+
+def within_vocabulary(asked: SpliceRequest, vocab_size: int | None) -> SpliceRequest:
+    """`asked`, read before the vocabulary was known, once its ids are checked against `vocab_size` (SpliceError)."""
+    if asked.source is not None:
+        check_in_vocabulary(asked.source, vocab_size)
+    return asked
 
 
 def new_segment_telemetry() -> dict[str, Any]:

@@ -44,13 +44,3 @@ class ChatCompletionRequest(BaseModel):
     required_prefix_token_ids: TokenIds | None = None
     n: int | None = None
     stream: bool | None = None
-
-    def last_bundled_message(self) -> ChatMessage | None:
-        return next((m for m in reversed(self.messages) if m.has_bundle), None)
-
-    def required_prefix(self) -> list[int] | None:
-        """The explicit prefix, else the one derived from the last bundled assistant message."""
-        if self.required_prefix_token_ids is not None:
-            return list(self.required_prefix_token_ids)
-        last = self.last_bundled_message()
-        return last.bundle_prefix() if last else None

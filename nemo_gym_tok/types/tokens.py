@@ -215,12 +215,6 @@ class TokenBundleMixin(BaseModel):
     def has_bundle(self) -> bool:
         return self.prompt_token_ids is not None
 
-    def bundle_prefix(self) -> list[int] | None:
-        """prompt + generation ids: what the next prompt must start with."""
-        if self.prompt_token_ids is None or self.generation_token_ids is None:
-            return None
-        return [*self.prompt_token_ids, *self.generation_token_ids]
-
 
 # The names above must be the model's own fields: a renamed field then fails at import, not in a dict lookup.
 if _unknown := set(BUNDLE_FIELDS) - TokenBundleMixin.model_fields.keys():

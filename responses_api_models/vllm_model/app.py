@@ -280,7 +280,7 @@ class VLLMModel(ModelServer):
                 ),
                 server=url,
                 epoch=lambda: self.upstream.epoch(url),
-                validated=True,  # ChatCall checked every id list
+                asked=chat.asked,  # read once, at validation
             )
             body, telemetry, confirm, telemetry_ready = (
                 spliced.body,

@@ -9,7 +9,10 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from nemo_gym_tok.servers.api_errors import ApiError, validation_message
+from nemo_gym_tok.splice import SpliceError
+from nemo_gym_tok.splice_host import SpliceRequest, read_splice_request
 from nemo_gym_tok.types import ChatCompletionRequest
+from nemo_gym_tok.types.tokens import NEW_SEGMENT_KEY, PREFIX_KEY
 
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -21,8 +24,9 @@ class ChatCall:
     body: dict[str, Any]
     """The caller's body as received (the same dict, id lists not copied), as the validated model reads it: see
     `forwarded_body`."""
-    required_prefix: list[int] | None
-    """The explicit required prefix, else the last bundled assistant message's prompt + generation ids."""
+    asked: SpliceRequest
+    """The prefix (the explicit required prefix, else the last bundled assistant message's prompt + generation ids)
+    and whether a new token segment is asked for: read here once, for every path of the call."""
     n: int | None
     stream: bool
 
@@ -31,7 +35,18 @@ class ChatCall:
         """`body` checked against ChatCompletionRequest (400 naming the field), once: what is forwarded is `body`
         itself, not the model dumped again (which rebuilt every message and copied every id list)."""
         chat = parse_body(ChatCompletionRequest, body)
-        return cls(forwarded_body(body, chat), chat.required_prefix(), chat.n, bool(chat.stream))
+        forwarded = forwarded_body(body, chat)
+        try:
+            asked = read_splice_request(
+                forwarded["messages"], body.get(PREFIX_KEY), body.get(NEW_SEGMENT_KEY), None, types_checked=True
+            )
+        except SpliceError as exc:
+            raise ApiError(400, str(exc), param=PREFIX_KEY) from None
+        return cls(forwarded, asked, chat.n, bool(chat.stream))
+
+    @property
+    def required_prefix(self) -> list[int] | None:
+        return None if self.asked.source is None else self.asked.source.prefix
 
 
 def forwarded_body(body: dict[str, Any], chat: ChatCompletionRequest) -> dict[str, Any]:

@@ -27,8 +27,10 @@ from nemo_gym_tok.splice import NEW_SEGMENT_KEY, PREFIX_KEY, PrefixSource, Splic
 from nemo_gym_tok.splice_host import (
     LocalTemplate,
     ScopedRenderer,
+    SpliceRequest,
     new_segment_telemetry,
     read_splice_request,
+    within_vocabulary,
 )
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 from responses_api_models.vllm_model.developer_role import as_server_renders
@@ -115,21 +117,23 @@ class AdapterSplicer:
         tokenize_body: dict[str, Any],
         server: str = "",
         epoch: Callable[[], int] = lambda: 0,
-        validated: bool = False,
+        asked: SpliceRequest | None = None,
     ) -> SplicedCall:
         """The token-in chat body for `body` (a chat request as vLLM would get it) and its telemetry.
 
         `tokenize_body` is the /tokenize request that renders the same prompt; `server` names the vLLM server the
         request goes to and `epoch()` its connection epoch (VLLMUpstream.epoch), which the template proofs are kept
-        by; `validated`: `body` passed the adapter's request model (ChatCall), whose id lists are checked already.
+        by; `asked`: the request's prefix as the adapter read it at validation (ChatCall), else read here.
         Raises ApiError: 400 for a prefix that cannot be proven exact (as the hook answers), 502 when the local
         template is not the server's.
         """
         messages = body.get("messages") or []
         template = await self._template(get)
         try:
-            asked = read_splice_request(
-                messages, body.get(PREFIX_KEY), body.get(NEW_SEGMENT_KEY), template.vocab_size, types_checked=validated
+            asked = (
+                read_splice_request(messages, body.get(PREFIX_KEY), body.get(NEW_SEGMENT_KEY), template.vocab_size)
+                if asked is None
+                else within_vocabulary(asked, template.vocab_size)
             )
         except SpliceError as exc:
             raise ApiError(400, str(exc), param=PREFIX_KEY) from None
