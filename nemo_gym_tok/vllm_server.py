@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -14,6 +12,7 @@ from pathlib import Path
 
 import httpx
 
+from nemo_gym_tok.common.managed_process import ManagedProcess, log_tail
 from nemo_gym_tok.common.net import free_port, port_in_use
 
 # Flags measured to work on 2-core CPU machines (docs/getting-started.md); GPU users pass their own.
@@ -99,7 +98,8 @@ class VLLMServer:
         self.startup_timeout = startup_timeout
         self.hook = hook
         """True: started through `ngt vllm-serve` (prefix-splice hook on); False: stock vLLM."""
-        self.process: subprocess.Popen[bytes] | None = None
+        self.process: ManagedProcess | None = None
+        """The running server, its engine core in its process group (None before `start`)."""
 
     @property
     def base_url(self) -> str:
@@ -123,15 +123,7 @@ class VLLMServer:
         if port_in_use(self.host, self.port):
             # Otherwise the health check would find the other server and report success.
             raise VLLMStartupError(f"{self.host}:{self.port} is already in use; stop what listens there or pick a port")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                self.argv(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **self.env},
-                start_new_session=True,
-            )
+        self.process = ManagedProcess.start(self.argv(), log_path=self.log_path, env={**os.environ, **self.env})
         try:
             self._wait_until_healthy()
         except BaseException:
@@ -144,7 +136,7 @@ class VLLMServer:
         deadline = time.monotonic() + self.startup_timeout
         with httpx.Client(timeout=5.0) as http:
             while time.monotonic() < deadline:
-                code = self.process.poll()
+                code = self.process.returncode
                 if code is not None:
                     raise VLLMStartupError(
                         f"vLLM exited with code {code} during start-up ({' '.join(self.argv())}).\n"
@@ -162,21 +154,12 @@ class VLLMServer:
         )
 
     def log_tail(self, lines: int = 60) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return log_tail(self.log_path, lines)
 
     def stop(self, grace: float = 20.0) -> None:
-        """SIGTERM the whole process group (vLLM spawns an engine process), then SIGKILL after `grace`."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        """SIGTERM the whole process group (vLLM spawns an engine process), then SIGKILL it after `grace`."""
+        if self.process is not None:
+            self.process.stop(grace)
 
     def __enter__(self) -> VLLMServer:
         return self.start()

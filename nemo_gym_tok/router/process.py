@@ -5,18 +5,15 @@ from __future__ import annotations
 import importlib.util
 import ipaddress
 import os
-import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 import httpx
 
+from nemo_gym_tok.common.managed_process import ManagedProcess, log_tail
 from nemo_gym_tok.common.net import free_port, port_in_use, shared_ssl_context
 from nemo_gym_tok.router.workers import RouterError, list_workers, worker_base_url
 
@@ -40,7 +37,6 @@ LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error")
 _RUST_LOG = {"debug": "debug", "info": "info", "warning": "warn", "error": "error"}
 # Flags the spec's own fields set and RouterProcess relies on (readiness, ports): extra_args may not repeat them.
 _OWNED_FLAGS = ("--host", "--port", "--worker-urls", "--policy", "--prometheus-port", "--api-key")
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class RouterStartError(RuntimeError):
@@ -245,8 +241,7 @@ class RouterProcess:
         self.log_path = Path(log_path) if log_path is not None else None
         self.port: int | None = None
         self.prometheus_port: int | None = None
-        self._process: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
+        self._process: ManagedProcess | None = None
 
     @property
     def url(self) -> str:
@@ -261,7 +256,7 @@ class RouterProcess:
 
     @property
     def running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
+        return self._process is not None and self._process.alive
 
     def _name(self) -> str:
         where = f"{self.spec.host}:{self.port}" if self.port is not None else self.spec.host
@@ -284,13 +279,9 @@ class RouterProcess:
         self.prometheus_port = free_port(host)
         if self.log_path is None:
             self.log_path = Path(tempfile.mkdtemp(prefix="ngt-router-")) / "router.log"
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "wb")
-        self._process = subprocess.Popen(
+        self._process = ManagedProcess.start(
             router_command(self.spec, self.port, self.prometheus_port),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
+            log_path=self.log_path,
             env={**os.environ, "RUST_LOG": _RUST_LOG[self.spec.log_level]},
         )
         try:
@@ -307,7 +298,7 @@ class RouterProcess:
         state = "no answer yet"
         with httpx.Client(timeout=5.0, verify=shared_ssl_context()) as http:
             while True:
-                code = self._process.poll()
+                code = self._process.returncode
                 if code is not None:
                     raise RouterStartError(
                         f"{self._name()} exited with code {code} during start-up.\n"
@@ -337,26 +328,14 @@ class RouterProcess:
         """The last `lines` lines of the router's log, colour codes removed."""
         if self.log_path is None:
             return "(no log yet)"
-        try:
-            text = self.log_path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(_ANSI.sub("", text).splitlines()[-lines:])
+        return log_tail(self.log_path, lines, strip_ansi=True)
 
     def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after `grace` seconds; does nothing when not running. The router's own graceful
-        shutdown waits for requests in flight, which a long generation would stretch past any grace."""
-        process = self._process
-        if process is not None and process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        """SIGTERM to the router's process group, then SIGKILL after `grace` seconds (ManagedProcess.stop); does
+        nothing once stopped. The router's own graceful shutdown waits for requests in flight, which a long
+        generation would stretch past any grace."""
+        if self._process is not None:
+            self._process.stop(grace)
 
     def __enter__(self) -> RouterProcess:
         return self.start()

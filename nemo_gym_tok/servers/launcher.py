@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -15,6 +12,7 @@ from typing import Any
 
 import httpx
 
+from nemo_gym_tok.common.managed_process import ManagedProcess
 from nemo_gym_tok.config import GymConfig, ServerInstance
 from nemo_gym_tok.router import RouterProcess, RouterStartError
 from nemo_gym_tok.servers.auth import AUTH_TOKEN_ENV, auth_headers, auth_token_of
@@ -56,7 +54,7 @@ class ChildServer:
 
     name: str
     url: str
-    process: subprocess.Popen[bytes]
+    process: ManagedProcess
     instance: ServerInstance
     listener: socket.socket
     history: CrashHistory
@@ -85,7 +83,7 @@ class Gym:
         self.auth_token: str | None = None
         """The gym's bearer token (config `auth_token`, else $NGT_AUTH_TOKEN); set by `start()`."""
         self.restart = RestartPolicy()
-        self.nemo_gym_children: dict[str, subprocess.Popen[bytes]] = {}
+        self.nemo_gym_children: dict[str, ManagedProcess] = {}
         """NeMo Gym servers started from their package (an instance with `nemo_gym_python`), by instance name: not
         restarted (their state is NeMo Gym's), stopped with the rest."""
         self.routers: dict[str, RouterProcess] = {}
@@ -160,30 +158,31 @@ class Gym:
 
     def _spawn(self, instance: ServerInstance, port: int, url: str) -> None:
         listener = self._listeners[instance.name]
-        process = self._popen(instance, port, listener)
+        process = self._start_server(instance, port, listener)
         self.children.append(ChildServer(instance.name, url, process, instance, listener, CrashHistory(self.restart)))
 
     def _spawn_nemo_gym(self, instance: ServerInstance, port: int) -> None:
         # NeMo Gym's server binds its own socket: the port reserved for it is let go just before it starts.
         self._listeners.pop(instance.name).close()
         try:
-            process = start_nemo_gym_server(instance, _host_of(instance), port, preexec_fn=_die_with_parent)
+            process = start_nemo_gym_server(instance, _host_of(instance), port, die_with_parent=True)
         except NeMoGymStartError as exc:
             raise LaunchError(str(exc)) from None
         self.nemo_gym_children[instance.name] = process
 
-    def _popen(self, instance: ServerInstance, port: int, listener: socket.socket) -> subprocess.Popen[bytes]:
+    def _start_server(self, instance: ServerInstance, port: int, listener: socket.socket) -> ManagedProcess:
         spec = spec_for(instance, port=port, servers=self.urls, head_url=self.head_url, listen_fd=listener.fileno())
         env = {**os.environ, SPEC_ENV: spec}
         env.pop(AUTH_TOKEN_ENV, None)  # the config's token wins over the caller's environment, and none means none
         if self.auth_token:
             env[AUTH_TOKEN_ENV] = self.auth_token
-        return subprocess.Popen(
+        # A process group of its own: Ctrl-C reaches only the supervisor, which stops children in order; the kernel
+        # SIGTERMs the child if the supervisor dies, even by SIGKILL.
+        return ManagedProcess.start(
             [sys.executable, "-m", "nemo_gym_tok.servers.serve"],
             env=env,
             pass_fds=(listener.fileno(),),  # the child serves on the socket the supervisor bound and keeps
-            start_new_session=True,  # Ctrl-C reaches only the supervisor, which stops children in order
-            preexec_fn=_die_with_parent,
+            die_with_parent=True,
         )
 
     def _wait_until_ready(self, external: dict[str, str]) -> None:
@@ -195,7 +194,7 @@ class Gym:
             while pending:
                 for child in list(pending):
                     name, url, process = child
-                    code = process.poll()
+                    code = process.returncode
                     if code is not None:
                         raise LaunchError(f"server {name!r} exited with code {code} before becoming healthy")
                     try:
@@ -211,7 +210,7 @@ class Gym:
 
     def exited_child(self) -> ChildServer | None:
         """The first child that has exited, if any."""
-        return next((c for c in self.children if c.process.poll() is not None), None)
+        return next((c for c in self.children if not c.process.alive), None)
 
     def supervise(self, report: Callable[[str], None]) -> str | None:
         """One supervision pass: schedule, run and follow restarts of exited children; `report` gets each event.
@@ -226,11 +225,12 @@ class Gym:
         if router_gone is not None:
             return f"{router_gone} (ngt run does not restart routers)"
         for name, process in self.nemo_gym_children.items():
-            if process.poll() is not None:
+            if not process.alive:
                 return f"NeMo Gym server {name!r} {describe_exit(process.returncode)} (ngt run does not restart those)"
         for child in self.children:
-            code = child.process.poll()
+            code = child.process.returncode
             if code is not None and child.restart_at is None:
+                child.process.kill()  # what the exited server left in its process group; reaps it
                 delay = child.history.restart_delay(now)
                 if delay is None:
                     return self._give_up_reason(child, code)
@@ -243,7 +243,7 @@ class Gym:
                 )
             elif code is not None and child.restart_at is not None and now >= child.restart_at:
                 port = int(child.listener.getsockname()[1])
-                child.process = self._popen(child.instance, port, child.listener)
+                child.process = self._start_server(child.instance, port, child.listener)
                 child.restart_at = None
                 child.restarts += 1
                 report(f"server {child.name!r} restarted (pid {child.process.pid})")
@@ -272,18 +272,13 @@ class Gym:
             return False
 
     def stop(self) -> None:
-        """SIGTERM every child, wait up to the grace period, then SIGKILL whatever is left."""
+        """SIGTERM every child's process group, wait up to the grace period, then SIGKILL whatever is left."""
         processes = [child.process for child in self.children] + list(self.nemo_gym_children.values())
         for process in processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
+            process.terminate()  # all at once: they shut down side by side within one grace period
         deadline = time.monotonic() + STOP_GRACE_SECONDS
         for process in processes:
-            try:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            process.stop(grace=max(0.0, deadline - time.monotonic()))
         self.children.clear()
         self.nemo_gym_children.clear()
         stop_routers(self.routers)  # after the adapters, which call through them
@@ -333,10 +328,3 @@ def _host_of(instance: ServerInstance) -> str:
 
 def _client_host(bind_host: str) -> str:
     return "127.0.0.1" if bind_host in ("0.0.0.0", "") else bind_host
-
-
-def _die_with_parent() -> None:
-    # Linux: the kernel sends SIGTERM to the child if the supervisor dies, even by SIGKILL.
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)

@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from nemo_gym_tok.common.exact_json import loads_exact
+from nemo_gym_tok.common.managed_process import ManagedProcess
 from nemo_gym_tok.config import ServerInstance
 from nemo_gym_tok.servers.auth import AUTH_TOKEN_ENV
 
@@ -39,10 +39,11 @@ def start_nemo_gym_server(
     instance: ServerInstance,
     host: str,
     port: int,
-    preexec_fn: Callable[[], None] | None = None,
-) -> subprocess.Popen[bytes]:
-    """Resolve the instance's config with NeMo Gym's parser and start its server process on `host`:`port`
-    (`preexec_fn`: what the launcher runs in each child before it starts, e.g. to die with the launcher)."""
+    *,
+    die_with_parent: bool = False,
+) -> ManagedProcess:
+    """Resolve the instance's config with NeMo Gym's parser and start its server process on `host`:`port`, in a
+    process group of its own (`die_with_parent`: ManagedProcess.start's, for the launcher)."""
     where = f"{instance.name}.{instance.kind}.{instance.implementation}"
     python = instance.fields[NEMO_GYM_PYTHON_KEY]
     if not isinstance(python, str) or not os.access(python, os.X_OK):
@@ -77,10 +78,4 @@ def start_nemo_gym_server(
     env = {**os.environ, "NEMO_GYM_CONFIG_DICT": resolved["config_yaml"], "NEMO_GYM_CONFIG_PATH": instance.name}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     env.pop(AUTH_TOKEN_ENV, None)  # the gym's token is none of a third-party server's business
-    return subprocess.Popen(
-        [python, str(entrypoint)],
-        cwd=folder,
-        env=env,
-        start_new_session=True,
-        preexec_fn=preexec_fn,
-    )
+    return ManagedProcess.start([python, str(entrypoint)], cwd=folder, env=env, die_with_parent=die_with_parent)

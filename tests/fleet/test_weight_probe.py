@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -242,8 +241,7 @@ def test_a_replica_restarted_after_a_push_is_kept_out_by_verify_replicas(
     with pytest.raises(WeightPushError, match="could not reload|probe failed") as refused:
         push_weights([url], checkpoints["bigger-vocab"], version=label("bigger-vocab"), probe=probes["bigger-vocab"])
     print(f"a vocabulary of another size: {refused.value}")
-    os.killpg(rl_vllm_server.process.pid, signal.SIGKILL)
-    rl_vllm_server.process.wait()
+    rl_vllm_server.process.kill()  # the API server and its engine
     rl_vllm_server.start()  # same port, its start-up weights (step 0), label `default`
     assert weight_version(url) == "default"
     with pytest.raises(WeightProbeError, match=f"'default', not '{pushed}'") as caught:

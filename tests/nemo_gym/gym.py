@@ -23,6 +23,8 @@ from typing import Any
 import httpx
 import yaml
 
+from nemo_gym_tok.common.managed_process import ManagedProcess, log_tail
+
 REPO = Path(__file__).resolve().parents[2]
 NEMO_GYM_VENV = Path(os.environ.get("NEMO_GYM_VENV", REPO / ".venv-nemo-gym"))
 NEMO_GYM_PYTHON = NEMO_GYM_VENV / "bin" / "python"
@@ -60,13 +62,11 @@ class GymServer:
     kind: str
     impl: str
     url: str
-    process: subprocess.Popen[bytes] | None = None
+    process: ManagedProcess | None = None
     log_path: Path | None = None
 
     def log_tail(self, lines: int = 40) -> str:
-        if self.log_path is None:
-            return "(no log)"
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return log_tail(self.log_path, lines)
 
 
 @dataclass
@@ -125,15 +125,9 @@ def running_gym(
                 "NEMO_GYM_CONFIG_DICT": config_yaml,
                 "NEMO_GYM_CONFIG_PATH": server.key,
             }
-            with open(server.log_path, "wb") as log:
-                server.process = subprocess.Popen(
-                    [str(NEMO_GYM_PYTHON), "app.py"],
-                    cwd=folder,
-                    env=server_env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
+            server.process = ManagedProcess.start(
+                [str(NEMO_GYM_PYTHON), "app.py"], cwd=folder, env=server_env, log_path=server.log_path
+            )
             gym.servers[server.key] = server
         for server in gym.servers.values():
             _wait_healthy(server, startup_timeout)
@@ -147,7 +141,7 @@ def _wait_healthy(server: GymServer, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert server.process is not None
-        if server.process.poll() is not None:
+        if not server.process.alive:
             raise RuntimeError(f"NeMo Gym server {server.key} exited:\n{server.log_tail()}")
         try:
             if httpx.get(f"{server.url}/health", timeout=2.0).status_code == 200:
@@ -159,14 +153,8 @@ def _wait_healthy(server: GymServer, timeout: float) -> None:
 
 
 def _stop(server: GymServer) -> None:
-    if server.process is None or server.process.poll() is not None:
-        return
-    server.process.terminate()
-    try:
-        server.process.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        server.process.kill()
-        server.process.wait()
+    if server.process is not None:
+        server.process.stop(grace=15)
 
 
 @dataclass

@@ -12,7 +12,6 @@ import copy
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from nemo_gym_tok.common.managed_process import ManagedProcess
 from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, CPU_SERVING_ENV, TEST_BED_ARGS, TEST_BED_ENV
 from tests.nemo_gym import gym
 from tests.nemo_gym.nemo_rl_rule import check_rollout
@@ -93,39 +93,19 @@ def _venv_links(root: Path) -> Path:
 
 
 @contextmanager
-def _background(command: str, env: dict[str, str], cwd: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            ["bash", "-c", command], env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+def _background(command: str, env: dict[str, str], cwd: Path, log: Path) -> Iterator[ManagedProcess]:
+    process = ManagedProcess.start(["bash", "-c", command], env=env, cwd=cwd, log_path=log)
     try:
         yield process
     finally:
-        _stop_group(process)
+        # SIGTERM to the block's process group (gym env start then stops its servers and Ray), SIGKILL what is left.
+        process.stop(grace=45.0)
 
 
-def _stop_group(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the block's process group (gym env start then stops its servers and Ray), SIGKILL what is left."""
-    for sig, wait in ((signal.SIGTERM, 45.0), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(process.pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.5)
-
-
-def _wait_for(
-    what: str, ready: Callable[[], object], process: subprocess.Popen[bytes], log: Path, timeout: float
-) -> None:
+def _wait_for(what: str, ready: Callable[[], object], process: ManagedProcess, log: Path, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if process.poll() is not None:
+        if not process.alive:
             pytest.fail(f"{what} exited ({process.returncode}):\n{log.read_text(errors='replace')[-4000:]}")
         if ready():
             return
