@@ -40,6 +40,7 @@ from benchkit.server import JSON_HEADERS, MODEL, REPO, BenchError, note
 from benchkit.timing import median, process_cpu_seconds, ratio
 
 from nemo_gym_tok.common.exact_json import loads_exact
+from nemo_gym_tok.common.jsonl import read_jsonl
 
 GAME = REPO / "resources_servers" / "number_guess" / "data" / "example.jsonl"
 GYM_PROCESSES = ("head", "policy_model", "number_guess", "number_guess_agent")
@@ -56,7 +57,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def rows(count: int, max_tokens: int) -> list[dict[str, Any]]:
-    examples = [loads_exact(line) for line in GAME.read_text().splitlines() if line.strip()]
+    examples = read_jsonl(GAME)
     made = []
     for index in range(count):
         row = copy.deepcopy(examples[index % len(examples)])

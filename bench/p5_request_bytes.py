@@ -29,6 +29,7 @@ from benchkit.server import MODEL, REPO, BenchError, note
 from benchkit.timing import ratio
 
 from nemo_gym_tok.common.exact_json import loads_exact
+from nemo_gym_tok.common.jsonl import read_jsonl
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 
 GAME = REPO / "resources_servers" / "number_guess" / "data" / "example.jsonl"
@@ -61,7 +62,7 @@ def play(url: str, args: argparse.Namespace) -> tuple[list[Exchange], list[Excha
     from responses_api_agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
     from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 
-    examples = [loads_exact(line) for line in GAME.read_text().splitlines() if line.strip()]
+    examples = read_jsonl(GAME)
     to_vllm = RecordingProxy(url)
     with ExitStack() as stack:
         vllm_proxy = stack.enter_context(serve_app(to_vllm.app()))

@@ -61,7 +61,7 @@ from benchkit.server import MODEL, REPO, BenchError, note, text_of_ids, vllm_ser
 from benchkit.timing import median, ratio
 from targets import Reading
 
-from nemo_gym_tok.common.exact_json import loads_exact
+from nemo_gym_tok.common.jsonl import read_jsonl
 
 GRIDS = REPO / "resources_servers" / "grid_navigation" / "data" / "example.jsonl"
 ENVIRONMENT, AGENT = "grid_navigation", "grid_navigation_agent"
@@ -95,7 +95,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def rows(count: int, first: int, tag: str, max_tokens: int, reference: str) -> list[dict[str, Any]]:
-    grids = [loads_exact(line) for line in GRIDS.read_text().splitlines() if line.strip()]
+    grids = read_jsonl(GRIDS)
     made = []
     for index in range(first, first + count):
         row = copy.deepcopy(grids[index % len(grids)])
@@ -161,8 +161,8 @@ def collect_rows(
     if summary.failed:
         raise BenchError(f"{summary.failed} rollout(s) of {name} failed: {summary.failures_path}")
     ends, spliced = [], 0
-    for line in (directory / f"{name}.jsonl").read_text().splitlines():
-        calls = [i for i in loads_exact(line)["response"]["output"] if "generation_token_ids" in i]
+    for record in read_jsonl(directory / f"{name}.jsonl"):
+        calls = [i for i in record["response"]["output"] if "generation_token_ids" in i]
         spliced += sum(1 for i in calls if (i.get("prefix_splice") or {}).get("applied"))
         if calls:
             last = calls[-1]

@@ -25,7 +25,7 @@ from benchkit.server import MODEL, REPO, BenchError, note, text_of_ids
 from benchkit.timing import ratio
 from targets import Reading, text
 
-from nemo_gym_tok.common.exact_json import loads_exact
+from nemo_gym_tok.common.jsonl import read_jsonl
 
 GAME = REPO / "resources_servers" / "number_guess" / "data" / "example.jsonl"
 ENVIRONMENT, AGENT = "number_guess", "number_guess_agent"
@@ -78,7 +78,7 @@ def parser() -> argparse.ArgumentParser:
 def rows(count: int, first: int, tag: str, max_tokens: int, opening: str) -> list[dict[str, Any]]:
     """Rows `first` to `first + count` of the example games, each opening with its own tag (so no rollout shares a
     cache block with another, nor with another run's), then `opening`."""
-    games = [loads_exact(line) for line in GAME.read_text().splitlines() if line.strip()]
+    games = read_jsonl(GAME)
     made = []
     for index in range(first, first + count):
         row = copy.deepcopy(games[index % len(games)])
@@ -241,7 +241,7 @@ def timed_collection(
     cpu = sum(cpu_seconds(pid) for pid in pids) - cpu
     after = {url: scrape(url, http) for url in workers}
     report = check_file(output)
-    records = [loads_exact(line) for line in output.read_text().splitlines() if line.strip()]
+    records = read_jsonl(output)
     where = spread(records)
     block = block_size(after[workers[0]]) or 0
     ceiling = sum(

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from nemo_gym_tok.common.jsonl import scan_lines
 from nemo_gym_tok.testing.soak_report import OutputCounts, SoakReport, calls_per_replica, redo_reason
 
 ROLLOUTS = 8
@@ -92,7 +93,7 @@ def test_redo_reasons_and_a_replica_that_never_served_after_its_readmission(tmp_
     assert redo_reason({"kind": "http", "http_status": 502}) == "http (HTTP 502)"
     assert redo_reason({"kind": "transport", "http_status": None}) == "transport"
     lines = [json.dumps(rollout(i)) for i in range(ROLLOUTS)]
-    assert calls_per_replica(lines[4:]) == dict.fromkeys(REPLICAS, 4)
+    assert calls_per_replica(scan_lines(lines[4:])) == dict.fromkeys(REPLICAS, 4)
     report = report_of(write(tmp_path / "rollouts.jsonl", [rollout(i) for i in range(ROLLOUTS)]))
     report.pushed_version, report.versions = "soak-1", {"soak-1": 32}
     killed = {

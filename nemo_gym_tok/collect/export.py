@@ -10,7 +10,7 @@ from typing import Any
 from nemo_gym_tok.collect.collect_errors import CollectError
 from nemo_gym_tok.collect.files import failures_path_for, json_line, read_failures, write_atomically
 from nemo_gym_tok.collect.nemo_gym_rows import ExportError, nemo_gym_export
-from nemo_gym_tok.common.exact_json import loads_exact
+from nemo_gym_tok.common.jsonl import scan_jsonl
 
 
 def nemo_gym_failures_path_for(rows_path: str | os.PathLike[str]) -> Path:
@@ -81,24 +81,19 @@ def _read_records(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
     records: list[dict[str, Any]] = []
     labels: list[str] = []
     try:
-        handle = path.open("rb")
+        lines = scan_jsonl(path)
     except FileNotFoundError:
         raise CollectError(f"input file not found: {path}") from None
     except OSError as exc:
         raise CollectError(f"cannot read {path}: {exc.strerror or exc}") from None
-    with handle:
-        for line_number, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            if not raw.endswith(b"\n"):
-                raise CollectError(
-                    f"{path}:{line_number}: the last line is incomplete (a collection killed "
-                    "mid-write): rerun its `ngt collect`, which repairs the file, then export"
-                )
-            try:
-                record = loads_exact(raw)
-            except (UnicodeDecodeError, ValueError) as exc:
-                raise CollectError(f"{path}:{line_number}: not valid JSON ({exc})") from None
-            records.append(record)
-            labels.append(f"{path}:{line_number}")
+    for line in lines:
+        if not line.terminated:  # a collector's output ends in whole lines once its `ngt collect` has resumed
+            raise CollectError(
+                f"{path}:{line.number}: the last line is incomplete (a collection killed "
+                "mid-write): rerun its `ngt collect`, which repairs the file, then export"
+            )
+        if line.value is None:
+            raise CollectError(str(line.error()))
+        records.append(line.value)
+        labels.append(f"{path}:{line.number}")
     return records, labels

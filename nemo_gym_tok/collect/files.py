@@ -12,7 +12,7 @@ from typing import Any
 
 from nemo_gym_tok.collect.collect_errors import CollectError, ResumeError
 from nemo_gym_tok.collect.identity import RolloutId, RolloutKey
-from nemo_gym_tok.common.exact_json import loads_exact
+from nemo_gym_tok.common.jsonl import JsonlLine, scan_jsonl
 from nemo_gym_tok.records.rollout_record import UnknownSchemaVersionError, record_schema_version
 
 FAILURES_SUFFIX = ".failures.jsonl"
@@ -27,40 +27,37 @@ def repair_output(output_path: str | os.PathLike[str]) -> tuple[list[RolloutId],
     """Rollout ids of the output's records; truncates a torn last line (a kill mid-write) away.
 
     Returns (ids, whether the file was truncated). Only a last line without its newline can be left by a killed
-    collector (a record is one write, and a failed write is undone); any other bad line is an error to fix.
+    collector (a record is one write, and a failed write is undone): it is cut even when it reads, since the next
+    record is appended after it. Any other bad line is an error to fix (the policy of nemo_gym_tok.common.jsonl).
     """
     path = Path(output_path)
     if not path.exists():
         return [], False
     ids: list[RolloutId] = []
-    good_end = 0  # byte offset just past the last complete line
-    with path.open("rb") as handle:
-        for line_number, raw in enumerate(handle, start=1):
-            if not raw.endswith(b"\n"):
-                os.truncate(path, good_end)  # the last line: nothing follows a line without a newline
-                return ids, True
-            try:
-                ids.append(_record_id(raw))
-            except UnknownSchemaVersionError as exc:
-                raise ResumeError(
-                    f"{path}:{line_number}: {exc}; resume it with the nemo_gym_tok that wrote it, or "
-                    "collect into another --output"
-                ) from None
-            except ValueError as exc:
-                raise CollectError(
-                    f"{path}:{line_number}: {exc}; the output file was edited or written by something "
-                    "else: fix or remove that line"
-                ) from None
-            good_end += len(raw)
+    for line in scan_jsonl(path):
+        if not line.terminated:
+            os.truncate(path, line.start)  # the last line: nothing follows a line without a newline
+            return ids, True
+        try:
+            ids.append(_record_id(line))
+        except UnknownSchemaVersionError as exc:
+            raise ResumeError(
+                f"{path}:{line.number}: {exc}; resume it with the nemo_gym_tok that wrote it, or "
+                "collect into another --output"
+            ) from None
+        except ValueError as exc:
+            raise CollectError(
+                f"{path}:{line.number}: {exc}; the output file was edited or written by something "
+                "else: fix or remove that line"
+            ) from None
     return ids, False
 
 
-def _record_id(raw: bytes) -> RolloutId:
-    try:
-        record = loads_exact(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ValueError(f"not valid JSON ({exc})") from None
-    if not isinstance(record, dict) or "rollout_id" not in record:
+def _record_id(line: JsonlLine) -> RolloutId:
+    record = line.value
+    if record is None:
+        raise ValueError(line.problem)
+    if "rollout_id" not in record:
         raise ValueError("not a rollout record (no rollout_id)")
     record_schema_version(record)  # a version this collector cannot read back must not be appended to
     return RolloutId.from_json(record["rollout_id"])
@@ -72,14 +69,14 @@ def read_failures(failures_path: str | os.PathLike[str]) -> dict[RolloutKey, dic
     entries: dict[RolloutKey, dict[str, Any]] = {}
     if not path.exists():
         return entries
-    with path.open("rb") as handle:
-        for raw in handle:
-            # A side file: a line torn by a kill, or otherwise unreadable, only loses a reason, never a rollout.
-            try:
-                entry = loads_exact(raw)
-                entries[RolloutId.from_json(entry["rollout_id"]).key] = entry
-            except (UnicodeDecodeError, ValueError, KeyError, TypeError):
-                continue
+    for line in scan_jsonl(path):
+        # A side file: a line torn by a kill, or otherwise unreadable, only loses a reason, never a rollout.
+        if line.value is None:
+            continue
+        try:
+            entries[RolloutId.from_json(line.value["rollout_id"]).key] = line.value
+        except (ValueError, KeyError, TypeError):
+            continue
     return entries
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from nemo_gym_tok.collect.collect_errors import InputError
-from nemo_gym_tok.common.exact_json import loads_exact
+from nemo_gym_tok.common.jsonl import scan_jsonl
 
 ROW_HASH_HEX_DIGITS = 16
 """64 bits of SHA-256: a collision between two different rows of a data set is not a practical concern."""
@@ -100,7 +100,9 @@ class InputRows:
 
 
 def read_input(input_path: str | os.PathLike[str], limit: int | None = None) -> InputRows:
-    """The input's rows with their identities; a line in scope that is not a JSON object is an InputError.
+    """The input's rows with their identities; a line in scope that is not a JSON object is an InputError, a torn
+    last line included: a row that does not read is refused, never skipped (the input is the user's, not a file a
+    killed writer left behind).
 
     Lines past `limit` are neither run nor validated: an unreadable one only has no identity.
     """
@@ -108,33 +110,25 @@ def read_input(input_path: str | os.PathLike[str], limit: int | None = None) -> 
     rows: list[InputRow] = []
     seen: Counter[str] = Counter()
     try:
-        handle = path.open("rb")
+        lines = scan_jsonl(path)
     except FileNotFoundError:
         raise InputError(f"input file not found: {path}") from None
     except OSError as exc:
         raise InputError(f"cannot read input file {path}: {exc.strerror or exc}") from None
-    with handle:
-        index = 0
-        for line_number, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            in_scope = limit is None or index < limit
-            try:
-                row = loads_exact(raw)
-            except (UnicodeDecodeError, ValueError) as exc:
-                if in_scope:
-                    raise InputError(f"{path}:{line_number}: not valid JSON ({exc})") from None
-                row = None
-            if not isinstance(row, dict):
-                if in_scope:
-                    raise InputError(f"{path}:{line_number}: expected a JSON object, got {type(row).__name__}")
-                index += 1
-                continue
-            digest = row_hash(row)
-            if in_scope:
-                rows.append(InputRow(index, row, digest, seen[digest]))
-            seen[digest] += 1
+    index = 0
+    for line in lines:
+        in_scope = limit is None or index < limit
+        if in_scope:
+            if line.problem is not None:
+                raise InputError(str(line.error()))
+        if line.value is None:  # past the limit: no identity
             index += 1
+            continue
+        digest = row_hash(line.value)
+        if in_scope:
+            rows.append(InputRow(index, line.value, digest, seen[digest]))
+        seen[digest] += 1
+        index += 1
     every_row = frozenset((digest, occurrence) for digest, count in seen.items() for occurrence in range(count))
     return InputRows(path, rows, every_row)
 

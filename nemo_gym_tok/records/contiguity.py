@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_tok.common.exact_json import loads_exact
+from nemo_gym_tok.common.jsonl import TORN, scan_jsonl
 from nemo_gym_tok.contract.token_sources import PrefixMismatchError, check_prefix
 from nemo_gym_tok.records.rollout_record import MalformedRecordError, UnknownSchemaVersionError, full_output
 from nemo_gym_tok.types.tokens import (
@@ -241,51 +241,50 @@ class ContiguityReport:
 
 
 def check_file(path: str | Path, decode: Decode | None = None, max_failures: int = 5) -> ContiguityReport:
-    """Walk every rollout record (one JSON object per line) of `path`."""
+    """Walk every rollout record (one JSON object per line) of `path`; a line that is not one, a torn last line too,
+    is counted unreadable and named among the failures (nemo_gym_tok.common.jsonl's scan)."""
     report = ContiguityReport()
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
+    for line in scan_jsonl(path):
+        number, record = line.number, line.value
+        if record is None:  # a torn last line too: the rollout it held is not in the file
+            report.unreadable_lines += 1
+            if len(report.failures) < max_failures:
+                report.failures.append(f"line {number}: {TORN if line.torn else line.problem}")
+            continue
+        report.rollouts += 1
+        label = f"line {number}" + (f" (rollout {record['rollout_id']})" if "rollout_id" in record else "")
+        try:
+            turns = bundled_turns(record)
+        except (UnknownSchemaVersionError, MalformedRecordError) as exc:
+            report.unreadable_records += 1
+            if len(report.failures) < max_failures:
+                report.failures.append(f"{label}: {exc}")
+            continue
+        report.turns += len(turns)
+        report.multi_turn += len(turns) > 1
+        report.repaired_turns += sum(turn.repaired for turn in turns)
+        unasked = [(index, turn.unasked_segment) for index, turn in enumerate(turns) if turn.unasked_segment]
+        report.unasked_segments += len(unasked)
+        report.new_segments += sum(turn.starts_segment for turn in turns) - len(unasked)
+        report.unknown_versions += bool(turns) and has_unknown_weight_version(turns)
+        if spans_weight_versions(turns):
+            report.spanning_versions += 1
+            if len(report.spanning_examples) < max_failures:
+                report.spanning_examples.append(f"{label}: {describe_weight_versions(turns)}")
+        problem = None
+        if not turns:
+            report.without_bundles += 1
+            problem = "no token bundles"
+        else:
             try:
-                record = loads_exact(line)
-            except ValueError:
-                report.unreadable_lines += 1
-                continue
-            report.rollouts += 1
-            label = f"line {number}" + (f" (rollout {record['rollout_id']})" if "rollout_id" in record else "")
-            try:
-                turns = bundled_turns(record)
-            except (UnknownSchemaVersionError, MalformedRecordError) as exc:
-                report.unreadable_records += 1
-                if len(report.failures) < max_failures:
-                    report.failures.append(f"{label}: {exc}")
-                continue
-            report.turns += len(turns)
-            report.multi_turn += len(turns) > 1
-            report.repaired_turns += sum(turn.repaired for turn in turns)
-            unasked = [(index, turn.unasked_segment) for index, turn in enumerate(turns) if turn.unasked_segment]
-            report.unasked_segments += len(unasked)
-            report.new_segments += sum(turn.starts_segment for turn in turns) - len(unasked)
-            report.unknown_versions += bool(turns) and has_unknown_weight_version(turns)
-            if spans_weight_versions(turns):
-                report.spanning_versions += 1
-                if len(report.spanning_examples) < max_failures:
-                    report.spanning_examples.append(f"{label}: {describe_weight_versions(turns)}")
-            problem = None
-            if not turns:
-                report.without_bundles += 1
-                problem = "no token bundles"
-            else:
-                try:
-                    check_contiguous(turns, decode)
-                    if unasked:
-                        index, why = unasked[0]
-                        problem = f"model call {index + 1} started a new token segment nobody asked for: {why}"
-                    else:
-                        report.contiguous += 1
-                except NotContiguousError as exc:
-                    problem = str(exc)
-            if problem and len(report.failures) < max_failures:
-                report.failures.append(f"{label}: {problem}")
+                check_contiguous(turns, decode)
+                if unasked:
+                    index, why = unasked[0]
+                    problem = f"model call {index + 1} started a new token segment nobody asked for: {why}"
+                else:
+                    report.contiguous += 1
+            except NotContiguousError as exc:
+                problem = str(exc)
+        if problem and len(report.failures) < max_failures:
+            report.failures.append(f"{label}: {problem}")
     return report

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from nemo_gym_tok.common.exact_json import loads_exact
+from nemo_gym_tok.common.jsonl import read_jsonl
 from nemo_gym_tok.contract.conversion import responses_to_chat_request
 from nemo_gym_tok.records.contiguity import BundledTurn, bundled_turns, segments
 from nemo_gym_tok.records.rollout_record import full_output
@@ -243,16 +244,9 @@ def write_page(
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """The JSON objects of a JSONL file, blank lines skipped (an unreadable line raises, naming it)."""
-    records = []
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if line.strip():
-                try:
-                    records.append(loads_exact(line))
-                except ValueError as exc:
-                    raise ValueError(f"{path}: line {number} is not JSON: {exc}") from None
-    return records
+    """The JSON objects of a JSONL file by the gym's one policy (nemo_gym_tok.common.jsonl): blank lines skipped, a
+    torn last line skipped with a warning, any other bad line a JsonlError naming it."""
+    return read_jsonl(path)
 
 
 _PAGE = """<!DOCTYPE html>

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_tok.common.exact_json import loads_exact
+from nemo_gym_tok.common.jsonl import iter_jsonl
 from nemo_gym_tok.records.rollout_record import full_output
 from nemo_gym_tok.records.training import TrainingSequence, rollout_to_training_sequences
 
@@ -265,14 +265,11 @@ def transformers_scorer(model_dir: str | Path, device: str | None = None) -> Sco
 
 
 def read_records(paths: Iterable[str | Path]) -> list[tuple[str, dict[str, Any]]]:
-    """(name, record) per line of each JSONL file; the name is the rollout id or file:line."""
+    """(name, record) per line of each JSONL file; the name is the rollout id or file:line. The gym's one policy
+    (nemo_gym_tok.common.jsonl): a torn last line skipped with a warning, any other bad line a JsonlError."""
     records = []
     for path in paths:
-        with open(path, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, 1):
-                if line.strip():
-                    record = loads_exact(line)
-                    records.append((f"{Path(path).name}:{number}", record))
+        records += [(f"{Path(path).name}:{number}", record) for number, record in iter_jsonl(path)]
     return records
 
 

@@ -10,10 +10,9 @@ counts and the faults they catch are nemo_gym_tok/testing/soak_report.py's.
 from __future__ import annotations
 
 import argparse
+import io
 import json
-import os
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_gym_tok.collect import failures_path_for, read_failures
+from nemo_gym_tok.common.jsonl import read_jsonl, scan_lines
 from nemo_gym_tok.config import load_config
 from nemo_gym_tok.servers.launcher import Gym
 from nemo_gym_tok.testing.gym_configs import demo_config_behind_router
@@ -60,8 +60,7 @@ class Replica:
 
     def kill_and_restart(self) -> None:
         assert self.server.process is not None
-        os.killpg(self.server.process.pid, signal.SIGKILL)  # the API server and its engine: a crash, no goodbye
-        self.server.process.wait(timeout=60)
+        self.server.process.kill()  # the API server and its engine: a crash, no goodbye
         old = self.server
         self.server = VLLMServer(
             old.model,
@@ -115,7 +114,7 @@ class Soak:
         log: Callable[[str], None] = print,
         keep: KeepWeights | None = None,
     ) -> None:
-        rows = sum(1 for line in ROWS.read_text().splitlines() if line.strip())
+        rows = len(read_jsonl(ROWS))
         if rollouts % rows:
             raise ValueError(f"rollouts must be a multiple of {rows} (the number_guess rows)")
         self.replicas, self.workdir = list(replicas), workdir
@@ -282,7 +281,7 @@ class Soak:
         else:
             name = ENVIRONMENT if kind == "environment" else AGENT
             child = next(child for child in gym.children if child.name == name)
-            os.killpg(child.process.pid, signal.SIGKILL)
+            child.process.kill()  # the server and its process group; ngt run's supervisor sees the exit
             target, note = f"{name} (pid {child.process.pid})", "restarted by ngt run"
         self.kills.append({"at": at, "kind": kind, "target": target, "note": note})
         self.log(f"soak: {at:.0f} s: killed {kind} {target}: {note}")
@@ -322,14 +321,14 @@ class Soak:
         start = max((size for at, size in self.sizes if at <= readmitted_at), default=0)
         if start and written[start - 1 : start] != b"\n":  # a line being written then: the calls after begin past it
             start = written.find(b"\n", start) + 1 or len(written)
-        served = calls_per_replica(written[start:].decode("utf-8", errors="replace").splitlines())
+        served = calls_per_replica(scan_lines(io.BytesIO(written[start:])))
         total = sum(served.values())
         return served[figure["url"]] / total if total else None
 
 
 def gym_rss(gym: Gym) -> dict[str, int]:
     """RSS (KiB) of every process `ngt run` started: its servers and its routers."""
-    pids = {child.name: child.process.pid for child in gym.children if child.process.poll() is None}
+    pids = {child.name: child.process.pid for child in gym.children if child.process.alive}
     pids.update({f"router:{name}": router.pid for name, router in gym.routers.items() if router.pid is not None})
     found = {}
     for name, pid in pids.items():

@@ -5,12 +5,12 @@ run: `tests/test_soak_report.py` plants a lost rollout, a torn line mid-file and
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_tok.common.exact_json import loads_exact
+from nemo_gym_tok.common.jsonl import JsonlLine, scan_jsonl
 from nemo_gym_tok.records.contiguity import check_file
 from nemo_gym_tok.types.tokens import REPLICA_KEY
 
@@ -36,32 +36,33 @@ class OutputCounts:
     @classmethod
     def read(cls, path: Path) -> OutputCounts:
         counts, keys = cls(), []
-        for line in path.read_text().splitlines():
+        for line in scan_jsonl(path):
+            rollout = line.value.get("rollout_id") if line.value is not None else None
             try:
-                record = loads_exact(line)
-                rollout = record["rollout_id"]
                 keys.append((rollout["row_hash"], rollout["occurrence"], rollout["repeat"], rollout["agent"]))
-            except (ValueError, KeyError, TypeError):
+            except (KeyError, TypeError):  # no object (torn, anywhere in the file), or not a whole record
                 counts.torn_lines += 1
         counts.written, counts.distinct = len(keys), len(set(keys))
         report = check_file(path)
         counts.contiguous, counts.new_segments = report.contiguous, report.new_segments
         counts.unasked_segments = report.unasked_segments
-        counts.calls_per_replica = dict(calls_per_replica(path.read_text().splitlines()))
+        counts.calls_per_replica = dict(calls_per_replica(scan_jsonl(path)))
         return counts
 
 
-def bundled_items(lines: list[str]) -> Iterator[dict[str, Any]]:
-    """The output items that carry a bundle, over the whole records among `lines` (torn lines skipped)."""
+def bundled_items(lines: Iterable[JsonlLine]) -> Iterator[dict[str, Any]]:
+    """The output items that carry a bundle, over the whole records among `lines` (scan_jsonl's or scan_lines'; torn
+    lines skipped)."""
     for line in lines:
-        try:
-            output = loads_exact(line)["response"]["output"]
-        except (ValueError, KeyError, TypeError):
-            continue
-        yield from (item for item in output if isinstance(item, dict) and item.get("generation_token_ids") is not None)
+        response = line.value.get("response") if line.value is not None else None
+        output = response.get("output") if isinstance(response, dict) else None
+        if isinstance(output, list):
+            yield from (
+                item for item in output if isinstance(item, dict) and item.get("generation_token_ids") is not None
+            )
 
 
-def calls_per_replica(lines: list[str]) -> Counter[str]:
+def calls_per_replica(lines: Iterable[JsonlLine]) -> Counter[str]:
     """Model calls per replica over the whole records among `lines` (the replica each bundle names)."""
     return Counter(str(item.get(REPLICA_KEY) or "unnamed") for item in bundled_items(lines))
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nemo_gym_tok.common.jsonl import scan_jsonl
 from nemo_gym_tok.router import list_workers
 from nemo_gym_tok.testing.soak_report import bundled_items
 from nemo_gym_tok.weights import FleetKeeper, FleetWeights, KeeperEvent, WeightProbe, push_weights
@@ -53,7 +54,7 @@ def wait_readmitted(
 def bundle_versions(rollouts: Path) -> Counter[str]:
     """Model calls per weight version (`weight_version` of every output item carrying a bundle; `None` when unlabelled)
     over a rollouts file, torn lines skipped."""
-    return Counter(str(item.get("weight_version")) for item in bundled_items(rollouts.read_text().splitlines()))
+    return Counter(str(item.get("weight_version")) for item in bundled_items(scan_jsonl(rollouts)))
 
 
 def replica_figures(

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_gym_tok.common.exact_json import loads_exact
+from nemo_gym_tok.common.jsonl import read_jsonl
 from nemo_gym_tok.records.training import rollout_to_training_sequence
 from nemo_gym_tok.train.correction import Correction, CorrectionFigures
 from nemo_gym_tok.train.staleness import token_versions
@@ -134,10 +135,7 @@ def rewards_by_version(records_dir: Path, label_prefix: str) -> dict[int, list[f
     record files."""
     found: dict[int, list[float]] = {}
     for path in sorted(records_dir.glob("step-[0-9][0-9][0-9].jsonl")):  # not the rows beside them
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if not line.strip():
-                continue
-            record = loads_exact(line)
+        for record in read_jsonl(path):
             label = rollout_to_training_sequence(record).weight_versions[0]
             if label is None or not label.startswith(label_prefix):
                 raise ValueError(f"{path}: an episode drawn by {label!r}, not by a push of this run ({label_prefix}N)")
@@ -150,11 +148,10 @@ def unknown_versions(records_dir: Path) -> int:
     so a finished run should have none: this counts what the files say, not what the run believed)."""
     count = 0
     for path in sorted(records_dir.glob("step-[0-9][0-9][0-9].jsonl")):  # not the rows beside them
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                sequence = rollout_to_training_sequence(loads_exact(line))
-                versions = token_versions(sequence)
-                count += sum(1 for version, sampled in zip(versions, sequence.loss_mask) if sampled and version is None)
+        for record in read_jsonl(path):
+            sequence = rollout_to_training_sequence(record)
+            versions = token_versions(sequence)
+            count += sum(1 for version, sampled in zip(versions, sequence.loss_mask) if sampled and version is None)
     return count
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_gym_tok.collect import collect, failures_path_for, read_failures
-from nemo_gym_tok.common.exact_json import loads_exact
+from nemo_gym_tok.common.jsonl import read_jsonl
 
 INPUT_SUFFIX = ".input.jsonl"
 
@@ -54,7 +54,7 @@ def collect_step(
             f"{summary.failed} of {len(rows)} rollouts failed (see {failures_path_for(output)}): "
             + " | ".join(reasons[:3])
         )
-    records = [loads_exact(line) for line in output.read_text(encoding="utf-8").splitlines() if line.strip()]
+    records = read_jsonl(output)
     records.sort(key=lambda record: int(record["rollout_id"]["row"]))
     if [record["rollout_id"]["row"] for record in records] != list(range(len(rows))):
         raise CollectFailedError(f"{output} holds {len(records)} records for {len(rows)} rows")

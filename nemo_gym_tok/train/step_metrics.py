@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nemo_gym_tok.common.exact_json import loads_exact
+from nemo_gym_tok.common.jsonl import read_jsonl
 from nemo_gym_tok.train.correction import CorrectionFigures
 from nemo_gym_tok.train.logprob_gap import KINDS, GapFigures
 from nemo_gym_tok.train.text_pipeline import TextPipelineFigures
@@ -160,8 +160,7 @@ def _percent(share: float) -> str:
 
 def read_metrics(path: Path) -> list[StepMetrics]:
     """Every step of a metrics JSONL, in order."""
-    lines = path.read_text(encoding="utf-8").splitlines()
-    return [StepMetrics.from_json(loads_exact(line)) for line in lines if line.strip()]
+    return [StepMetrics.from_json(row) for row in read_jsonl(path)]
 
 
 def _gap_from(row: dict[str, Any], prefix: str) -> GapFigures:

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 from transformers import PrinterCallback
 
-from nemo_gym_tok.common.exact_json import loads_exact
+from nemo_gym_tok.common.jsonl import read_jsonl
 from nemo_gym_tok.config import load_config
 from nemo_gym_tok.servers.launcher import Gym
 from nemo_gym_tok.train.logprob_gap import GapFigures, total
@@ -234,7 +234,7 @@ def train_once(
 
     plan = settings.plan
     model, tokenizer = load_policy(settings.model_dir)
-    rows = PromptRows([loads_exact(line) for line in ROWS_FILE.read_text().splitlines() if line.strip()])
+    rows = PromptRows(read_jsonl(ROWS_FILE))
     rollout = GymRollout(
         rows,
         agent_url=servers.agent_url,

@@ -26,6 +26,7 @@ from typing import Any
 import orjson
 
 from nemo_gym_tok.common.exact_json import loads_exact
+from nemo_gym_tok.common.jsonl import read_jsonl
 from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.types.tokens import BUNDLE_FIELDS
 
@@ -150,10 +151,7 @@ class NeMoGymTokenStore:
         path = self._path(rollout_id, ".jsonl")
         if not path.exists():
             return
-        with path.open("rb") as handle:
-            for line in handle:
-                if line.strip():
-                    yield loads_exact(line)
+        yield from read_jsonl(path)
 
     def _state(self, rollout_id: str) -> dict[str, Any]:
         path = self._path(rollout_id, ".state.json")
