@@ -143,6 +143,27 @@ def sweep_line(pattern: str, group: str = "value") -> Callable[[str], str]:
 
 SWEEP = "`ngt template-sweep`"
 TRAIN_ASYNC_RUNS = ("s0", "s1", "s2", "s4", "s4-none")
+SOAK_FIGURES = (
+    "minutes",
+    "written",
+    "lost",
+    "duplicated",
+    "torn",
+    "contiguous",
+    "new-segments",
+    "unasked",
+    "kills",
+    "replica-kills",
+    "redone",
+    "redone-transport",
+    "redone-502",
+    "restart-seconds",
+    "routed-after",
+    "rejoin-share",
+    "rejoin-window",
+    "bundles",
+    "rss-growth",
+)
 TRAIN_ASYNC_FIGURES = ("first", "last", "gain", "version-gain", "gap-max-lag", "capped")
 TRAIN_DEMO_FIGURES = (
     "first", "last", "gain", "free-mean", "free-max", "worst-step-mean", "clip", "text-moved", "text-gap-mean",
@@ -201,6 +222,11 @@ FIGURES: dict[str, Figure] = {
         )
         for column in ("hit_ch", "hit_rr", "hit_ratio", "rate_ratio")
         for concurrency in ("8", "32")
+    },
+    # The committed 20-minute soak (docs/soak-report.json, `make soak`'s .ngt/soak/soak-report.json).
+    **{
+        f"soak.{name}": Figure(command="`make soak` (docs/soak-report.json)", compute=f"soak_{name}")
+        for name in SOAK_FIGURES
     },
     # The train demo's committed run (docs/train-demo-metrics.jsonl, `make train-demo`'s metrics.jsonl).
     **{

@@ -19,6 +19,7 @@ from nemo_gym_tok.vllm_wheels import supported_releases
 from tests.doc_figures import (
     FIGURES,
     ROOT,
+    SOAK_FIGURES,
     TRAIN_ASYNC_FIGURES,
     TRAIN_DEMO_FIGURES,
     Mention,
@@ -156,6 +157,38 @@ def train_demo_figures() -> dict[str, str]:
     }
 
 
+SOAK_REPORT = ROOT / "docs" / "soak-report.json"
+
+
+def soak_figures() -> dict[str, str]:
+    """The committed 20-minute `make soak` report (its soak-report.json), as docs/scaling.md quotes it."""
+    report = json.loads(SOAK_REPORT.read_text(encoding="utf-8"))
+    output, kills, first = report["output"], report["kills"], report["replicas"][0]
+    growth = max(100 * (end - start) / start for start, end in report["rss_kib"].values())
+    restarts = [kill for kill in kills if kill["kind"] == "replica"]
+    return {
+        "minutes": f"{report['seconds'] / 60:.1f}",
+        "written": f"{output['written']}",
+        "lost": f"{report['expected'] - output['distinct']}",
+        "duplicated": f"{output['written'] - output['distinct']}",
+        "torn": f"{output['torn_lines']}",
+        "contiguous": f"{output['contiguous']}",
+        "new-segments": f"{output['new_segments']}",
+        "unasked": f"{output['unasked_segments']}",
+        "kills": f"{len(kills)}",
+        "replica-kills": f"{len(restarts)}",
+        "redone": f"{sum(report['redone'].values())}",
+        "redone-transport": f"{report['redone'].get('transport', 0)}",
+        "redone-502": f"{report['redone'].get('http_status (HTTP 502)', 0)}",
+        "restart-seconds": f"{restarts[0]['ready_at'] - restarts[0]['at']:.0f}",
+        "routed-after": f"{first['ready_to_routed_seconds']:.1f}",
+        "rejoin-share": f"{100 * first['share_after_readmission']:.0f}%",
+        "rejoin-window": f"{first['collecting_after_readmission']:.0f}",
+        "bundles": f"{report['versions'].get(report['pushed_version'], 0)}",
+        "rss-growth": f"{growth:.1f}%",
+    }
+
+
 P7_COLUMNS = {
     "hit_ch": "hit rate CH",
     "hit_rr": "hit rate RR",
@@ -165,6 +198,7 @@ P7_COLUMNS = {
 """The columns of P7's comparison table in docs/performance.md that docs/scaling.md quotes."""
 
 REPO_SOURCES = {
+    **{f"soak_{name}": (lambda name=name: soak_figures()[name]) for name in SOAK_FIGURES},
     **{f"train_demo_{name}": (lambda name=name: train_demo_figures()[name]) for name in TRAIN_DEMO_FIGURES},
     **{
         f"train_async_{run}_{name}": (lambda run=run, name=name: train_async_figures(run)[name])
