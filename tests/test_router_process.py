@@ -60,7 +60,9 @@ def stub_worker(name: str, *, healthy: bool = True) -> FastAPI:
     return app
 
 
-# The same stub as a process of its own, for the test that SIGKILLs a worker.
+# The same stub as a process of its own, for the test that SIGKILLs a worker. It keeps idle connections open as long
+# as `ngt vllm-serve` makes vLLM keep them (VLLM_HTTP_TIMEOUT_KEEP_ALIVE): with uvicorn's 5 s, the router may send on
+# a connection the stub is closing that moment and answer "error sending request" for a live worker.
 STUB_PROCESS = """
 import sys, uvicorn
 from fastapi import FastAPI, Request
@@ -69,7 +71,7 @@ app.get("/health")(lambda: {})
 @app.post("/v1/chat/completions")
 async def chat(request: Request):
     return {"worker": sys.argv[2], "body": await request.json(), "headers": dict(request.headers)}
-uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", timeout_keep_alive=600)
 """
 
 

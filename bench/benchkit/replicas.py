@@ -15,6 +15,7 @@ import httpx
 from benchkit.gym_processes import api_server_pid
 from benchkit.server import BENCH_ARGS, MODEL, BenchError, bench_model, note
 from nemo_gym_tok.common.exact_json import loads_exact
+from nemo_gym_tok.common.net import server_root
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 """vLLM serves POST /reset_prefix_cache only with this set (its development routes)."""
@@ -23,13 +24,13 @@ DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 @contextlib.contextmanager
 def replicas(urls: Sequence[str] | None, count: int = 2, *, log_dir: Path | None = None) -> Iterator[list[str]]:
     """The base URLs of `count` hooked vLLMs serving the bench model as MODEL: `urls` if given, else as many started
-    here at once (the bench server's flags, BENCH_ARGS, each on its own port, dev mode on so that their prefix caches
-    can be reset), stopped on exit."""
+    here at once (the bench server's flags, BENCH_ARGS, each on its own port with its model worker on a CPU of its own
+    (replica_cpu_env), dev mode on so that their prefix caches can be reset), stopped on exit."""
     if urls:
-        yield [url.rstrip("/").removesuffix("/v1") for url in urls]
+        yield [server_root(url) for url in urls]
         return
     from nemo_gym_tok.vllm.hook import ENABLE_ENV
-    from nemo_gym_tok.vllm_server import TEST_BED_ENV, VLLMServer
+    from nemo_gym_tok.vllm_server import TEST_BED_ENV, VLLMServer, replica_cpu_env
 
     model = bench_model()
     directory = log_dir or Path(tempfile.mkdtemp(prefix="ngt-bench-"))
@@ -38,7 +39,7 @@ def replicas(urls: Sequence[str] | None, count: int = 2, *, log_dir: Path | None
             model,
             served_model_name=MODEL,
             extra_args=BENCH_ARGS,
-            env={**TEST_BED_ENV, ENABLE_ENV: "1", DEV_MODE_ENV: "1"},
+            env={**TEST_BED_ENV, ENABLE_ENV: "1", DEV_MODE_ENV: "1", **replica_cpu_env(index)},
             hook=True,
             log_path=directory / f"vllm-replica-{index}.log",
         )

@@ -16,6 +16,7 @@ if str(REPO) not in sys.path:  # run as `python bench/pN_....py`: the repo's pac
     sys.path.insert(0, str(REPO))
 
 from nemo_gym_tok.common.exact_json import loads_exact  # noqa: E402
+from nemo_gym_tok.common.net import server_root  # noqa: E402
 from nemo_gym_tok.testing.tiny_model.build import build_tiny_model  # noqa: E402
 from nemo_gym_tok.vllm.hook import ENABLE_ENV  # noqa: E402
 from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, TEST_BED_ENV, VLLMServer  # noqa: E402
@@ -80,7 +81,7 @@ def vllm_server(url: str | None, *, hook: bool = True, log_dir: Path | None = No
     """The base URL of a vLLM serving the bench model as MODEL: `url` if given, else one started here (hooked through
     `ngt vllm-serve`, or stock with the hook switched off) and stopped on exit."""
     if url:
-        yield url.rstrip("/").removesuffix("/v1")
+        yield server_root(url)
         return
     model = bench_model()
     kind = "hooked" if hook else "stock"

@@ -31,6 +31,13 @@ def shared_ssl_context() -> ssl.SSLContext:
     return ssl.create_default_context(cafile=certifi.where())
 
 
+def server_root(url: str) -> str:
+    """A server's root for a base URL as configs and users give it: `http://host:8000/v1/` -> `http://host:8000`.
+    Every client of a vLLM server or a router appends its own paths to this one form."""
+    root = url.strip().rstrip("/")
+    return root.removesuffix("/v1").rstrip("/")
+
+
 def client_host(host: str) -> str:
     """Where a client on this machine reaches a server bound to `host` (a wildcard address is reached on loopback)."""
     if host in ("0.0.0.0", ""):

@@ -10,7 +10,7 @@ import httpx
 
 from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.common.keys import key_headers
-from nemo_gym_tok.common.net import shared_ssl_context
+from nemo_gym_tok.common.net import server_root, shared_ssl_context
 
 ADMIN_TIMEOUT = 10.0
 """Seconds for the router's own routes, which answer from memory."""
@@ -37,8 +37,7 @@ def worker_base_url(url: str) -> str:
     """
     if not isinstance(url, str) or not url.strip():
         raise ValueError(f"a worker URL must be a non-empty string like http://127.0.0.1:8000, not {url!r}")
-    base = url.strip().rstrip("/")
-    base = base.removesuffix("/v1").rstrip("/")
+    base = server_root(url)
     parts = urlsplit(base)
     hint = "give the vLLM server's base URL, like http://127.0.0.1:8000 (a trailing /v1 is fine)"
     if parts.scheme not in ("http", "https"):
@@ -52,10 +51,6 @@ def worker_base_url(url: str) -> str:
     if parts.path or parts.query or parts.fragment:
         raise ValueError(f"worker URL {url!r} has a path, query or fragment the router would not use; {hint}")
     return base
-
-
-def _root(router_url: str) -> str:
-    return router_url.rstrip("/").removesuffix("/v1").rstrip("/")
 
 
 @contextmanager
@@ -77,7 +72,7 @@ def _request(
     timeout: float,
     params: dict[str, str] | None = None,
 ) -> httpx.Response:
-    root = _root(router_url)
+    root = server_root(router_url)
     with _client(http, timeout) as client:
         try:
             response = client.request(
@@ -101,7 +96,7 @@ def _urls(router_url: str, response: httpx.Response) -> list[str]:
     urls = body.get("urls") if isinstance(body, dict) else None
     if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
         raise RouterError(
-            _root(router_url), f"GET /list_workers did not answer {{'urls': [...]}}: {response.text[:300]!r}"
+            server_root(router_url), f"GET /list_workers did not answer {{'urls': [...]}}: {response.text[:300]!r}"
         )
     return urls
 
@@ -159,7 +154,9 @@ def remove_worker(
     url = worker_base_url(worker_url)
     listed = list_workers(router_url, http=http, api_key=api_key, timeout=timeout)
     if url not in listed:
-        raise RouterError(_root(router_url), f"{url} is not one of its workers (it lists {listed}); nothing removed")
+        raise RouterError(
+            server_root(router_url), f"{url} is not one of its workers (it lists {listed}); nothing removed"
+        )
     _request(router_url, "POST", "/remove_worker", http=http, api_key=api_key, timeout=timeout, params={"url": url})
     return url
 
@@ -171,7 +168,7 @@ def is_vllm_router(url: str, http: httpx.Client | None = None, *, timeout: float
     """
     with _client(http, timeout) as client:
         try:
-            response = client.get(f"{_root(url)}/list_workers", timeout=timeout)
+            response = client.get(f"{server_root(url)}/list_workers", timeout=timeout)
         except httpx.TransportError:
             return False
     if response.status_code != 200:

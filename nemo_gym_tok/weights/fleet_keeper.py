@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from nemo_gym_tok.common.net import shared_ssl_context
+from nemo_gym_tok.common.net import server_root, shared_ssl_context
 from nemo_gym_tok.router import RouterError, add_worker, list_workers, remove_worker, worker_base_url
 from nemo_gym_tok.weights.probe import WeightProbe, WeightProbeError
 from nemo_gym_tok.weights.push import PushReport, WeightPushError, push_weights
@@ -95,7 +95,7 @@ class FleetKeeper:
         http: httpx.Client | None = None,
         log: Callable[[str], None] | None = None,
     ) -> None:
-        self.router_url = router_url.rstrip("/").removesuffix("/v1")
+        self.router_url = server_root(router_url)
         self.api_key = api_key
         self.poll_seconds, self.retry_seconds, self.unknown_grace = poll_seconds, retry_seconds, unknown_grace
         self.push_timeout = push_timeout

@@ -10,6 +10,7 @@ import httpx
 
 from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.common.keys import key_headers
+from nemo_gym_tok.common.net import server_root
 from nemo_gym_tok.common.remote_errors import error_message
 from nemo_gym_tok.router import is_vllm_router, list_workers
 
@@ -35,12 +36,6 @@ class ReplicaError(RuntimeError):
     def unreachable(self) -> bool:
         """The server gave no HTTP answer at all (connection refused, reset, timed out): it is down, not refusing."""
         return self.status is None and isinstance(self.__cause__, httpx.TransportError)
-
-
-def server_root(url: str) -> str:
-    """The server's root for a base URL as configs give it (`http://host:8000/v1` -> `http://host:8000`)."""
-    root = url.rstrip("/")
-    return root[: -len("/v1")] if root.endswith("/v1") else root
 
 
 class Replica:

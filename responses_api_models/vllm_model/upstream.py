@@ -20,6 +20,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 
 from nemo_gym_tok.common.exact_json import JSON_HEADERS, dumps, loads_exact
 from nemo_gym_tok.common.keys import key_headers
+from nemo_gym_tok.common.net import server_root
 from nemo_gym_tok.common.remote_errors import error_message
 from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.servers.client import SESSION_HEADER
@@ -68,11 +69,6 @@ class UpstreamUnavailable(ApiError):
     def __init__(self, status: int, message: str, url: str) -> None:
         super().__init__(status, message)
         self.url = url
-
-
-def root_url(base_url: str) -> str:
-    """`http://host:port` from a base URL given with or without a trailing `/v1`."""
-    return re.sub(r"/v1/?$", "", base_url.rstrip("/"))
 
 
 def is_context_overflow(response: httpx.Response) -> bool:
@@ -140,7 +136,9 @@ class VLLMUpstream:
         only loses what they tell (the weight version, weight_versions.py). Over aiohttp, whose GET costs the adapter
         about a third of httpx's CPU."""
         try:
-            async with self._small_session().get(f"{root_url(base_url)}{path}", headers=_session_headers()) as answer:
+            async with self._small_session().get(
+                f"{server_root(base_url)}{path}", headers=_session_headers()
+            ) as answer:
                 return answer.status, await answer.read()
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return None
@@ -150,7 +148,7 @@ class VLLMUpstream:
     ) -> tuple[int, bytes] | None:
         """(status, body) of one POST with a small answer, or None when the server cannot be reached or does not answer
         within `timeout`. No retries, no epoch counted: for asking a server something, as `get_small`."""
-        url = f"{root_url(base_url)}{path}"
+        url = f"{server_root(base_url)}{path}"
         try:
             async with self._small_session().post(
                 url, data=dumps(body), headers=JSON_HEADERS, timeout=aiohttp.ClientTimeout(total=timeout)
@@ -176,7 +174,7 @@ class VLLMUpstream:
         """One call, sent again only as retry_policy.py allows: a failure that never reached an engine up to
         max_attempts, one that may have generated the turn once (MAX_GENERATIONS), a timeout or vLLM's own error
         never."""
-        url = f"{root_url(base_url)}{path}"
+        url = f"{server_root(base_url)}{path}"
         # Written once, by orjson, for every attempt: the body carries the history's ids.
         content = None if body is None else dumps(body)
         headers = {**(JSON_HEADERS if body is not None else {}), **_session_headers()}
@@ -309,7 +307,7 @@ class VLLMUpstream:
     async def healthy(self, base_url: str, timeout: float = 5.0) -> bool:
         """True when vLLM's `GET /health` answers 200 within `timeout`."""
         try:
-            response = await self._http.get(f"{root_url(base_url)}/health", timeout=timeout)
+            response = await self._http.get(f"{server_root(base_url)}/health", timeout=timeout)
         except httpx.HTTPError:
             return False
         return response.status_code == 200
