@@ -323,6 +323,44 @@ def share(counts: Mapping[str, int], workers: Sequence[str]) -> str:
     return " / ".join(cells) + (f" (+{other} unnamed)" if other else "")
 
 
+def affinity_headers(workers: Sequence[str], sessions: str) -> list[str]:
+    """The headers of affinity_cells, `sessions` naming what a session is (rollouts, conversations)."""
+    names = " / ".join(chr(ord("A") + i) for i in range(len(workers)))
+    return [
+        "cache queries",
+        "cache hits",
+        "hit rate",
+        "own-history ceiling",
+        f"{sessions} per replica ({names})",
+        f"calls per replica ({names})",
+        f"{sessions} on one replica",
+        "contiguous",
+    ]
+
+
+def affinity_cells(run: Mapping[str, Any], workers: Sequence[str], sessions: int, checked: int) -> list[Any]:
+    """The cells P7's and P8's tables share for one run: cache queries and hits, the hit rate beside the own-history
+    ceiling, sessions and calls per replica, sessions kept on one replica, and how many of `checked` are contiguous."""
+    return [
+        int(run["cache_queries"]),
+        int(run["cache_hits"]),
+        f"{run['cache_hit']:.1%}",
+        f"{run['ceiling_rate']:.1%}",
+        share(run["sessions"], workers),
+        share(run["turns"], workers),
+        f"{ratio(run['one_replica'], sessions):.0%}",
+        f"{run['contiguous']}/{checked}",
+    ]
+
+
+def replicas_named(workers: Sequence[str], placement: Mapping[str, str] | None) -> str:
+    """ "Replicas: A url (its vLLM worker pinned to CPU n), B ...": the names the tables' "A / B" columns use."""
+    return "Replicas: " + ", ".join(
+        f"{chr(ord('A') + i)} {url} (its vLLM worker pinned to CPU {(placement or {}).get(url, 'unknown')})"
+        for i, url in enumerate(workers)
+    )
+
+
 def add_tables(
     figure: Figure,
     results: Mapping[str, Mapping[int, Mapping[str, Any]]],
@@ -330,7 +368,6 @@ def add_tables(
     args: Any,
     placement: Mapping[str, str] | None = None,
 ) -> None:
-    names = " / ".join(chr(ord("A") + i) for i in range(len(workers)))
     table = Table(
         f"{args.calls} model calls per rollout at most, max_tokens {args.max_tokens}, about {args.opening_ids} ids "
         f"of notes in each opening; a run in {args.rounds} round(s), the policies taking turns, both replicas' "
@@ -344,14 +381,7 @@ def add_tables(
             "calls/rollout",
             "prompt ids/call",
             "API servers CPU ms/call",
-            "cache queries",
-            "cache hits",
-            "hit rate",
-            "own-history ceiling",
-            f"rollouts per replica ({names})",
-            f"calls per replica ({names})",
-            "rollouts on one replica",
-            "contiguous",
+            *affinity_headers(workers, "rollouts"),
         ],
     )
     for policy, by in results.items():
@@ -365,14 +395,7 @@ def add_tables(
                 ratio(r["calls"], r["rollouts"]),
                 ratio(r["prompt_tokens"], r["calls"]),
                 ratio(r["api_cpu_s"] * 1000, r["calls"]),
-                int(r["cache_queries"]),
-                int(r["cache_hits"]),
-                f"{r['cache_hit']:.1%}",
-                f"{r['ceiling_rate']:.1%}",
-                share(r["sessions"], workers),
-                share(r["turns"], workers),
-                f"{ratio(r['one_replica'], r['rollouts']):.0%}",
-                f"{r['contiguous']}/{r['checked']}",
+                *affinity_cells(r, workers, r["rollouts"], r["checked"]),
                 digits=2,
             )
     figure.tables.append(table)
@@ -402,11 +425,7 @@ def add_tables(
     figure.tables.append(ratios)
     figure.notes.append(METHOD.replace("\n", " "))
     figure.notes.append(
-        "Replicas: "
-        + ", ".join(
-            f"{chr(ord('A') + i)} {url} (its vLLM worker pinned to CPU {(placement or {}).get(url, 'unknown')})"
-            for i, url in enumerate(workers)
-        )
+        replicas_named(workers, placement)
         + ". Rollouts per replica: where each rollout's first call went; rollouts on one replica: those whose every "
         "call went to the same one. Cache queries and hits count prompt ids, summed over both replicas. Own-history "
         "ceiling: the hits every call after a rollout's first would get on the replica that ran its previous call "

@@ -1,12 +1,12 @@
-"""Runs every bench/ figure (P1 to P7) on one bench server build and regenerates docs/performance.md and .png.
+"""Runs every bench/ figure (P1 to P8) on one bench server build and regenerates docs/performance.md and .png.
 
     .venv/bin/python bench/report.py            # what `make bench` runs (about 35 minutes on 2 cores, estimated)
     .venv/bin/python bench/report.py --quick    # a short smoke run (fewer calls and repeats; writes the docs too)
 
 Starts the hooked bench vLLM once (the tiny model built with a 32,768-position limit, --max-model-len 32768) and
 keeps it for every figure; a stock vLLM (hook off) joins for the figures that compare against it (P1's adapter
-splice, P3, P6); P7 starts a pair of hooked replicas of its own (the same build and flags) behind vllm-router. Each
-figure's section in the doc names the standalone command that reproduces it.
+splice, P3, P6); P7 and P8 each start a pair of hooked replicas of their own (the same build and flags) behind
+vllm-router. Each figure's section in the doc names the standalone command that reproduces it.
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ import p4_collect
 import p5_request_bytes
 import p6_collect_load
 import p7_routing
+import p8_headerless
 from benchkit.figures import Figure, command, fmt, judged
 from benchkit.machine import machine_facts
 from benchkit.server import BENCH_ARGS, REPO, vllm_server
 from benchkit.timing import median, ratio
 from targets import MISSED, Verdict, text
 
-FULL: dict[str, list[str]] = {"P1": [], "P2": [], "P3": [], "P4": [], "P5": [], "P6": [], "P7": []}
+FULL: dict[str, list[str]] = {"P1": [], "P2": [], "P3": [], "P4": [], "P5": [], "P6": [], "P7": [], "P8": []}
 QUICK: dict[str, list[str]] = {
     "P1": ["--sizes", "1024", "7168", "--repeats", "5", "--splice-repeats", "3", "--histories", "words-0", "tools-2"],
     "P2": [
@@ -56,6 +57,7 @@ QUICK: dict[str, list[str]] = {
     "P5": ["--turns", "10", "--report", "1", "5", "10"],
     "P6": ["--quick"],
     "P7": ["--quick"],
+    "P8": ["--quick"],
 }
 MODULES = {
     "P1": p1_adapter,
@@ -65,6 +67,7 @@ MODULES = {
     "P5": p5_request_bytes,
     "P6": p6_collect_load,
     "P7": p7_routing,
+    "P8": p8_headerless,
 }
 SCRIPTS = {
     "P1": "p1_adapter.py",
@@ -74,9 +77,11 @@ SCRIPTS = {
     "P5": "p5_request_bytes.py",
     "P6": "p6_collect_load.py",
     "P7": "p7_routing.py",
+    "P8": "p8_headerless.py",
 }
-ORDER = ("P2", "P5", "P4", "P1", "P3", "P6", "P7")
-"""The hooked-only figures first; then the stock server joins for P1, P3 and P6; P7 last, on a pair of its own."""
+ORDER = ("P2", "P5", "P4", "P1", "P3", "P6", "P7", "P8")
+"""The hooked-only figures first; then the stock server joins for P1, P3 and P6; P7 and P8 last, each on a pair of
+its own."""
 NEEDS_STOCK = ("P1", "P3", "P6")
 
 
@@ -260,7 +265,7 @@ def document(
             *headline,
             "",
         ]
-    for key in ("P1", "P1a", "P2", "P3", "P4", "P5", "P6", "P7"):
+    for key in ("P1", "P1a", "P2", "P3", "P4", "P5", "P6", "P7", "P8"):
         figure = figures.get(key)
         if figure is None:
             continue
@@ -368,6 +373,14 @@ def headlines(figures: dict[str, Figure]) -> list[str]:
                 f"consistent_hash {ch['cache_hit']:.1%}, round_robin {rr['cache_hit']:.1%}; rollouts/s "
                 f"consistent_hash / round_robin {fmt(ratio(p7_routing.per_second(ch), p7_routing.per_second(rr)), 2)}",
             )
+    if (p8 := figures.get("P8")) and p8.data.get("cases"):
+        best = max(p8.data["cases"], key=lambda case: case["cache_hit"] if not case["header"] else -1.0)
+        row(
+            "P8",
+            f"a client without x-session-id straight to vllm-router: the best policy for it, {best['policy']}, "
+            f"{best['cache_hit']:.1%} prefix-cache hits, {best['one_replica']} of {best['conversations']} "
+            "conversations on one replica",
+        )
     return lines
 
 
