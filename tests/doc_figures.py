@@ -143,6 +143,16 @@ def sweep_line(pattern: str, group: str = "value") -> Callable[[str], str]:
 
 SWEEP = "`ngt template-sweep`"
 TRAIN_ASYNC_RUNS = ("s0", "s1", "s2", "s4", "s4-none")
+P8_CASES = {
+    "ch-sent": ("consistent_hash", True),
+    "ch-none": ("consistent_hash", False),
+    "sll-none": ("sticky_least_loaded", False),
+    "ca-none": ("cache_aware", False),
+    "rr-none": ("round_robin", False),
+    "p2-none": ("power_of_two", False),
+}
+"""The cases of bench P8 (bench/p8_headerless.py) docs/scaling.md quotes, by a short name: (policy, header sent)."""
+P8_FIGURES = ("hit", "ceiling", "one", "spread")
 SOAK_FIGURES = (
     "minutes",
     "written",
@@ -222,6 +232,14 @@ FIGURES: dict[str, Figure] = {
         )
         for column in ("hit_ch", "hit_rr", "hit_ratio", "rate_ratio")
         for concurrency in ("8", "32")
+    },
+    # bench P8's committed run (docs/p8-headerless.json, `bench/p8_headerless.py --json`).
+    **{
+        f"bench.p8.{case}.{name}": Figure(
+            command="`bench/p8_headerless.py --json docs/p8-headerless.json`", compute=f"bench_p8_{case}_{name}"
+        )
+        for case in P8_CASES
+        for name in P8_FIGURES
     },
     # The committed 20-minute soak (docs/soak-report.json, `make soak`'s .ngt/soak/soak-report.json).
     **{

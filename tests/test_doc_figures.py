@@ -18,6 +18,8 @@ from nemo_gym_tok.vllm.routes import ROUTE_METHODS, absent_by_design
 from nemo_gym_tok.vllm_wheels import supported_releases
 from tests.doc_figures import (
     FIGURES,
+    P8_CASES,
+    P8_FIGURES,
     ROOT,
     SOAK_FIGURES,
     TRAIN_ASYNC_FIGURES,
@@ -157,6 +159,22 @@ def train_demo_figures() -> dict[str, str]:
     }
 
 
+P8_RUN = ROOT / "docs" / "p8-headerless.json"
+
+
+def p8_figures(case: str) -> dict[str, str]:
+    """One case of bench P8's committed run, as docs/scaling.md quotes it."""
+    policy, header = P8_CASES[case]
+    run = json.loads(P8_RUN.read_text(encoding="utf-8"))
+    found = next(c for c in run["cases"] if c["policy"] == policy and c["header"] == header)
+    return {
+        "hit": f"{100 * found['cache_hit']:.1f}%",
+        "ceiling": f"{100 * found['ceiling_rate']:.1f}%",
+        "one": f"{100 * found['one_replica'] / found['conversations']:.0f}%",
+        "spread": "/".join(str(found["sessions"].get(url, 0)) for url in run["workers"]),
+    }
+
+
 SOAK_REPORT = ROOT / "docs" / "soak-report.json"
 
 
@@ -199,6 +217,11 @@ P7_COLUMNS = {
 
 REPO_SOURCES = {
     **{f"soak_{name}": (lambda name=name: soak_figures()[name]) for name in SOAK_FIGURES},
+    **{
+        f"bench_p8_{case}_{name}": (lambda case=case, name=name: p8_figures(case)[name])
+        for case in P8_CASES
+        for name in P8_FIGURES
+    },
     **{f"train_demo_{name}": (lambda name=name: train_demo_figures()[name]) for name in TRAIN_DEMO_FIGURES},
     **{
         f"train_async_{run}_{name}": (lambda run=run, name=name: train_async_figures(run)[name])
