@@ -82,12 +82,15 @@ def chat_template() -> str:
     return (importlib.resources.files(__package__) / "chat_template.jinja").read_text(encoding="utf-8")
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
+def build_tokenizer(named_tokens: dict[str, str] | None = None) -> PreTrainedTokenizerFast:
     """Build the fast tokenizer: Qwen's ranks + pre-tokenizer regex, Qwen's added tokens at Qwen's ids.
 
     Raises RuntimeError if the conversion does not put every token at the id Qwen uses, because a
     silently shifted id would make every token-exactness check in the project meaningless.
     Takes a few seconds (the converter derives the BPE merges from the ranks).
+    `named_tokens` names existing added tokens as transformers' model-specific special tokens (e.g.
+    {"image_token": "<|image_pad|>"}: the tokenizer then has `image_token`/`image_token_id`, which multimodal
+    processors read); ids and tokenization are unchanged. None (the text model): nothing named.
     """
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
@@ -109,6 +112,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         if got != token_id:
             raise RuntimeError(f"{text!r} landed at id {got}, Qwen uses {token_id}")
 
+    unknown = {name: text for name, text in (named_tokens or {}).items() if backend.token_to_id(text) is None}
+    if unknown:
+        raise ValueError(f"named tokens must be tokens the vocabulary already has, got {unknown}")
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token=None,
@@ -117,6 +123,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         unk_token=None,
         model_max_length=MODEL_MAX_LENGTH,
         clean_up_tokenization_spaces=False,
+        **({"extra_special_tokens": dict(named_tokens)} if named_tokens else {}),
     )
     tokenizer.chat_template = chat_template()
     if tokenizer.eos_token_id != IM_END_ID or tokenizer.pad_token_id != ENDOFTEXT_ID:
