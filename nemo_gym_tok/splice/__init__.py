@@ -12,6 +12,15 @@ from nemo_gym_tok.splice._ids import (
     check_token_ids,
     find_prefix_source,
 )
+from nemo_gym_tok.splice._image_runs import (
+    CollapsedPrefix,
+    ImageMarkers,
+    ImageMismatchError,
+    ImageRun,
+    check_expanded_prefix,
+    collapse_image_runs,
+    count_image_parts,
+)
 from nemo_gym_tok.splice._memo import RenderMemo
 from nemo_gym_tok.splice._neutral import neutralize
 from nemo_gym_tok.splice._profile import TERMINATOR_ENV, Header, TemplateProfile, detect_profile
@@ -38,6 +47,10 @@ __all__ = [
     "PREFIX_KEY",
     "TERMINATOR_ENV",
     "Body",
+    "CollapsedPrefix",
+    "ImageMarkers",
+    "ImageMismatchError",
+    "ImageRun",
     "BoundaryNotFoundError",
     "ChatRenderer",
     "FixedTextMatcher",
@@ -58,7 +71,10 @@ __all__ = [
     "UnsupportedTemplateError",
     "added_token_maps",
     "batch_decoder",
+    "check_expanded_prefix",
     "check_in_vocabulary",
+    "collapse_image_runs",
+    "count_image_parts",
     "check_starts_with",
     "check_token_ids",
     "detect_profile",

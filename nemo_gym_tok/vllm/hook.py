@@ -38,6 +38,7 @@ from nemo_gym_tok.vllm import replica_identity, routes
 from nemo_gym_tok.vllm.chat_rendering import host_of, plain_message, profile_for, scoped_renderer
 from nemo_gym_tok.vllm.chat_responses import full_generator_with_bundle, stream_generator_with_bundle
 from nemo_gym_tok.vllm.harmony import HARMONY_TOKENIZE_REFUSAL, harmony_profile, harmony_with_splice
+from nemo_gym_tok.vllm.images import ImageSplice, ban_placeholders, carries_images, image_markers
 from nemo_gym_tok.vllm.internals import (
     ALLOW_UNTESTED_ENV,
     PATCHED_METHODS,
@@ -136,6 +137,9 @@ def preprocess_chat_with_splice(original: Any) -> Any:
 
         started = time.perf_counter()
         path = "refused"
+        markers = image_markers(self)
+        if markers is not None:
+            ban_placeholders(request, markers)
         try:
             with as_400():
                 asked = read_request(self, request, messages)
@@ -165,6 +169,9 @@ def preprocess_chat_with_splice(original: Any) -> Any:
                 answer = await original(*bound.args, **bound.kwargs)
             finally:
                 _pending_splice.reset(reset)
+            if pending.images is not None:
+                with as_400():
+                    pending.images.check(answer[1])
             if pending.result is None:
                 with as_400():
                     raise SpliceError(
@@ -204,6 +211,8 @@ class _PendingSplice:
         )
         self.claimed = False
         self.result: SplicedPrompt | None = None
+        self.images: ImageSplice | None = None
+        """Set for a vision model's history with images: spliced in the template's space, proven once expanded."""
 
     def splice(self, prompts: Any) -> list[Any]:
         """The prompts vLLM is about to tokenize, with the spliced ids in place of tokenizing the template's text."""
@@ -211,8 +220,10 @@ class _PendingSplice:
         prompt = prompts[0] if len(prompts) == 1 else None
         text = prompt.get("prompt") if isinstance(prompt, dict) else None
         if not isinstance(text, str) or "prompt_token_ids" in prompt or "prompt_embeds" in prompt:
-            raise SpliceError("the prefix splice supports text-only chats rendered to one token prompt")
-        self.result = _splice(self.online, self.request, self.messages, self.arguments, self.source, text)
+            raise SpliceError("the prefix splice supports chats rendered to one token prompt")
+        self.images = ImageSplice.of(self.online, self.source, carries_images(prompt), self.messages)
+        source = self.source if self.images is None else self.images.source
+        self.result = _splice(self.online, self.request, self.messages, self.arguments, source, text)
         # The template's text no longer describes these ids; vLLM skips tokenizing a prompt that holds its ids.
         spliced = {key: value for key, value in prompt.items() if key != "prompt"}
         spliced["prompt_token_ids"] = self.result.prompt_token_ids

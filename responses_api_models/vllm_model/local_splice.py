@@ -23,7 +23,7 @@ from typing import Any
 from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.contract.token_sources import first_difference
 from nemo_gym_tok.servers.api_errors import ApiError
-from nemo_gym_tok.splice import NEW_SEGMENT_KEY, PREFIX_KEY, PrefixSource, SpliceError
+from nemo_gym_tok.splice import NEW_SEGMENT_KEY, PREFIX_KEY, PrefixSource, SpliceError, count_image_parts
 from nemo_gym_tok.splice_host import (
     LocalTemplate,
     ScopedRenderer,
@@ -37,6 +37,12 @@ from responses_api_models.vllm_model.developer_role import as_server_renders
 from responses_api_models.vllm_model.hub_access import hub_unreachable, offline_advice
 from responses_api_models.vllm_model.template_proofs import Post, Proving, TemplateProofs
 
+IMAGES_REFUSAL = (
+    "the adapter's own splice cannot prove a history with images: stock vLLM takes no prompt ids beside images on a "
+    "chat call (it ignores kv_transfer_params.prompt_token_ids when messages carry images), and the template's one "
+    "placeholder per image is not the model's expanded ids. Serve the model with `ngt vllm-serve` (the hook splices "
+    "image histories inside vLLM and proves them once expanded) and set splice: hook (docs/hook.md, images)"
+)
 HARMONY_REFUSAL = (
     "the adapter cannot splice a prefix for a Harmony (GPT-OSS) model: vLLM renders its prompts with openai_harmony, "
     "which /tokenize does not expose; serve it with `ngt vllm-serve` (the hook splices inside vLLM) and set "
@@ -145,6 +151,8 @@ class AdapterSplicer:
             return SplicedCall(sent, new_segment_telemetry())
         if self.harmony:
             raise ApiError(400, HARMONY_REFUSAL, param=PREFIX_KEY)
+        if any(count_image_parts(message) for message in messages):
+            raise ApiError(400, IMAGES_REFUSAL, param=PREFIX_KEY)
         kv_params = sent.get("kv_transfer_params")
         if isinstance(kv_params, dict) and "prompt_token_ids" in kv_params:
             raise ApiError(

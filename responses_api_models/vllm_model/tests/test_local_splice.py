@@ -12,6 +12,7 @@ import pytest
 from nemo_gym_tok.servers.api_errors import ApiError
 from responses_api_models.vllm_model.local_splice import (
     HARMONY_REFUSAL,
+    IMAGES_REFUSAL,
     AdapterSplicer,
     strip_token_fields,
     vllm_tool_dicts,
@@ -84,6 +85,14 @@ def test_harmony_models_are_refused_in_the_adapter(tiny_model_dir: Path) -> None
     with pytest.raises(ApiError) as refused:
         prepare(AdapterSplicer(tokenizer=None, harmony=True), {"messages": HISTORY}, str(tiny_model_dir))
     assert refused.value.status == 400 and refused.value.message == HARMONY_REFUSAL
+
+
+def test_a_history_with_images_is_refused_before_any_vllm_call(tiny_model_dir: Path) -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with_image = [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}, *HISTORY[1:]]
+    with pytest.raises(ApiError) as refused:
+        prepare(AdapterSplicer(tokenizer=str(tiny_model_dir)), {"messages": with_image}, "unused")
+    assert refused.value.status == 400 and refused.value.message == IMAGES_REFUSAL
 
 
 def test_malformed_bundles_are_400s_before_any_vllm_call(tiny_model_dir: Path) -> None:

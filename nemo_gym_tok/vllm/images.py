@@ -1,0 +1,115 @@
+"""The hook's image support: a vision model's placeholder ids, banned from sampling, collapsed for the splice, and the
+expanded prompt proven against the previous turn's ids (the pure rules: nemo_gym_tok.splice's image runs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nemo_gym_tok.splice import (
+    CollapsedPrefix,
+    ImageMarkers,
+    ImageMismatchError,
+    PrefixSource,
+    check_expanded_prefix,
+    collapse_image_runs,
+    count_image_parts,
+)
+from nemo_gym_tok.vllm.chat_rendering import host_of
+
+MARKER_FIELDS = ("vision_start_token_id", "image_token_id", "vision_end_token_id")
+"""Where a vision model's config names its image markers (Qwen2-VL's scheme, which PaddleOCR-VL and others share)."""
+BANNED_BIAS = -100.0
+"""The logit bias that keeps a placeholder from being sampled: OpenAI's and vLLM's floor, which leaves its
+probability below what float32 holds beside any real logit."""
+
+
+def image_markers(online: Any) -> ImageMarkers | None:
+    """The served model's image markers, read once per server; None for a text model or a vision model whose config
+    names none the splice knows (its image histories are refused)."""
+
+    def learn() -> ImageMarkers | None:
+        config = online.model_config
+        if not getattr(config, "is_multimodal_model", False):
+            return None
+        hf_config = config.hf_config
+        found = [getattr(hf_config, name, None) for name in MARKER_FIELDS]
+        if not all(isinstance(value, int) for value in found):
+            return None
+        video = getattr(hf_config, "video_token_id", None)
+        return ImageMarkers(*found, other_pad_ids=(video,) if isinstance(video, int) else ())
+
+    return host_of(online).fact("image markers", learn)
+
+
+def is_vision_model(online: Any) -> bool:
+    return bool(getattr(online.model_config, "is_multimodal_model", False))
+
+
+def ban_placeholders(request: Any, markers: ImageMarkers) -> None:
+    """Placeholder ids stand for media, never for text: a sampled one would poison every later turn's history (it
+    stands for no image), so the request's logit bias bans them. Raw log probs (vLLM's default) are unaffected."""
+    if not hasattr(request, "logit_bias"):
+        return  # /tokenize and other routes that sample nothing
+    bias = dict(request.logit_bias or {})
+    bias.update({str(token): BANNED_BIAS for token in markers.placeholder_ids})
+    request.logit_bias = bias
+
+
+def carries_images(prompt: Any) -> bool:
+    """A rendered chat prompt with media for the multimodal processor."""
+    data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+    return bool(data)
+
+
+class ImageSplice:
+    """One request's prefix in the template's space (each image run one pad) and what the expanded prompt must hold."""
+
+    def __init__(self, source: PrefixSource, collapsed: CollapsedPrefix) -> None:
+        self.expanded_prefix = source.prefix
+        self.collapsed = collapsed
+        self.source = PrefixSource(collapsed.ids, source.message_index, source.explicit, collapsed.prompt_length)
+
+    @classmethod
+    def of(cls, online: Any, source: PrefixSource, images: bool, messages: list[Any]) -> ImageSplice | None:
+        """The image form of `source` on a vision model (None on a text model, or for a history with no placeholder
+        when the request carries no image). Raises ImageMismatchError for a placeholder that stands for no image,
+        and for images on a vision model whose markers the splice does not know."""
+        if not is_vision_model(online):
+            return None
+        markers = image_markers(online)
+        if markers is None:
+            if images:
+                raise ImageMismatchError(
+                    "this vision model's config names no image markers the splice knows "
+                    f"({', '.join(MARKER_FIELDS)}): its image histories cannot be proven, so they are refused"
+                )
+            return None
+        if not images and markers.placeholder_ids.isdisjoint(source.prefix):
+            return None  # the common text-only turn: no Python loop over the prefix
+        field = "required_prefix_token_ids" if source.explicit else f"messages[{source.message_index}]'s token ids"
+        collapsed = collapse_image_runs(source.prefix, markers, prompt_length=source.prompt_length, field=field)
+        splice = cls(source, collapsed)
+        sent = sum(count_image_parts(message) for message in messages[: source.message_index + 1])
+        held = len(splice.collapsed.runs)
+        if sent != held:
+            raise ImageMismatchError(
+                f"the history's ids hold {held} image(s) up to messages[{source.message_index}], its messages "
+                f"{sent}: an image was {'dropped from' if sent < held else 'added to'} the messages the ids cover"
+            )
+        return splice
+
+    def check(self, engine_inputs: Any) -> None:
+        """The expanded prompt vLLM's processor made starts with the previous turn's ids, every image in place."""
+        if not isinstance(engine_inputs, list) or len(engine_inputs) != 1:
+            raise ImageMismatchError("the prefix splice supports chats rendered to one prompt")
+        engine_input = engine_inputs[0]
+        placeholders = (engine_input.get("mm_placeholders") or {}).get("image") or []
+        check_expanded_prefix(
+            engine_input.get("prompt_token_ids") or [],
+            [(item.offset, item.length) for item in placeholders],
+            self.expanded_prefix,
+            self.collapsed.runs,
+        )
+
+    def telemetry(self) -> dict[str, Any]:
+        return {"image_runs": [[run.position, run.length] for run in self.collapsed.runs]}
