@@ -23,6 +23,18 @@ SERVED_MODEL_NAME = "tiny-qwen3"
 COHERE_API_ENV = {"VLLM_ENABLE_COHERE_API": "1"}
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    from tests.vision.conftest import launch_early
+
+    launch_early(session.items)  # the vision tests' server starts now, its start-up beside the other tests
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from tests.vision.conftest import stop_early
+
+    stop_early()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     return build_tiny_model()

@@ -120,10 +120,20 @@ class VLLMServer:
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, *args]
 
     def start(self) -> VLLMServer:
+        """Start the server and return once it answers /health (VLLMStartupError, the server stopped, if not)."""
+        return self.launch().wait_ready()
+
+    def launch(self) -> VLLMServer:
+        """Start the server process and return at once: `wait_ready` later, so that its start-up overlaps other work."""
         if port_in_use(self.host, self.port):
             # Otherwise the health check would find the other server and report success.
             raise VLLMStartupError(f"{self.host}:{self.port} is already in use; stop what listens there or pick a port")
         self.process = ManagedProcess.start(self.argv(), log_path=self.log_path, env={**os.environ, **self.env})
+        return self
+
+    def wait_ready(self) -> VLLMServer:
+        """Wait until the launched server answers /health; VLLMStartupError, the server stopped, if it exits or does
+        not within `startup_timeout` of now."""
         try:
             self._wait_until_healthy()
         except BaseException:

@@ -24,15 +24,17 @@ def hooked_server(
     what: str = "",
     hook: bool = True,
     port: int = 0,
+    launched: VLLMServer | None = None,
 ) -> Iterator[VLLMServer]:
     """The server, stopped on exit. `reuse_env` names a variable that, for local iteration only, points at a server
-    already started the same way (CI never sets it); a start-up failure fails the test with the log's tail."""
+    already started the same way (CI never sets it); a start-up failure fails the test with the log's tail.
+    `launched`: the same server launched earlier (VLLMServer.launch), waited for here instead of started."""
     reuse = os.environ.get(reuse_env) if reuse_env else None
     if reuse:
         host, port = reuse.removeprefix("http://").rstrip("/").split(":")
         yield VLLMServer(model_dir, served_model_name=served_model_name, host=host, port=int(port), hook=hook)
         return
-    server = VLLMServer(
+    server = launched or VLLMServer(
         model_dir,
         served_model_name=served_model_name,
         extra_args=tuple(extra_args),
@@ -42,7 +44,7 @@ def hooked_server(
         port=port,
     )
     try:
-        server.start()
+        server.wait_ready() if launched else server.start()
     except VLLMStartupError as exc:
         pytest.fail(f"{what}{exc}", pytrace=False)
     try:
