@@ -11,6 +11,7 @@ from nemo_gym_tok.splice._ids import (
     check_starts_with,
     check_token_ids,
     find_prefix_source,
+    message_field,
 )
 from nemo_gym_tok.splice._image_runs import (
     CollapsedPrefix,
@@ -82,6 +83,7 @@ __all__ = [
     "in_this_package",
     "match_chunks",
     "matched_layout",
+    "message_field",
     "neutralize",
     "raised_in_this_package",
     "splice_prompt",

@@ -55,11 +55,13 @@ TELEMETRY_FIELDS = (
     "weight_version",
     "weight_version_spans",
     "replica",
+    "image_runs",
 )
 """Fields that travel with a bundle: kept on the output item that carries it, left out of what environments get."""
 WEIGHT_VERSION_KEY = "weight_version"
 WEIGHT_VERSION_SPANS_KEY = "weight_version_spans"
 REPLICA_KEY = "replica"
+IMAGE_RUNS_KEY = "image_runs"
 PREFIX_KEY = "required_prefix_token_ids"
 """Top-level request field: the exact ids the prompt must start with (the previous call's prompt + generation)."""
 NEW_SEGMENT_KEY = "start_token_segment"
@@ -94,6 +96,17 @@ class WeightVersionSpan(BaseModel):
     version: Annotated[str, Strict()]
     start: Annotated[int, Strict()]
     end: Annotated[int, Strict()]
+
+
+class ImageRunRecord(BaseModel):
+    """Where one image of a call's prompt sits in its expanded `prompt_token_ids`: `length` placeholder ids from
+    `position`, and `digest`, vLLM's hash of the image and its processing settings (its multimodal cache key)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    position: Annotated[int, Strict(), Field(ge=0)]
+    length: Annotated[int, Strict(), Field(ge=1)]
+    digest: str | None = None
 
 
 def weight_versions_problem(weight_version: Any, spans: Any, generation_length: int | None) -> str | None:
@@ -171,6 +184,9 @@ class TokenBundleMixin(BaseModel):
     replica: str | None = None
     """Which vLLM server sampled the call, as the hooked server names itself (`http://host:port`, or its
     $NEMO_GYM_TOK_REPLICA): behind a router, the worker the router chose. None where unknown (a stock vLLM)."""
+    image_runs: list[ImageRunRecord] | None = None
+    """A vision model's call: each image of the prompt, in order, where its placeholder ids sit and its digest ([]
+    for a call without images); None on a text model or where unknown."""
     weight_version_spans: list[WeightVersionSpan] | None = None
     """Present only when the call's generated ids span more than one version (weights pushed while it generated):
     contiguous [start, end) spans over generation_token_ids covering all of them, the first one's version being

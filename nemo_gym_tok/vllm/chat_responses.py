@@ -9,6 +9,7 @@ from typing import Any
 
 from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.contract.constrained import CONSTRAINED_BY_KEY, FORCED_MASK_KEY, constrained_by, forced_mask
+from nemo_gym_tok.vllm.images import image_run_fields
 from nemo_gym_tok.vllm.internals import weight_version_fields
 from nemo_gym_tok.vllm.replica_identity import served_by_fields
 from nemo_gym_tok.vllm.telemetry import TelemetryLater, in_flight, resolve_telemetry
@@ -55,6 +56,7 @@ def attach_bundles(response: Any, final: Any, request: Any) -> None:
     prompt_ids = list(final.prompt_token_ids or [])
     by_index = {output.index: output for output in final.outputs}
     labels = constrained_by(request)
+    images = image_run_fields(request)
     for choice in response.choices:
         output = by_index.get(choice.index)
         if output is None or output.logprobs is None:
@@ -66,7 +68,8 @@ def attach_bundles(response: Any, final: Any, request: Any) -> None:
         choice.message.generation_log_probs = log_probs
         setattr(choice.message, CONSTRAINED_BY_KEY, list(labels))
         setattr(choice.message, FORCED_MASK_KEY, forced_mask(labels, log_probs))
-        for key, value in {**weight_version_fields(output, len(generation_ids)), **served_by_fields()}.items():
+        fields = {**weight_version_fields(output, len(generation_ids)), **served_by_fields(), **images}
+        for key, value in fields.items():
             setattr(choice.message, key, value)
 
 

@@ -38,7 +38,13 @@ from nemo_gym_tok.vllm import replica_identity, routes
 from nemo_gym_tok.vllm.chat_rendering import host_of, plain_message, profile_for, scoped_renderer
 from nemo_gym_tok.vllm.chat_responses import full_generator_with_bundle, stream_generator_with_bundle
 from nemo_gym_tok.vllm.harmony import HARMONY_TOKENIZE_REFUSAL, harmony_profile, harmony_with_splice
-from nemo_gym_tok.vllm.images import ImageSplice, ban_placeholders, carries_images, image_markers
+from nemo_gym_tok.vllm.images import (
+    ImageSplice,
+    ban_placeholders,
+    carries_images,
+    image_markers,
+    remember_image_runs,
+)
 from nemo_gym_tok.vllm.internals import (
     ALLOW_UNTESTED_ENV,
     PATCHED_METHODS,
@@ -152,12 +158,16 @@ def preprocess_chat_with_splice(original: Any) -> Any:
                     "new_segment" if source is not None else "token_in" if _forwards_ids(request) else "template"
                 )
                 answer = await original(self, request, messages, *args, **kwargs)
+                if markers is not None:
+                    remember_image_runs(request, answer[1])
                 if source is not None:
                     remember(request, new_segment_telemetry())
                 path = unspliced_path
                 return answer
             if source.message_index < 0:  # a first-turn prefix: the template's own ids must start with it
                 conversation, engine_inputs = await original(self, request, messages, *args, **kwargs)
+                if markers is not None:
+                    remember_image_runs(request, engine_inputs)
                 with as_400():
                     remember(request, _check_first_turn(self, engine_inputs, source))
                 path = "template"
@@ -172,6 +182,8 @@ def preprocess_chat_with_splice(original: Any) -> Any:
             if pending.images is not None:
                 with as_400():
                     pending.images.check(answer[1])
+            if markers is not None:
+                remember_image_runs(request, answer[1])
             if pending.result is None:
                 with as_400():
                     raise SpliceError(

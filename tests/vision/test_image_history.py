@@ -51,7 +51,9 @@ def answer_of(response: httpx.Response) -> tuple[dict[str, Any], dict[str, Any] 
 
 
 def with_bundle(message: dict[str, Any]) -> dict[str, Any]:
-    return {"role": "assistant", "content": message.get("content") or "", **{key: message[key] for key in BUNDLE}}
+    """The answer as the next call's assistant turn: its bundle and its record of the images (their digests)."""
+    kept = {key: message[key] for key in (*BUNDLE, "image_runs") if key in message}
+    return {"role": "assistant", "content": message.get("content") or "", **kept}
 
 
 def image_runs(ids: list[int]) -> list[tuple[int, int]]:
@@ -105,6 +107,13 @@ def test_an_episode_with_images_in_three_turns_is_contiguous_in_the_expanded_spa
     last = answers[-1]["prompt_token_ids"]
     assert [length for _, length in image_runs(last)] == [image_pad_count(w, h) for w, h in SIZES]
     assert all(not PLACEHOLDERS & set(answer["generation_token_ids"]) for answer in answers)
+    # Each bundle says where its prompt's images sit, with a digest of each: the same image keeps its digest.
+    for answer in answers:
+        runs = answer["image_runs"]
+        assert [(run["position"], run["length"]) for run in runs] == image_runs(answer["prompt_token_ids"])
+    digests = [run["digest"] for run in answers[-1]["image_runs"]]
+    assert len(set(digests)) == len(SIZES) and None not in digests
+    assert [run["digest"] for run in answers[0]["image_runs"]] == digests[:2]
 
 
 def planted(messages: list[dict[str, Any]], change: Any) -> list[dict[str, Any]]:
@@ -116,6 +125,10 @@ def planted(messages: list[dict[str, Any]], change: Any) -> list[dict[str, Any]]
 
 def resized_first_image(history: list[dict[str, Any]]) -> None:
     history[0]["content"][1] = image_part(84, 84, 1)  # 9 pads where the model saw 4
+
+
+def swapped_first_image(history: list[dict[str, Any]]) -> None:
+    history[0]["content"][1] = image_part(56, 56, 90)  # the same size, other pixels: the same pads
 
 
 def dropped_second_image(history: list[dict[str, Any]]) -> None:
@@ -141,6 +154,7 @@ def pad_sampled(history: list[dict[str, Any]]) -> None:
     ("change", "words"),
     [
         (resized_first_image, r"image 0 is 4 pads in the history's ids but the request's image 0 expands to 9"),
+        (swapped_first_image, r"image 0 is not the image the model saw"),
         (dropped_second_image, r"hold 3 image\(s\) up to messages\[3\], its messages 2: an image was dropped"),
         (one_pad_fewer, r"image 1 is 5 pads in the history's ids but the request's image 1 expands to 6"),
         (pad_typed_in_text, r"image pad \(151655\) outside an image"),
