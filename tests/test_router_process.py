@@ -367,3 +367,19 @@ def test_the_router_contract_on_token_routes(hash_router: RouterProcess, http: h
     answer = http.post(f"{hash_router.url}/inference/v1/generate", json=generate)
     forwarded = json.loads(answer.json()["raw"])
     assert forwarded == {**generate, "stream": False}, "the router changed what it forwards of /inference/v1/generate"
+
+
+def test_the_router_keeps_image_parts_of_chat_messages(hash_router: RouterProcess, http: httpx.Client) -> None:
+    """docs/clients.md tells a vision client what crosses the router: its image parts, in every role that has them,
+    as sent; a bundle's `image_runs` on an assistant message does not (message fields the router does not know)."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo=", "detail": "low"}}
+    parts = [{"type": "text", "text": "look"}, image]
+    sent = [
+        {"role": "user", "content": parts},
+        {"role": "assistant", "content": "x", "image_runs": [{"position": 3, "length": 4, "digest": "d"}]},
+        {"role": "tool", "content": parts, "tool_call_id": "c1"},
+    ]
+    got = _chat(http, hash_router, {"model": "m", "messages": sent}, "image-session")["body"]["messages"]
+    assert got[0]["content"] == parts
+    assert got[1] == {"role": "assistant", "content": "x"}
+    assert got[2]["content"] == parts
