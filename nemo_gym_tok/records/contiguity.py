@@ -9,8 +9,10 @@ from typing import Any
 
 from nemo_gym_tok.common.jsonl import TORN, scan_jsonl
 from nemo_gym_tok.contract.token_sources import PrefixMismatchError, check_prefix
+from nemo_gym_tok.records.image_runs import image_runs_problem, images_in
 from nemo_gym_tok.records.rollout_record import MalformedRecordError, UnknownSchemaVersionError, full_output
 from nemo_gym_tok.types.tokens import (
+    IMAGE_RUNS_KEY,
     NEW_SEGMENT_REASON_KEY,
     SEGMENT_ASKED,
     SEGMENT_HISTORY_WITHOUT_IDS,
@@ -36,6 +38,8 @@ class BundledTurn:
     that could not say)."""
     weight_version_spans: list[dict[str, Any]] | None = None
     """[{version, start, end}] over generation_token_ids, present only when the call's ids span several versions."""
+    image_runs: list[dict[str, Any]] | None = None
+    """A vision model's call: [{position, length, digest}] per image of its prompt; None on a text model."""
 
     @property
     def weight_versions(self) -> list[str]:
@@ -115,6 +119,7 @@ def bundled_turns(record: dict[str, Any]) -> list[BundledTurn]:
                 prefix_splice=item.get("prefix_splice"),
                 weight_version=version,
                 weight_version_spans=[dict(span) for span in spans] if spans is not None else None,
+                image_runs=item.get(IMAGE_RUNS_KEY) if isinstance(item.get(IMAGE_RUNS_KEY), list) else None,
             )
         )
     return turns
@@ -208,6 +213,10 @@ class ContiguityReport:
     """The first of them, each with its turns' versions."""
     unknown_versions: int = 0
     """Rollouts with a bundled turn of unknown weight version (older records, servers that could not say)."""
+    image_rollouts: int = 0
+    """Rollouts whose calls record images (a vision model's `image_runs`)."""
+    images: int = 0
+    """The images those rollouts hold, each counted once (its last call's record)."""
 
     @property
     def ok(self) -> bool:
@@ -237,6 +246,11 @@ class ContiguityReport:
                 f"contiguity failure); with a turn of unknown weight version: {self.unknown_versions}"
             )
             lines += [f"  {example}" for example in self.spanning_examples]
+        if self.image_rollouts:
+            lines.append(
+                f"rollouts with images: {self.image_rollouts}, holding {self.images} image(s); each image's run in "
+                "place in every call's prompt ids, and kept (position, length, digest) from call to call"
+            )
         return "\n".join(lines)
 
 
@@ -271,6 +285,9 @@ def check_file(path: str | Path, decode: Decode | None = None, max_failures: int
             report.spanning_versions += 1
             if len(report.spanning_examples) < max_failures:
                 report.spanning_examples.append(f"{label}: {describe_weight_versions(turns)}")
+        images = [(turn.prompt_token_ids, turn.image_runs) for turn in turns]
+        report.image_rollouts += images_in(images) > 0
+        report.images += images_in(images)
         problem = None
         if not turns:
             report.without_bundles += 1
@@ -281,6 +298,8 @@ def check_file(path: str | Path, decode: Decode | None = None, max_failures: int
                 if unasked:
                     index, why = unasked[0]
                     problem = f"model call {index + 1} started a new token segment nobody asked for: {why}"
+                elif (image_problem := image_runs_problem(images)) is not None:
+                    problem = image_problem
                 else:
                     report.contiguous += 1
             except NotContiguousError as exc:

@@ -225,3 +225,22 @@ def test_through_the_adapter_image_turns_are_contiguous_and_a_resized_image_is_r
         f"{vision_adapter}/v1/chat/completions", json={"model": VLM_NAME, "messages": resized}, timeout=300
     )
     assert refused.status_code == 400 and "image 1 is 6 pads" in refused.text, refused.text[:500]
+
+
+def test_ngt_check_reads_the_episode_as_contiguous_with_its_images_in_place(episode, tmp_path) -> None:
+    import json
+
+    from nemo_gym_tok.records.contiguity import check_file
+
+    _, answers, _ = episode
+    record = {"rollout_id": "vision-0", "response": {"output": [{"type": "message", **a} for a in answers]}}
+    path = tmp_path / "rollouts.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    report = check_file(path)
+    assert report.ok and report.contiguous == 1, report.format()
+    assert (report.image_rollouts, report.images) == (1, len(SIZES)), report.format()
+    assert "rollouts with images: 1, holding 4 image(s)" in report.format()
+    swapped = copy.deepcopy(record)
+    swapped["response"]["output"][-1]["image_runs"][0]["digest"] = "another image"
+    path.write_text(json.dumps(swapped) + "\n")
+    assert check_file(path).contiguous == 0
