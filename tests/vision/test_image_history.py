@@ -244,3 +244,33 @@ def test_ngt_check_reads_the_episode_as_contiguous_with_its_images_in_place(epis
     swapped["response"]["output"][-1]["image_runs"][0]["digest"] = "another image"
     path.write_text(json.dumps(swapped) + "\n")
     assert check_file(path).contiguous == 0
+
+
+def test_log_probs_of_a_vision_turn_match_transformers_model(episode, tiny_vlm_dir) -> None:
+    # The last call's prompt holds all four images; transformers' own model, given the same expanded ids and the same
+    # pictures, must give the ids vLLM sampled the log probs vLLM recorded.
+    import torch
+    from transformers import AutoProcessor, PaddleOCRVLForConditionalGeneration
+
+    from tests.vision.images import picture
+
+    _, answers, _ = episode
+    last = answers[-1]
+    prompt, generated = last["prompt_token_ids"], last["generation_token_ids"]
+    shades = [1, 2, 3, 4]  # FIRST, SECOND and TOOL_RESULT's images, in order
+    pictures = [picture(w, h, shade) for (w, h), shade in zip(SIZES, shades, strict=True)]
+    processor = AutoProcessor.from_pretrained(tiny_vlm_dir)
+    processed = processor.image_processor(images=pictures, return_tensors="pt")
+    ids = prompt + generated
+    model = PaddleOCRVLForConditionalGeneration.from_pretrained(tiny_vlm_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(
+            input_ids=torch.tensor([ids]),
+            mm_token_type_ids=torch.tensor(processor.create_mm_token_type_ids([ids])),
+            pixel_values=processed["pixel_values"],
+            image_grid_thw=processed["image_grid_thw"],
+        ).logits[0]
+    steps = torch.log_softmax(logits[len(prompt) - 1 : -1].float(), dim=-1)
+    recomputed = steps[torch.arange(len(generated)), torch.tensor(generated)].tolist()
+    gaps = [abs(a - b) for a, b in zip(recomputed, last["generation_log_probs"], strict=True)]
+    assert max(gaps) < 0.01, gaps
