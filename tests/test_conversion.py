@@ -192,3 +192,27 @@ def test_responses_request_to_chat_request_translates_and_passes_extras_through(
 def test_unknown_input_item_type_is_an_error() -> None:
     with pytest.raises(ValueError, match="'web_search_call' has no chat equivalent"):
         items_to_chat_messages([ResponseItem(type="web_search_call")])
+
+
+def test_images_in_responses_input_become_chat_image_parts_never_dropped() -> None:
+    from nemo_gym_tok.contract.conversion import ConversionError, items_to_chat_messages
+    from nemo_gym_tok.types.responses import ResponseItem
+
+    image = {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "low"}
+    items = [
+        ResponseItem(type="message", role="user", content=[{"type": "input_text", "text": "see"}, image]),
+        ResponseItem(type="function_call_output", call_id="c1", output=[{"type": "input_text", "text": "cam"}, image]),
+        ResponseItem(
+            type="message",
+            role="user",
+            content=[{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}],
+        ),
+    ]
+    user, tool, text_only = items_to_chat_messages(items)
+    chat_image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "low"}}
+    assert user["content"] == [{"type": "text", "text": "see"}, chat_image]
+    assert tool == {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "cam"}, chat_image]}
+    assert text_only["content"] == "ab"  # text only: joined, as before
+    by_file = ResponseItem(type="message", role="user", content=[{"type": "input_image", "file_id": "f1"}])
+    with pytest.raises(ConversionError, match="file_id images are not supported"):
+        items_to_chat_messages([by_file])

@@ -64,7 +64,7 @@ def items_to_chat_messages(items: list[ResponseItem], instructions: str | None =
             messages.append(_assistant_message(pending))
             pending.clear()
 
-    for item in items:
+    for position, item in enumerate(items):
         if item.is_model_output:
             if pending and _opens_next_call(pending[-1], item):
                 flush()
@@ -74,7 +74,7 @@ def items_to_chat_messages(items: list[ResponseItem], instructions: str | None =
             continue
         flush()
         if item.type == "function_call_output":
-            output = item.output if isinstance(item.output, str) else _text_of(item.output)
+            output = _chat_content(item.output, f"input[{position}].output")
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
         elif item.type == "message":
             messages.append(_passthrough_message(item))
@@ -158,10 +158,41 @@ def _assistant_message(items: list[ResponseItem]) -> dict[str, Any]:
 
 def _passthrough_message(item: ResponseItem) -> dict[str, Any]:
     data = item.model_dump(exclude_none=True, exclude={"type", "id", "status"})
-    content = item.content
-    if isinstance(content, list):
-        data["content"] = _text_of(content)
+    if isinstance(item.content, list):
+        data["content"] = _chat_content(item.content, "input")
     return data
+
+
+def _chat_content(parts: Any, where: str) -> Any:
+    """A Responses content value as chat content: its text joined while it is text only, else chat parts in order,
+    each `input_image` (or chat `image_url`) part an `image_url` part, so that no image is dropped on the way."""
+    if not isinstance(parts, list) or not any(_is_image(part) for part in parts):
+        return parts if isinstance(parts, str) or parts is None else _text_of(parts)
+    chat_parts: list[dict[str, Any]] = []
+    for index, part in enumerate(parts):
+        if not isinstance(part, dict):
+            chat_parts.append({"type": "text", "text": str(part)})
+        elif part.get("type") == "image_url":
+            chat_parts.append(part)
+        elif part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                raise ConversionError(
+                    f"{where}[{index}]: an input_image needs its image_url (a data: URL, or a URL the server may "
+                    "fetch); file_id images are not supported",
+                    param=f"{where}[{index}].image_url",
+                )
+            image: dict[str, Any] = {"url": url}
+            if part.get("detail") is not None:
+                image["detail"] = part["detail"]
+            chat_parts.append({"type": "image_url", "image_url": image})
+        else:
+            chat_parts.append({"type": "text", "text": part.get("text", "")})
+    return chat_parts
+
+
+def _is_image(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") in ("input_image", "image_url")
 
 
 def _check_text_parts(parts: Any, where: str) -> None:

@@ -274,3 +274,28 @@ def test_log_probs_of_a_vision_turn_match_transformers_model(episode, tiny_vlm_d
     recomputed = steps[torch.arange(len(generated)), torch.tensor(generated)].tolist()
     gaps = [abs(a - b) for a, b in zip(recomputed, last["generation_log_probs"], strict=True)]
     assert max(gaps) < 0.01, gaps
+
+
+def test_responses_api_input_images_through_the_adapter_are_kept_and_contiguous(vision_adapter: str) -> None:
+    from tests.vision.images import data_url
+
+    def user(text: str, *sizes: tuple[int, int]) -> dict[str, Any]:
+        images = [{"type": "input_image", "image_url": data_url(w, h, 7)} for w, h in sizes]
+        return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}, *images]}
+
+    items: list[dict[str, Any]] = [user("What is this?", (56, 56))]
+    bundles = []
+    for following in (user("And this?", (84, 56)), None):
+        response = httpx.post(
+            f"{vision_adapter}/v1/responses",
+            json={"model": VLM_NAME, "input": items, "max_output_tokens": 6},
+            timeout=300,
+        )
+        assert response.status_code == 200, response.text[:500]
+        output = response.json()["output"]
+        bundles.append(next(item for item in reversed(output) if "prompt_token_ids" in item))
+        items += output + ([following] if following else [])
+    first, second = bundles
+    assert [run["length"] for run in second["image_runs"]] == [image_pad_count(56, 56), image_pad_count(84, 56)]
+    prefix = first["prompt_token_ids"] + first["generation_token_ids"]
+    assert second["prompt_token_ids"][: len(prefix)] == prefix
