@@ -12,6 +12,7 @@ from nemo_gym_tok.servers.base import BaseServerConfig, ResourcesServer, ToolHan
 from nemo_gym_tok.servers.client import ServerClient
 from nemo_gym_tok.servers.episode_store import EpisodeStore
 from nemo_gym_tok.servers.openapi import JsonSchema, SeedSessionRequest
+from resources_servers.grid_navigation.picture import grid_picture_url
 from resources_servers.grid_navigation.world import DIRECTIONS, Grid, Walker
 
 
@@ -43,6 +44,9 @@ TOOLS: dict[str, dict[str, Any]] = {
 class GridNavigationConfig(BaseServerConfig):
     partial_credit: float = Field(0.5, ge=0.0, le=1.0)
     """Most reward an episode that misses the goal can earn; it shrinks with the distance left to the goal."""
+    look_shows_picture: bool = False
+    """`look` answers its text and a picture of the grid (Responses content parts: input_text, input_image), for a
+    vision model; off, its text alone."""
 
 
 class GridNavigationRow(SeedSessionRequest):
@@ -77,10 +81,17 @@ class GridNavigation(ResourcesServer):
         return {name: tool["parameters"] for name, tool in TOOLS.items()}
 
     def _tool(self, name: str) -> ToolHandler:
-        async def handler(session_id: str, arguments: dict[str, Any]) -> str:
+        async def handler(session_id: str, arguments: dict[str, Any]) -> str | list[dict[str, Any]]:
             walker = self.walkers.get(session_id)  # an unknown session is the caller's mistake: HTTP 400
             # Wrong arguments are the model's mistake: it reads what was wrong and may try again.
-            return _argument_problem(TOOLS[name], arguments) or getattr(walker, name)(**arguments)
+            problem = _argument_problem(TOOLS[name], arguments)
+            if problem:
+                return problem
+            text = getattr(walker, name)(**arguments)
+            if name != "look" or not self.config.look_shows_picture:
+                return text
+            picture = {"type": "input_image", "image_url": grid_picture_url(walker)}
+            return [{"type": "input_text", "text": text}, picture]
 
         return handler
 

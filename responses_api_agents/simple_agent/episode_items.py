@@ -75,9 +75,22 @@ class EpisodeItems:
         return [{**item, **self._packed[i]} if i in self._packed else item for i, item in enumerate(self.items)]
 
 
-def function_call_output(call: dict[str, Any], text: str) -> dict[str, Any]:
-    """The item that answers the model's function call `call` with `text`."""
-    return {"type": "function_call_output", "call_id": call.get("call_id"), "output": text}
+def function_call_output(call: dict[str, Any], output: str | list[dict[str, Any]]) -> dict[str, Any]:
+    """The item that answers the model's function call `call` with `output`: text, or content parts."""
+    return {"type": "function_call_output", "call_id": call.get("call_id"), "output": output}
+
+
+CONTENT_PART_TYPES = frozenset({"input_text", "input_image"})
+
+
+def content_parts(result: Any) -> list[dict[str, Any]] | None:
+    """`result` when a tool answered Responses content parts with an image among them (a picture for a vision
+    model: sent on as parts, not as JSON text); None for any other value."""
+    if not isinstance(result, list) or not result:
+        return None
+    if not all(isinstance(part, dict) and part.get("type") in CONTENT_PART_TYPES for part in result):
+        return None
+    return result if any(part["type"] == "input_image" for part in result) else None
 
 
 def _is_type(item: Any, kind: str) -> bool:

@@ -18,7 +18,7 @@ from nemo_gym_tok.common.remote_errors import error_message
 from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.servers.base import RESERVED_PATHS
 from responses_api_agents.simple_agent.episode import PlayedEpisode
-from responses_api_agents.simple_agent.episode_items import function_call_output
+from responses_api_agents.simple_agent.episode_items import content_parts, function_call_output
 from responses_api_agents.simple_agent.peers import Peers, checked_json
 from responses_api_agents.simple_agent.rows import same_field, verify_row_field
 
@@ -61,7 +61,9 @@ class GymEnvironment:
             return function_call_output(call, f"error: {error_message(answer)}")
         payload = checked_json(self.env, answer)
         result = payload.get("output", payload) if isinstance(payload, dict) else payload
-        return function_call_output(call, result if isinstance(result, str) else json.dumps(result))
+        if isinstance(result, str):
+            return function_call_output(call, result)
+        return function_call_output(call, content_parts(result) or json.dumps(result))
 
     async def after_text_turn(self, items: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, bool]:
         # Environments judge text and tool calls: token ids are none of their business, and most of the bytes.

@@ -273,3 +273,24 @@ def test_config_file_loads() -> None:
     config = load_config([FOLDER / "configs" / "grid_navigation.yaml"])
     [(server_class, server_config)] = [validate_instance(instance) for instance in config.instances.values()]
     assert server_class is GridNavigation and isinstance(server_config, GridNavigationConfig)
+
+
+def test_look_shows_a_picture_of_the_grid_when_configured() -> None:
+    import base64
+    import io
+
+    from PIL import Image
+
+    from resources_servers.grid_navigation.picture import CELL_PIXELS, COLOURS
+
+    http = seeded(look_shows_picture=True)
+    text, picture = call(http, "look", {})
+    assert text == {"type": "input_text", "text": call(seeded(), "look", {})}
+    assert picture["type"] == "input_image" and picture["image_url"].startswith("data:image/png;base64,")
+    image = Image.open(io.BytesIO(base64.b64decode(picture["image_url"].split(",", 1)[1])))
+    assert image.size == (5 * CELL_PIXELS, 5 * CELL_PIXELS)
+    centre = CELL_PIXELS // 2
+    assert image.getpixel((centre, centre)) == COLOURS["walker"]  # [0, 0]
+    assert image.getpixel((CELL_PIXELS + centre, CELL_PIXELS + centre)) == COLOURS["wall"]  # [1, 1]
+    assert image.getpixel((2 * CELL_PIXELS + centre, 2 * CELL_PIXELS + centre)) == COLOURS["goal"]  # [2, 2]
+    assert call(http, "move", {"direction": "east", "steps": 1}) == "moved 1 of 1 east; now at [0, 1]"  # text only
