@@ -58,7 +58,11 @@ def is_complete(directory: Path, spec_hash: str, required_files: Iterable[str]) 
 
 
 def write_marker(out: Path, spec_hash: str, spec: dict[str, Any]) -> None:
-    """Write the completeness marker; call it last, after every other file of the build is in `out`."""
+    """Make every file of the build readable by all, then write the completeness marker: call it last, after every
+    other file of the build is in `out` (transformers writes weights owner-only; a server running as another user
+    must be able to read them)."""
+    for path in out.iterdir():
+        path.chmod(0o644)
     marker = {"spec_hash": spec_hash, "spec": spec}
     (out / MARKER_FILE).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 

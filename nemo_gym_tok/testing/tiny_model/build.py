@@ -191,9 +191,6 @@ def write_random_qwen3(
     )
     model.save_pretrained(str(out), safe_serialization=True)
     save_tokenizer(tokenizer, out, chat_template_text)
-    for path in out.iterdir():
-        # transformers writes the weights owner-only; a server running as another user must be able to read them.
-        path.chmod(0o644)
 
 
 def _write_build(out: Path, max_position_embeddings: int | None = None, variant: str | None = None) -> None:
@@ -215,7 +212,6 @@ def _write_build(out: Path, max_position_embeddings: int | None = None, variant:
     )
     if variant == TRAIN_VARIANT:
         plant_feature(out)  # the same random weights, then the feature written into the embedding
-        (out / "model.safetensors").chmod(0o644)
     write_marker(out, spec_hash(limit, variant), build_spec(limit, variant))
 
 

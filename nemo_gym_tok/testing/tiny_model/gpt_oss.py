@@ -271,9 +271,6 @@ def _write_build(out: Path) -> None:
     )
     model.save_pretrained(str(out), safe_serialization=True)
     save_tokenizer(tokenizer, out, gpt_oss_chat_template())
-    for path in out.iterdir():
-        # transformers writes the weights owner-only; a server running as another user must be able to read them.
-        path.chmod(0o644)
     write_marker(out, spec_hash(), build_spec())
 
 

@@ -246,9 +246,6 @@ def _write_build(out: Path) -> None:
     settings["processor_class"] = PROCESSOR_CLASS
     _write_json(out / "preprocessor_config.json", settings)
 
-    for path in out.iterdir():
-        # transformers writes the weights owner-only; a server running as another user must be able to read them.
-        path.chmod(0o644)
     write_marker(out, spec_hash(), build_spec())
 
 
