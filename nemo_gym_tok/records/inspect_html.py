@@ -19,7 +19,7 @@ from nemo_gym_tok.records.training import rollout_to_training_sequences
 from nemo_gym_tok.types.responses import ResponseItem, ResponsesRequest
 
 # Token kinds as the page's data and CSS name them (one letter per id keeps the embedded data small).
-TEMPLATE, MODEL, REPAIRED = "t", "m", "r"
+TEMPLATE, MODEL, REPAIRED, IMAGE = "t", "m", "r", "i"
 
 LEGEND = {
     "tok-template": "template: an id the prompt supplied (system, user and tool turns, the chat template's text); "
@@ -28,6 +28,8 @@ LEGEND = {
     "tok-repaired": "repaired span: model-sampled ids (loss mask 1) where the chat template, re-rendering the "
     "history, would have written other ids; the prefix splice kept the model's ids (bundle "
     "telemetry prefix_splice.repaired_turns), from the first differing id to the last",
+    "tok-image": "an image's placeholder ids (a vision model's `image_runs`: the run vLLM expanded the image to, in "
+    "the rollout's last prompt); template ids, loss mask 0",
     "tok-forced": "underlined: forced by a constrained-decoding grammar (generation_forced_mask 1; its log prob is "
     "0.0 of the masked distribution)",
     "wv": "before each turn's generated ids: the vLLM weight version that sampled them (v1 \u2192 v2 where a push "
@@ -178,10 +180,14 @@ def page_data(records: Iterable[dict[str, Any]], tokenizer: Tokenizer | None, ti
         entry["spans_weight_versions"] = any(sequence.spans_weight_versions for sequence in sequences) or (
             len({v for sequence in sequences for v in sequence.weight_versions if v is not None}) > 1
         )
+        images = turns[-1].image_runs if turns and len(sequences) == 1 else None
+        entry["images"] = len(images or [])
         for sequence, spans in zip(sequences, repairs):
             kinds = [MODEL if flag else TEMPLATE for flag in sequence.loss_mask]
             for span in spans:
                 kinds[span.start : span.end] = [REPAIRED] * (span.end - span.start)
+            for run in images or []:  # positions in the last prompt: the one sequence's own
+                kinds[run["position"] : run["position"] + run["length"]] = [IMAGE] * run["length"]
             for token_id in sequence.token_ids:
                 piece(token_id)
             entry["sequences"].append(
@@ -265,6 +271,7 @@ table.rollouts td, table.rollouts th { border: 1px solid #ccc; padding: .2em .6e
 .tok-template { background: #e4e4e4; color: #555; }
 .tok-model { background: #bfe8c4; }
 .tok-repaired { background: #ffb870; }
+.tok-image { background: #c9d7ff; }
 .tok-forced { text-decoration: underline dotted #1f4fbf 2px; }
 .swatch { display: inline-block; width: 2.2em; margin-right: .5em; text-align: center; }
 .repaired { outline: 2px solid #d55e00; }
@@ -290,7 +297,7 @@ details.first-prompt summary { font: 13px system-ui, sans-serif; color: #555; cu
 <script>
 "use strict";
 const data = JSON.parse(document.getElementById("ngt-data").textContent);
-const kindClass = {t: "tok-template", m: "tok-model", r: "tok-repaired"};
+const kindClass = {t: "tok-template", m: "tok-model", r: "tok-repaired", i: "tok-image"};
 function el(tag, attrs, text) {
   const node = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, v);
@@ -330,7 +337,7 @@ data.rollouts.forEach((rollout, n) => {
                                  "data-repaired": spans,
                                  "data-spans-versions": rollout.spans_weight_versions ? "1" : "0"});
   section.append(el("h2", {}, rollout.label + " \\u2014 reward " + rollout.reward + ", " + rollout.turns +
-                    " turns, " + spans + " repaired"));
+                    " turns, " + spans + " repaired" + (rollout.images ? ", " + rollout.images + " image(s)" : "")));
   if (rollout.spans_weight_versions) {
     section.append(el("p", {class: "spans-versions"}, "spans weight versions: its turns were sampled by " +
                       "different weights (" + versions.join(", ") + ")"));

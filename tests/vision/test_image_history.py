@@ -299,3 +299,20 @@ def test_responses_api_input_images_through_the_adapter_are_kept_and_contiguous(
     assert [run["length"] for run in second["image_runs"]] == [image_pad_count(56, 56), image_pad_count(84, 56)]
     prefix = first["prompt_token_ids"] + first["generation_token_ids"]
     assert second["prompt_token_ids"][: len(prefix)] == prefix
+
+
+def test_ngt_inspect_marks_each_images_ids(episode) -> None:
+    from nemo_gym_tok.records.inspect_html import page_data
+
+    _, answers, _ = episode
+    record = {"rollout_id": "vision-0", "response": {"output": [{"type": "message", **a} for a in answers]}}
+    (rollout,) = page_data([record], None, "t")["rollouts"]
+    assert rollout["error"] is None and rollout["images"] == len(SIZES)
+    (sequence,) = rollout["sequences"]
+    marked = [i for i, kind in enumerate(sequence["kinds"]) if kind == "i"]
+    expected = [
+        p
+        for position, length in image_runs(answers[-1]["prompt_token_ids"])
+        for p in range(position, position + length)
+    ]
+    assert marked == expected
