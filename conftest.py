@@ -24,14 +24,14 @@ COHERE_API_ENV = {"VLLM_ENABLE_COHERE_API": "1"}
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    from tests.vision.conftest import launch_early
+    from tests.vision.server import launch_early
 
     if not session.config.option.collectonly:
         launch_early(session.items)  # the vision tests' server starts now, its start-up beside the other tests
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    from tests.vision.conftest import stop_early
+    from tests.vision.server import stop_early
 
     stop_early()
 

@@ -159,7 +159,7 @@ def preprocess_chat_with_splice(original: Any) -> Any:
                 )
                 answer = await original(self, request, messages, *args, **kwargs)
                 if markers is not None:
-                    remember_image_runs(request, answer[1])
+                    remember_image_runs(request, _engine_inputs(answer))
                 if source is not None:
                     remember(request, new_segment_telemetry())
                 path = unspliced_path
@@ -181,9 +181,9 @@ def preprocess_chat_with_splice(original: Any) -> Any:
                 _pending_splice.reset(reset)
             if pending.images is not None:
                 with as_400():
-                    pending.images.check(answer[1])
+                    pending.images.check(_engine_inputs(answer))
             if markers is not None:
-                remember_image_runs(request, answer[1])
+                remember_image_runs(request, _engine_inputs(answer))
             if pending.result is None:
                 with as_400():
                     raise SpliceError(
@@ -261,6 +261,11 @@ def answered_whole(request: Any) -> bool:
     turn the answer into a 400. Streams, /tokenize and every other route verify during the splice (nemo_gym_tok.vllm
     .routes: the render routes' answers never pass that wrapper)."""
     return routes.defers_verification(request)
+
+
+def _engine_inputs(answer: Any) -> Any:
+    """The engine inputs of what vLLM's preprocess_chat returned ((conversation, engine inputs)); None otherwise."""
+    return answer[1] if isinstance(answer, tuple) and len(answer) == 2 else None
 
 
 def _forwards_ids(request: Any) -> bool:

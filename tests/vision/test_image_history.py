@@ -17,8 +17,8 @@ from nemo_gym_tok.testing.tiny_model.vision import (
     image_pad_count,
 )
 from nemo_gym_tok.vllm_server import VLLMServer
-from tests.vision.conftest import VLM_NAME
 from tests.vision.images import image_part, text_part
+from tests.vision.server import VLM_NAME
 
 BUNDLE = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 PLACEHOLDERS = {IMAGE_PAD_ID, VIDEO_PAD_ID, VISION_START_ID, VISION_END_ID}

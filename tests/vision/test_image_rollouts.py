@@ -20,7 +20,7 @@ from nemo_gym_tok.servers.registry import validate_instance
 from nemo_gym_tok.vllm_server import VLLMServer
 from responses_api_agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
 from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
-from tests.vision.conftest import VLM_NAME
+from tests.vision.server import VLM_NAME
 
 ENVIRONMENT, AGENT = "grid_navigation", "grid_navigation_agent"
 ROWS = Path(__file__).resolve().parents[2] / "resources_servers" / ENVIRONMENT / "data" / "example.jsonl"

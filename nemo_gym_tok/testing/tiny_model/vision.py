@@ -22,6 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.testing.tiny_model._cache import (
     MARKER_FILE,
     build_cached,
@@ -242,7 +243,7 @@ def _write_build(out: Path) -> None:
     # The PIL backend is the one transformers picks without torchvision; its saved settings name the processor type
     # both backends share (PaddleOCRVLImageProcessor). The processor class makes AutoProcessor's choice explicit.
     image_processor = PaddleOCRVLImageProcessorPil(**IMAGE_PROCESSOR_SETTINGS)
-    settings = json.loads(image_processor.to_json_string())
+    settings = loads_exact(image_processor.to_json_string())
     settings["processor_class"] = PROCESSOR_CLASS
     _write_json(out / "preprocessor_config.json", settings)
 
