@@ -46,7 +46,7 @@ REPEATS = 5
 """8 rows x 5: 40 rollouts of up to 4 model calls each."""
 KILL_AFTER_ROLLOUTS = 6
 SHORT_SOAK: dict[str, Any] = {
-    "rollouts": 400,
+    "rollouts": 560,
     "concurrency": 32,
     # Seconds from the soak gym's start, once a tenth of the rollouts are in (a kill waits for the one before it, a
     # replica's for its restart). The environment and the agent go first, so the rollouts they fail are in the
