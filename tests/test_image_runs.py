@@ -39,6 +39,7 @@ def test_each_run_collapses_to_one_pad_and_is_remembered_where_it_was() -> None:
         ([1, *image(2), VIDEO], None, "does not take"),
         ([1, *image(2), 7, PAD], 5, "model sampled a placeholder"),
         ([1, 2, 3, START], 3, "model sampled a placeholder"),
+        ([1, START, PAD, END], 3, "model sampled a placeholder"),  # the end marker generated
     ],
 )
 def test_a_placeholder_that_stands_for_no_image_is_refused(

@@ -116,6 +116,11 @@ def collapse_image_runs(
                 f"{field}[{position}] starts image {len(runs)} with no pad after it: an image's run is at least one "
                 f"pad ({pad})"
             )
+        if prompt_length is not None and run_end >= prompt_length:
+            raise ImageMismatchError(
+                f"{field}: image {len(runs)}'s run reaches the generated ids: the model sampled a placeholder, which "
+                "stands for no image; a history holding it cannot be spliced"
+            )
         if run_end >= size or prefix[run_end] != end:
             raise ImageMismatchError(
                 f"{field}: image {len(runs)}'s run of {run_end - run_start} pads from {run_start} is not closed by the "

@@ -140,17 +140,16 @@ class ImageSplice:
 
     def check(self, engine_inputs: Any) -> None:
         """The expanded prompt vLLM's processor made starts with the previous turn's ids, every image in place."""
-        if not isinstance(engine_inputs, list) or len(engine_inputs) != 1:
+        runs = image_runs(engine_inputs)
+        if runs is None:
             raise ImageMismatchError("the prefix splice supports chats rendered to one prompt")
-        engine_input = engine_inputs[0]
-        placeholders = (engine_input.get("mm_placeholders") or {}).get("image") or []
         check_expanded_prefix(
-            engine_input.get("prompt_token_ids") or [],
-            [(item.offset, item.length) for item in placeholders],
+            engine_inputs[0].get("prompt_token_ids") or [],
+            [(run["position"], run["length"]) for run in runs],
             self.expanded_prefix,
             self.collapsed.runs,
         )
-        hashes = (engine_input.get("mm_hashes") or {}).get("image") or []
+        hashes = [run["digest"] for run in runs]
         for run in self.collapsed.runs:
             recorded = self.digests[run.index] if self.digests and run.index < len(self.digests) else None
             now = hashes[run.index] if run.index < len(hashes) else None
@@ -160,6 +159,3 @@ class ImageSplice:
                     f"{str(recorded)[:16]}..., the request's image {run.index} hashes to {str(now)[:16]}... (same "
                     "size, other pixels or processing)"
                 )
-
-    def telemetry(self) -> dict[str, Any]:
-        return {"image_runs": [[run.position, run.length] for run in self.collapsed.runs]}
