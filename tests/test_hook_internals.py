@@ -332,6 +332,7 @@ def stand_in_splice(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[object]]:
         lambda online, request, messages: SpliceRequest(source if messages == ["bundled"] else None, False),
     )
     monkeypatch.setattr(hook, "_splice", splice)
+    monkeypatch.setattr(hook, "_splice_new_turn", lambda *args: None)  # these requests take the tokenization step
     monkeypatch.setattr(
         _Renderer, "tokenize_prompts_async", hook.tokenize_with_splice(_Renderer.tokenize_prompts_async)
     )

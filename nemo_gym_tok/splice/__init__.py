@@ -24,6 +24,7 @@ from nemo_gym_tok.splice._image_runs import (
 )
 from nemo_gym_tok.splice._memo import RenderMemo
 from nemo_gym_tok.splice._neutral import neutralize
+from nemo_gym_tok.splice._new_turn import splice_new_turn
 from nemo_gym_tok.splice._profile import TERMINATOR_ENV, Header, TemplateProfile, detect_profile
 from nemo_gym_tok.splice._refusals import (
     BoundaryNotFoundError,
@@ -86,6 +87,7 @@ __all__ = [
     "message_field",
     "neutralize",
     "raised_in_this_package",
+    "splice_new_turn",
     "splice_prompt",
     "text_encoder",
 ]

@@ -4,12 +4,12 @@ reads a message's fields (`message_field`: dicts and objects alike)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_gym_tok.contract.token_sources import PrefixMismatchError, check_prefix
 from nemo_gym_tok.splice._refusals import InvalidTokenIdsError, StalePrefixError
-from nemo_gym_tok.types.tokens import BUNDLE_FIELDS, PREFIX_KEY, plain_token_ids
+from nemo_gym_tok.types.tokens import BUNDLE_FIELDS, PREFIX_KEY, plain_token_ids, plain_token_ids_json
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -25,6 +25,9 @@ class PrefixSource:
     """True for a top-level `required_prefix_token_ids`, False when derived from a message's bundle."""
     prompt_length: int | None = None
     """For a bundle, how many of `prefix` are the prompt ids (the rest the generation); None for explicit."""
+    prompt_json: bytes | None = field(default=None, repr=False, compare=False)
+    """For a bundle whose prompt ids were checked from their JSON text (plain_token_ids_json), that text: the render
+    memo hashes it instead of writing the ids again."""
 
 
 def find_prefix_source(
@@ -50,16 +53,18 @@ def find_prefix_source(
             raise InvalidTokenIdsError(f"{where}: token bundle is all or none; {missing} missing")
         if message_field(messages[index], "role") != "assistant":
             raise InvalidTokenIdsError(f"{where}: a token bundle belongs on an assistant message")
-        prompt = _checked_ids(
-            message_field(messages[index], "prompt_token_ids"), f"{where}.prompt_token_ids", vocab_size, types_checked
-        )
+        raw_prompt = message_field(messages[index], "prompt_token_ids")
+        prompt_json = None if types_checked else plain_token_ids_json(raw_prompt)
+        prompt = _checked_ids(raw_prompt, f"{where}.prompt_token_ids", vocab_size, prompt_json is not None)
         generation = _checked_ids(
             message_field(messages[index], "generation_token_ids"),
             f"{where}.generation_token_ids",
             vocab_size,
             types_checked,
         )
-        return PrefixSource(prompt + generation, index, explicit=False, prompt_length=len(prompt))
+        return PrefixSource(
+            prompt + generation, index, explicit=False, prompt_length=len(prompt), prompt_json=prompt_json
+        )
     return None
 
 

@@ -26,6 +26,8 @@ from typing import Any
 
 import orjson
 
+from nemo_gym_tok.types.tokens import BUNDLE_FIELDS, TELEMETRY_FIELDS
+
 
 @dataclass(frozen=True)
 class ProvenPrompt:
@@ -51,6 +53,7 @@ class RenderMemo:
         self._prompts: OrderedDict[bytes, tuple[bytes, ProvenPrompt]] = OrderedDict()
         self._distrusted: OrderedDict[bytes, None] = OrderedDict()
         self._located: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+        self._verdicts: OrderedDict[bytes, bool] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -87,23 +90,59 @@ class RenderMemo:
             _put(self._located, key, found, self._max_entries)
         return found
 
+    def verdict(self, scope: str, messages: Sequence[Any], name: str, decide: Callable[[], bool]) -> bool:
+        """What `decide()` found for these (placeholder-only) messages in `scope`, decided once: a property of the
+        template and the conversation's shape, such as whether a next turn's text depends on the history."""
+        key = _key(scope, messages, {"verdict": name})
+        if key is None:
+            return decide()
+        with self._lock:
+            found = self._verdicts.get(key)
+            if found is not None:
+                self._verdicts.move_to_end(key)
+                return found
+        found = decide()
+        with self._lock:
+            _put(self._verdicts, key, found, self._max_entries)
+        return found
+
     def remember_prompt(
         self, scope: str, messages: Sequence[Any], prompt_ids: Sequence[int], closing_text: str, checked_by_text: bool
     ) -> None:
-        """Keep that `prompt_ids` was spliced (and proven) for neutral `messages` with a generation prompt."""
-        key = _key(scope, messages, _PROMPT_FLAGS)
-        if key is None:
+        """Keep that `prompt_ids` was spliced (and proven) for `messages` with a generation prompt (prompt_keys)."""
+        keys = prompt_keys(scope, messages, 0)
+        if keys is None:
             return
-        entry = (_ids_digest(prompt_ids), ProvenPrompt(len(prompt_ids), closing_text, checked_by_text))
+        self.remember_prompt_by_key(
+            keys[1],
+            ids_hasher(prompt_ids).digest(),
+            len(prompt_ids),
+            closing_text,
+            checked_by_text,
+        )
+
+    def remember_prompt_by_key(
+        self, key: bytes, ids_digest: bytes, length: int, closing_text: str, checked_by_text: bool
+    ) -> None:
+        """remember_prompt with the messages' key (prompt_keys) and the ids' digest (ids_hasher) made already."""
         with self._lock:
-            _put(self._prompts, key, entry, self._max_prompts)
+            _put(
+                self._prompts, key, (ids_digest, ProvenPrompt(length, closing_text, checked_by_text)), self._max_prompts
+            )
 
     def proven_prompt(self, scope: str, messages: Sequence[Any], prefix: Sequence[int]) -> ProvenPrompt | None:
-        """The prompt this server spliced for neutral `messages`, when `prefix` opens with exactly its ids and
+        """The prompt this server spliced for `messages` (prompt_keys), when `prefix` opens with exactly its ids and
         goes on past them; None otherwise."""
-        key = _key(scope, messages, _PROMPT_FLAGS)
-        if key is None:
-            return None
+        keys = prompt_keys(scope, messages, 0)
+        found = None if keys is None else self.proven_prompt_by_key(keys[1], prefix)
+        return None if found is None else found[0]
+
+    def proven_prompt_by_key(
+        self, key: bytes, prefix: Sequence[int], opening_json: bytes | None = None
+    ) -> tuple[ProvenPrompt, Any] | None:
+        """proven_prompt by the messages' key, with the hash of the prompt's ids, which a caller extends into the next
+        prompt's digest without hashing them again (ids_hasher). `opening_json`: orjson's text of exactly the ids the
+        prompt is expected to hold (a bundle's prompt ids, written once already when they were checked)."""
         with self._lock:
             entry = self._prompts.get(key)
             if entry is not None:
@@ -111,11 +150,14 @@ class RenderMemo:
         if entry is None:
             return None
         digest, proven = entry
-        if len(prefix) <= proven.length or _ids_digest(prefix[: proven.length]) != digest:
+        if len(prefix) <= proven.length:
+            return None
+        hasher = ids_hasher(prefix[: proven.length], opening_json if _holds(opening_json, proven.length) else None)
+        if hasher.digest() != digest:
             return None
         with self._lock:
             self.proven += 1
-        return proven
+        return proven, hasher
 
     def distrust_placement(self, scope: str, messages: Sequence[Any]) -> None:
         """Keep that the placement rendering's tail was wrong for these neutral messages (splice._splice)."""
@@ -132,10 +174,6 @@ class RenderMemo:
             return key is not None and key in self._distrusted
 
 
-_PROMPT_FLAGS = {"add_generation_prompt": True}
-"""The flags of the rendering a spliced prompt belongs to (the structural check renders its prompt with them)."""
-
-
 def _key(scope: str, messages: Sequence[Any], flags: dict[str, Any]) -> bytes | None:
     try:
         serialized = orjson.dumps([scope, flags, list(messages)], option=orjson.OPT_SORT_KEYS)
@@ -144,9 +182,63 @@ def _key(scope: str, messages: Sequence[Any], flags: dict[str, Any]) -> bytes | 
     return hashlib.sha256(serialized).digest()
 
 
-def _ids_digest(ids: Sequence[int]) -> bytes:
-    # SHA-256: CPUs with the SHA extensions hash it at twice blake2b's speed (a 32k-id prompt is 200 KB of JSON).
-    return hashlib.sha256(orjson.dumps(ids if isinstance(ids, (list, tuple)) else list(ids))).digest()
+TOKEN_FIELDS = frozenset((*BUNDLE_FIELDS, *TELEMETRY_FIELDS))
+"""What the gym adds to a message beside the template's input (the bundle, its telemetry): never rendered."""
+
+_PROMPT_FLAGS = {"add_generation_prompt": True}
+"""The flags of the rendering a spliced prompt belongs to (the structural check renders its prompt with them)."""
+
+
+def prompt_keys(scope: str, messages: Sequence[Any], cut: int) -> tuple[bytes, bytes] | None:
+    """The memo's keys of the prompts for `messages[:cut]` and for all `messages` (each with a generation prompt):
+    SHA-256 over the scope and the messages as orjson writes them, the token fields left out (they are not template
+    input, and which call carries the bundle varies), in one pass at C speed. The messages' own text is in the key:
+    a prompt is found again only for the very messages it was spliced for. None where orjson cannot write them."""
+    plain = [_template_input(message) for message in messages]
+    try:
+        before = orjson.dumps(plain[:cut], option=orjson.OPT_SORT_KEYS)
+        after = orjson.dumps(plain[cut:], option=orjson.OPT_SORT_KEYS)
+    except TypeError:
+        return None
+    hasher = hashlib.sha256(scope.encode())
+    hasher.update(memoryview(before)[1:-1])
+    first = hasher.digest()
+    if cut < len(plain):
+        if cut > 0:
+            hasher.update(b",")
+        hasher.update(memoryview(after)[1:-1])
+    return first, hasher.digest()
+
+
+def _template_input(message: Any) -> Any:
+    """`message` without the token fields (copied only where it has one)."""
+    if type(message) is not dict:
+        message = message.model_dump(exclude_none=True) if hasattr(message, "model_dump") else dict(message)
+    if TOKEN_FIELDS.isdisjoint(message):
+        return message
+    return {key: value for key, value in message.items() if key not in TOKEN_FIELDS}
+
+
+def ids_hasher(ids: Sequence[int], written: bytes | None = None) -> Any:
+    """SHA-256 over the ids as orjson writes them, without the brackets (`written`: that text with them, made
+    already): a hash that `extend_ids_hash` carries on to a longer prompt without reading these ids again. SHA-256:
+    CPUs with the SHA extensions hash it at twice blake2b's speed (a 32k-id prompt is 200 KB of text)."""
+    text = written if written is not None else orjson.dumps(ids if isinstance(ids, list) else list(ids))
+    return hashlib.sha256(memoryview(text)[1:-1])
+
+
+def extend_ids_hash(hasher: Any, more: Sequence[int]) -> bytes:
+    """The digest ids_hasher gives the hashed ids followed by `more`, from a hash of the first ones (left as it was)."""
+    extended = hasher.copy()
+    if more:
+        extended.update(b",")
+        extended.update(memoryview(orjson.dumps(more if isinstance(more, list) else list(more)))[1:-1])
+    return extended.digest()
+
+
+def _holds(written: bytes | None, count: int) -> bool:
+    """`written` (orjson's text of an id list) holds exactly `count` ids: commas between them, none inside."""
+    return written is not None and count > 0 and written.count(b",") == count - 1
 
 
 def _put(entries: OrderedDict[bytes, Any], key: bytes, value: Any, max_entries: int) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 
 from nemo_gym_tok.common.exact_json import loads_exact
-from nemo_gym_tok.types.tokens import BUNDLE_FIELDS, TELEMETRY_FIELDS
+from nemo_gym_tok.splice._memo import TOKEN_FIELDS
 
 PLACEHOLDER = re.compile(r"ngt(?:body|think|arg)(\d+)q")
 """Placeholder text: letters and digits only, so templates that trim, split or escape content leave it whole."""
@@ -23,9 +23,6 @@ PLACEHOLDER = re.compile(r"ngt(?:body|think|arg)(\d+)q")
 def placeholder(kind: str, message_index: int) -> str:
     return f"ngt{kind}{message_index}q"
 
-
-_TOKEN_FIELDS = frozenset((*BUNDLE_FIELDS, *TELEMETRY_FIELDS))
-"""What the gym adds to a message beside the template's input (the bundle, its telemetry): never rendered."""
 
 MESSAGE_PLACEHOLDER = re.compile(r"ngtmsg(\d+)q")
 """Placeholder text of a non-assistant message, in the rendering that checks no turn holds another message."""
@@ -58,7 +55,7 @@ def neutralize(
         plain = {
             key: value
             for key, value in (message if type(message) is dict else _plain(message)).items()
-            if key not in _TOKEN_FIELDS
+            if key not in TOKEN_FIELDS
         }
         if index <= up_to and plain.get("role") == "assistant":
             plain = _neutral_assistant(plain, index, index in force_content, drop_call_text)

@@ -4,6 +4,7 @@ prefix by `describe_source`, as the splice's other refusals about a prefix do)."
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from nemo_gym_tok.splice._fixed_text import FixedTextMatcher
@@ -19,6 +20,7 @@ from nemo_gym_tok.types.tokens import PREFIX_KEY
 def check_prefix_structure(
     renderer: ChatRenderer,
     profile: TemplateProfile,
+    messages: Sequence[Any],
     neutral: list[dict[str, Any]],
     earlier: list[int],
     find: Any,
@@ -29,11 +31,21 @@ def check_prefix_structure(
     starts, whether the text walk proved it (_fixed_text; id by id where it could not), and the prompt's fixed text
     after its last earlier body (it ends with the generation prompt)."""
     a, prefix = source.message_index, source.prefix
-    proven = proven_prompt(renderer, neutral[:a], prefix)
+    proven = proven_prompt(renderer, messages[:a], prefix)
     if proven is not None:  # the prompt this server spliced for these messages, sent back as it was given
         generation_start, checked_by_text, prompt_end = proven.length, proven.checked_by_text, proven.closing_text
     else:
         generation_start, checked_by_text, prompt_end = _walk_prompt(renderer, profile, neutral, earlier, find, source)
+    check_generation(renderer, profile, source, generation_start)
+    return generation_start, checked_by_text, prompt_end
+
+
+def check_generation(
+    renderer: ChatRenderer, profile: TemplateProfile, source: PrefixSource, generation_start: int
+) -> None:
+    """What the structural check asks of the prefix after its prompt part (the first `generation_start` ids): a
+    non-empty generation with no end token inside, and a bundle whose prompt ids are that prompt."""
+    a, prefix = source.message_index, source.prefix
     if generation_start == len(prefix):
         raise StalePrefixError(
             f"{describe_source(source)} ends where the prompt for messages[{a}] ends: the last assistant span is "
@@ -54,7 +66,6 @@ def check_prefix_structure(
             "belong to these messages",
             message_index=a,
         )
-    return generation_start, checked_by_text, prompt_end
 
 
 def _walk_prompt(

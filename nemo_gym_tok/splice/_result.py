@@ -69,8 +69,12 @@ class SplicedPrompt:
         checked_by_text: bool,
         verify: Callable[[], None],
         measure_turn: Callable[[], tuple[bool, int, tuple[RepairedTurn, ...] | None]],
+        *,
+        new_turn: bool = False,
     ) -> None:
         self.prompt_token_ids = prompt_token_ids
+        self.new_turn = new_turn
+        """Spliced at the cost of the new messages (the short conversation; see splice._new_turn)."""
         self.kept_prefix_length = kept_prefix_length
         self.end_token_replaced = end_token_replaced
         self.checked_by_text = checked_by_text

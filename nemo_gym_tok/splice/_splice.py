@@ -32,6 +32,7 @@ from typing import Any
 from nemo_gym_tok.splice._ids import PrefixSource, message_field
 from nemo_gym_tok.splice._memo import RenderMemo
 from nemo_gym_tok.splice._neutral import neutralize
+from nemo_gym_tok.splice._new_turn import splice_new_turn
 from nemo_gym_tok.splice._prefix_check import check_prefix_structure, describe_source
 from nemo_gym_tok.splice._profile import TemplateProfile
 from nemo_gym_tok.splice._refusals import SpliceError, StalePrefixError, UnsupportedTemplateError
@@ -62,6 +63,7 @@ def splice_prompt(
     truncate_prompt_tokens: int | None = None,
     template_text: str | None = None,
     defer_verify: bool = False,
+    new_turn: bool = True,
 ) -> SplicedPrompt:
     """Splice `source.prefix` (belonging to messages[source.message_index]) into the prompt for `messages`.
 
@@ -75,7 +77,10 @@ def splice_prompt(
     prove it at once, is verified later too (SplicedPrompt
     .verify: a server runs it while the engine generates, and a failure refuses the answer; the renderer's memo then
     sends the same request down the full path, should it come again). Without it, a failed verification falls back to
-    the full path at once, as any other reason the fast path cannot decide."""
+    the full path at once, as any other reason the fast path cannot decide.
+
+    A next turn whose history this server spliced before is spliced first at the cost of its new messages
+    (splice._new_turn: nothing of the history rendered); `new_turn=False` skips that (a caller that tried it)."""
     a = source.message_index
     prefix = source.prefix
     if a < 0:
@@ -85,6 +90,10 @@ def splice_prompt(
             f"{describe_source(source)} is empty, but messages[{a}] is an assistant turn: send the ids of the call "
             "that produced it (prompt + generation), or no prefix at all"
         )
+    if new_turn and add_generation_prompt and not continue_final_message:
+        spliced = splice_new_turn(renderer, profile, messages, source, truncate_prompt_tokens=truncate_prompt_tokens)
+        if spliced is not None:
+            return spliced
     earlier = [j for j in range(a) if message_field(messages[j], "role") == "assistant"]
     find = body_finder(profile, messages)
     moved_call_text = bool(
@@ -118,7 +127,7 @@ def splice_prompt(
         )
     full_layout = Layout(full_text, find(full_text, [*earlier, a], a if continue_final_message else None))
     generation_start, checked_by_text, prompt_end = check_prefix_structure(
-        renderer, profile, neutral, earlier, find, source
+        renderer, profile, messages, neutral, earlier, find, source
     )
     tail_text, tail = template_tail(
         renderer,
@@ -151,7 +160,7 @@ def splice_prompt(
         template_text = None  # the server's rendering holds the model's text after the results; ours leaves it out
     generation = prefix[generation_start:kept] + tail[: junction_length(renderer, junction)]
     if remember:
-        remember_prompt(renderer, neutral, spliced, tail_text, checked_by_text)
+        remember_prompt(renderer, messages, spliced, tail_text, checked_by_text)
     return SplicedPrompt(
         spliced,
         kept,
@@ -193,7 +202,7 @@ def _splice_by_placement(
     if memo is not None and memo.distrusts_placement(renderer.render_scope, neutral):
         raise UnsupportedTemplateError("the placement rendering gave these messages a wrong tail before")
     generation_start, checked_by_text, prompt_end = check_prefix_structure(
-        renderer, profile, neutral, earlier, find, source
+        renderer, profile, messages, neutral, earlier, find, source
     )
     marked_text, marked_bodies = check_message_placement(renderer, neutral, a, turns, find, True, False)
     check_turn_opening(profile, neutral, marked_text, marked_bodies, prompt_end)
@@ -218,7 +227,7 @@ def _splice_by_placement(
         measurement of the new turn, and the prompt for the next turn."""
         full.append(layout)
         if remember:
-            remember_prompt(renderer, neutral, spliced, tail_text, checked_by_text)
+            remember_prompt(renderer, messages, spliced, tail_text, checked_by_text)
 
     def verify() -> None:
         text = render_messages(renderer, neutral, add_generation_prompt=True, what="the messages")

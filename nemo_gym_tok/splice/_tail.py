@@ -254,6 +254,7 @@ def measure_new_turn(
     prompt_end: str,
     generation: list[int],
     a: int,
+    opening: str | None = None,
 ) -> tuple[bool, int, tuple[RepairedTurn, ...] | None]:
     """Whether the template's ids for messages[a]'s turn differ from the model's, and from where.
 
@@ -262,15 +263,18 @@ def measure_new_turn(
     first character where the history's opening of the turn and the prompt's end part. The template's side is read
     from the server's rendering: it ends where the tail starts and begins after the fixed text that opens the turn
     in the neutral rendering (its last occurrence, so model text that happens to spell it is not mistaken for it);
-    each side's text is tokenized on its own.
+    each side's text is tokenized on its own. `opening`: that fixed text, where the caller cut it and `prompt_end`
+    from the same place (a short conversation, whose first turn has another start than the prompt).
     """
     if template_text is None:
         return False, 0, None
     body = full.bodies[-1]
-    opening = full.text[(full.bodies[-2].end if len(full.bodies) > 1 else 0) : body.start]
+    first_turn = opening is None and len(full.bodies) == 1
+    if opening is None:
+        opening = full.text[(full.bodies[-2].end if len(full.bodies) > 1 else 0) : body.start]
     end = len(template_text) - len(tail_text)
     start = template_text.rfind(opening, 0, end)
-    if start < 0 or (len(full.bodies) == 1 and start != 0):
+    if start < 0 or (first_turn and start != 0):
         return False, 0, None
     shared = len(os.path.commonprefix([opening, prompt_end]))
     template_ids = renderer.encode(template_text[start + shared : end])

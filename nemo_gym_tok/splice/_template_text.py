@@ -79,16 +79,16 @@ def render_messages(renderer: ChatRenderer, messages: list[dict[str, Any]], *, w
         raise UnsupportedTemplateError(f"the chat template cannot render {what}: {exc}") from None
 
 
-def proven_prompt(renderer: ChatRenderer, neutral: list[dict[str, Any]], prefix: list[int]) -> ProvenPrompt | None:
-    """The prompt this server spliced for these neutral messages, where `prefix` opens with it (from the renderer's
-    memo; None without one): the structural check of that part is then already done."""
+def proven_prompt(renderer: ChatRenderer, messages: Sequence[Any], prefix: list[int]) -> ProvenPrompt | None:
+    """The prompt this server spliced for these messages, where `prefix` opens with it (from the renderer's memo;
+    None without one): the structural check of that part is then already done."""
     memo: RenderMemo | None = getattr(renderer, "render_memo", None)
-    return None if memo is None else memo.proven_prompt(renderer.render_scope, neutral, prefix)
+    return None if memo is None else memo.proven_prompt(renderer.render_scope, messages, prefix)
 
 
 def remember_prompt(
     renderer: ChatRenderer,
-    neutral: list[dict[str, Any]],
+    messages: Sequence[Any],
     prompt_ids: list[int],
     closing_text: str,
     checked_by_text: bool,
@@ -97,4 +97,4 @@ def remember_prompt(
     opens with it, need not be checked again (see proven_prompt)."""
     memo: RenderMemo | None = getattr(renderer, "render_memo", None)
     if memo is not None:
-        memo.remember_prompt(renderer.render_scope, neutral, prompt_ids, closing_text, checked_by_text)
+        memo.remember_prompt(renderer.render_scope, messages, prompt_ids, closing_text, checked_by_text)

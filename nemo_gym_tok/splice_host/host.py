@@ -22,6 +22,7 @@ from nemo_gym_tok.splice import (
     TemplateProfile,
     check_starts_with,
     detect_profile,
+    splice_new_turn,
     splice_prompt,
 )
 from nemo_gym_tok.splice_host.request import first_turn_telemetry
@@ -148,6 +149,7 @@ class SpliceHost:
         truncate_prompt_tokens: Any,
         template_text: str | None,
         defer_verify: bool = False,
+        new_turn: bool = True,
     ) -> SplicedPrompt:
         """The request's spliced prompt (nemo_gym_tok.splice.splice_prompt); `truncate_prompt_tokens` as the request
         holds it (a negative or absent value truncates nothing)."""
@@ -162,6 +164,31 @@ class SpliceHost:
             truncate_prompt_tokens=truncate if isinstance(truncate, int) and truncate >= 0 else None,
             template_text=template_text,
             defer_verify=defer_verify,
+            new_turn=new_turn,
+        )
+
+    def splice_new_turn(
+        self,
+        renderer: ScopedRenderer,
+        profile: TemplateProfile,
+        messages: Sequence[Any],
+        source: PrefixSource,
+        *,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        truncate_prompt_tokens: Any,
+    ) -> SplicedPrompt | None:
+        """The request's spliced prompt at the cost of its new messages (nemo_gym_tok.splice.splice_new_turn), before
+        anything renders the whole conversation; None where the full check (`splice`) must decide."""
+        if not add_generation_prompt or continue_final_message or source.message_index < 0:
+            return None
+        truncate = truncate_prompt_tokens
+        return splice_new_turn(
+            renderer,
+            profile,
+            messages,
+            source,
+            truncate_prompt_tokens=truncate if isinstance(truncate, int) and truncate >= 0 else None,
         )
 
     def _keep(self, entries: OrderedDict[str, Any], key: str, value: Any) -> None:

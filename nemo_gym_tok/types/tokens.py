@@ -23,14 +23,19 @@ def plain_token_ids(ids: Any) -> bool:
     list is, decided at C speed from its JSON, which orjson writes as digits and commas only (bools as true/false,
     floats with a point or an exponent, negatives with a sign). False leaves the list to the item-by-item check, which
     names the first bad id."""
+    return plain_token_ids_json(ids) is not None
+
+
+def plain_token_ids_json(ids: Any) -> bytes | None:
+    """orjson's text of `ids` where plain_token_ids holds (a caller that hashes the ids reuses it), else None."""
     if type(ids) is not list:
-        return False
+        return None
     try:
         written = orjson.dumps(ids)
     except TypeError:  # an int past 64 bits, or a value JSON cannot hold
-        return False
+        return None
     classes = written[1:-1].translate(_ID_LIST_CLASSES)
-    return b"x" not in classes and _TEN_DIGITS not in classes
+    return written if b"x" not in classes and _TEN_DIGITS not in classes else None
 
 
 def _validated_ids(value: Any, validate: ValidatorFunctionWrapHandler) -> list[int]:

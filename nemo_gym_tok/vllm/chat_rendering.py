@@ -124,7 +124,20 @@ def end_token_ids(model_config: Any, tokenizer: Any) -> frozenset[int]:
 
 
 def plain_message(message: Any) -> Any:
-    """A chat message as the splice reads it: a plain dict."""
-    if isinstance(message, dict):
+    """A chat message as the splice reads it: a plain dict, whose tool calls are its own. vLLM's rendering turns each
+    tool call's `arguments` into a dict in place (its chat_utils' message post-processing); the splice's key of a
+    conversation (the render memo's) must read every request's messages as the client sent them, whichever of
+    vLLM's renderings ran first."""
+    if not isinstance(message, dict):
+        return message.model_dump(exclude_none=True) if hasattr(message, "model_dump") else dict(message)
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list) or not calls:
         return message
-    return message.model_dump(exclude_none=True) if hasattr(message, "model_dump") else dict(message)
+    return {**message, "tool_calls": [_own_call(call) for call in calls]}
+
+
+def _own_call(call: Any) -> Any:
+    if not isinstance(call, dict):
+        return call
+    function = call.get("function")
+    return {**call, "function": dict(function)} if isinstance(function, dict) else dict(call)

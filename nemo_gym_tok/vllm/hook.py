@@ -53,6 +53,7 @@ from nemo_gym_tok.vllm.internals import (
     is_installed,
     is_supported_vllm,
     lookup,
+    reuses_forwarded_ids,
     supported_vllm_text,
     wrap,
 )
@@ -173,6 +174,16 @@ def preprocess_chat_with_splice(original: Any) -> Any:
                 path = "template"
                 return conversation, engine_inputs
             bound = signature_of(original).bind(self, request, messages, *args, **kwargs)
+            messages = [plain_message(m) for m in messages]  # as sent: vLLM's rendering edits tool calls in place
+            if markers is None:
+                with as_400():
+                    ready = _splice_new_turn(self, request, messages, bound.arguments, source)
+                if ready is not None:
+                    answer = await _preprocess_spliced(original, bound, request, ready)
+                    remember(request, TelemetryLater(ready))
+                    metrics.spliced(new_turn=True)
+                    path = "spliced"
+                    return answer
             pending = _PendingSplice(self, request, messages, bound.arguments, source)
             reset = _pending_splice.set(pending)
             try:
@@ -227,19 +238,59 @@ class _PendingSplice:
         """Set for a vision model's history with images: spliced in the template's space, proven once expanded."""
 
     def splice(self, prompts: Any) -> list[Any]:
-        """The prompts vLLM is about to tokenize, with the spliced ids in place of tokenizing the template's text."""
+        """The prompts vLLM is about to tokenize, with the spliced ids in place of tokenizing the template's text
+        (spliced now, or before vLLM rendered: `result` set already)."""
         self.claimed = True
         prompt = prompts[0] if len(prompts) == 1 else None
         text = prompt.get("prompt") if isinstance(prompt, dict) else None
         if not isinstance(text, str) or "prompt_token_ids" in prompt or "prompt_embeds" in prompt:
             raise SpliceError("the prefix splice supports chats rendered to one token prompt")
-        self.images = ImageSplice.of(self.online, self.source, carries_images(prompt), self.messages)
-        source = self.source if self.images is None else self.images.source
-        self.result = _splice(self.online, self.request, self.messages, self.arguments, source, text)
+        if self.result is None:
+            self.images = ImageSplice.of(self.online, self.source, carries_images(prompt), self.messages)
+            source = self.source if self.images is None else self.images.source
+            self.result = _splice(self.online, self.request, self.messages, self.arguments, source, text)
         # The template's text no longer describes these ids; vLLM skips tokenizing a prompt that holds its ids.
         spliced = {key: value for key, value in prompt.items() if key != "prompt"}
         spliced["prompt_token_ids"] = self.result.prompt_token_ids
         return [spliced]
+
+
+async def _preprocess_spliced(original: Any, bound: Any, request: Any, ready: SplicedPrompt) -> Any:
+    """vLLM's preprocessing of a request whose spliced ids are ready: handed through vLLM's token-reuse step where it
+    has one (nothing rendered; internals.TOKEN_REUSE), else through the tokenization step (vLLM renders the messages,
+    and the spliced ids replace its tokenization of them)."""
+    if reuses_forwarded_ids():
+        request.kv_transfer_params = {"prompt_token_ids": ready.prompt_token_ids}
+        try:
+            return await original(*bound.args, **bound.kwargs)
+        finally:
+            request.kv_transfer_params = None
+    pending = _PendingSplice(None, request, [], {}, None)
+    pending.result = ready
+    reset = _pending_splice.set(pending)
+    try:
+        return await original(*bound.args, **bound.kwargs)
+    finally:
+        _pending_splice.reset(reset)
+
+
+def _splice_new_turn(
+    online: Any, request: Any, messages: list[Any], arguments: dict[str, Any], source: PrefixSource
+) -> SplicedPrompt | None:
+    """The request's spliced prompt at the cost of its new messages (nemo_gym_tok.splice.splice_new_turn), or None
+    where it takes the full check: a request vLLM must render anyway (echo), or one that forwards ids of its own."""
+    if getattr(request, "echo", False) or getattr(request, "kv_transfer_params", None) is not None:
+        return None
+    renderer, profile = _renderer_and_profile(online, request, arguments)
+    return host_of(online).splice_new_turn(
+        renderer,
+        profile,
+        messages,
+        source,
+        add_generation_prompt=bool(getattr(request, "add_generation_prompt", True)),
+        continue_final_message=bool(getattr(request, "continue_final_message", False)),
+        truncate_prompt_tokens=getattr(request, "truncate_prompt_tokens", None),
+    )
 
 
 def tokenize_with_splice(original: Any) -> Any:
@@ -282,15 +333,20 @@ def _check_first_turn(online: Any, engine_inputs: list[Any], source: PrefixSourc
     )
 
 
-def _splice(
-    online: Any, request: Any, messages: list[Any], arguments: dict[str, Any], source: PrefixSource, template_text: str
-) -> SplicedPrompt:
+def _renderer_and_profile(online: Any, request: Any, arguments: dict[str, Any]) -> tuple[Any, Any]:
+    """The request's renderer (its template, arguments and tools, over vLLM's own renderer) and template profile."""
     default_template = arguments.get("default_template")
     content_format = arguments.get("default_template_content_format")
     default_kwargs = arguments.get("default_template_kwargs")
     tool_dicts = arguments.get("tool_dicts")
     renderer = scoped_renderer(online, request, default_template, content_format, default_kwargs, tool_dicts)
-    profile = profile_for(online, request, default_template, content_format, default_kwargs)
+    return renderer, profile_for(online, request, default_template, content_format, default_kwargs)
+
+
+def _splice(
+    online: Any, request: Any, messages: list[Any], arguments: dict[str, Any], source: PrefixSource, template_text: str
+) -> SplicedPrompt:
+    renderer, profile = _renderer_and_profile(online, request, arguments)
     return host_of(online).splice(
         renderer,
         profile,
@@ -302,4 +358,5 @@ def _splice(
         template_text=template_text,
         # A stream's first byte (or /tokenize's answer) may leave before the response wrapper runs: those verify now.
         defer_verify=answered_whole(request),
+        new_turn=False,  # tried before vLLM rendered (_splice_new_turn)
     )

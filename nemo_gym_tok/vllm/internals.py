@@ -66,6 +66,12 @@ FIELD_SINCE: dict[tuple[str, str, str], tuple[int, int]] = dict.fromkeys(USED_FI
 """The first vLLM release, as (major, minor), with each USED_FIELDS field (0.29 to 0.31 have no per-output weight
 versions: `ngt vllm-compat` reads it from each wheel). Absent from that release or a later one, the field moved and
 check_internals() names it; absent from an earlier one, the hook's bundles say weight_version None there."""
+TOKEN_REUSE = ("vllm.renderers.online_renderer", "_reused_prompt_token_ids")
+"""vLLM's token-reuse step of chat preprocessing: a request whose `kv_transfer_params` holds `prompt_token_ids` is
+handed those ids, nothing rendered or tokenized. The hook hands a next turn spliced at the cost of its new messages
+through it (hook.py), so vLLM's rendering of the whole conversation is skipped; a release without it renders as
+before, and the tokenization step takes the spliced ids (slower, as exact). tests/test_hook_internals.py fails where
+the suite's vLLM lacks it."""
 WRAPPED_MARKER = "__nemo_gym_tok_original__"
 """The attribute on a hook wrapper that holds the vLLM method it wraps."""
 
@@ -103,6 +109,11 @@ def check_internals() -> list[str]:
         if not has_field(lookup(*used[:2]), used[2]) and field_expected(used, vllm.__version__):
             missing.append(".".join(used))
     return missing
+
+
+def reuses_forwarded_ids() -> bool:
+    """Whether the installed vLLM's chat preprocessing takes forwarded prompt ids without rendering (TOKEN_REUSE)."""
+    return callable(lookup(*TOKEN_REUSE))
 
 
 def field_expected(used: tuple[str, str, str], version: str) -> bool:

@@ -7,6 +7,11 @@ from prometheus_client import Counter, Histogram
 from nemo_gym_tok.splice import SpliceResult
 
 SPLICES = Counter("nemo_gym_tok_prefix_splices", "Requests whose prompt started with a spliced model prefix")
+NEW_TURN_SPLICES = Counter(
+    "nemo_gym_tok_prefix_splices_new_turn",
+    "Spliced requests whose history was proven by the prompt this server spliced for it and whose template text was "
+    "rendered for the new messages only (nothing of the history rendered, by the hook or by vLLM)",
+)
 DRIFTED_TURNS = Counter(
     "nemo_gym_tok_prefix_splice_drifted_turns",
     "Spliced requests where the chat template's ids for the prefix's own assistant turn differed from the model's "
@@ -35,8 +40,10 @@ def preprocessed(path: str, seconds: float) -> None:
     PREPROCESS_SECONDS.labels(path=path).observe(seconds)
 
 
-def spliced() -> None:
+def spliced(new_turn: bool = False) -> None:
     SPLICES.inc()
+    if new_turn:
+        NEW_TURN_SPLICES.inc()
 
 
 def measured(result: SpliceResult) -> None:

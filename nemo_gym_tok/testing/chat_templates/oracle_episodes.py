@@ -77,6 +77,8 @@ class Episode:
     telemetry: list[dict[str, Any]] = field(default_factory=list)
     checked_by_text: list[bool] = field(default_factory=list)
     """Per splice, whether the structural check was proven by text (no tokenization of the history)."""
+    new_turn: list[bool] = field(default_factory=list)
+    """Per splice, whether it rendered the new messages only (a renderer with a memo: splice._new_turn)."""
 
 
 class WrongSplice(AssertionError):
@@ -140,7 +142,9 @@ def play_episode(
         source = find_prefix_source(episode.messages)
         assert source is not None
         full_text = renderer.render(episode.messages, add_generation_prompt=True)
-        result = splice_prompt(renderer, profile, episode.messages, source, template_text=full_text).result()
+        spliced = splice_prompt(renderer, profile, episode.messages, source, template_text=full_text)
+        result = spliced.result()
+        episode.new_turn.append(spliced.new_turn)
         check_splice(renderer, profile, episode.messages, source, result.prompt_token_ids, result.kept_prefix_length)
         episode.telemetry.append(result.telemetry())
         episode.checked_by_text.append(result.checked_by_text)

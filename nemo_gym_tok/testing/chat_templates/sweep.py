@@ -39,6 +39,7 @@ from typing import Any
 from nemo_gym_tok.splice import (
     HFChatRenderer,
     NoAssistantTurnsError,
+    RenderMemo,
     SpliceError,
     TemplateProfile,
     detect_profile,
@@ -130,6 +131,8 @@ class TemplateResult:
     splices: int = 0
     splices_checked_by_text: int = 0
     """Splices whose structural check the text walk proved (the rest needed the exact walk, which tokenizes)."""
+    splices_new_turn: int = 0
+    """Splices that rendered only the new messages (episodes played as a server plays them, with a render memo)."""
     edits_refused: int = 0
     unrenderable: list[str] = field(default_factory=list)
     """Episode shapes the template itself cannot render (no tool support, strict alternation): not splice outcomes."""
@@ -163,6 +166,8 @@ class SweepReport:
             f"edits refused: {sum(r.edits_refused for r in self.results)}",
             f"splices whose structural check the text walk proved (no tokenization of the history): {by_text} "
             f"({by_text / (splices or 1):.1%}); the rest needed the exact id walk",
+            f"splices that rendered only the new messages (every other episode plays with a server's render memo): "
+            f"{sum(r.splices_new_turn for r in self.results)}",
             f"crashes: {self.crashes} (exceptions raised by the splice or the oracle, not by a template; "
             f"in {sum(bool(r.crashes) for r in self.results)} templates)",
         ]
@@ -231,8 +236,11 @@ def sweep_template(entry: TemplateEntry, *, episodes_per_shape: int = 2, seed: i
     for shape_number, shape in enumerate(SHAPES):
         if not system_ok:  # templates without a system role (Gemma 2) play every shape without one
             shape = dataclasses.replace(shape, system=False)
-        renderer = with_tools if shape.tools else plain
         for number in range(episodes_per_shape):
+            # Every other episode as a server plays it: with a render memo, its later turns render the new messages
+            # only (splice._new_turn); the others take the full check on every turn.
+            renderer = _with_memo if number % 2 == 0 else _as_is
+            renderer = renderer(with_tools if shape.tools else plain)
             rng = random.Random(f"{seed}-{entry.name}-{shape_number}-{number}")
             try:
                 episode = play_episode(renderer, profile, rng, shape)
@@ -252,6 +260,7 @@ def sweep_template(entry: TemplateEntry, *, episodes_per_shape: int = 2, seed: i
             played += 1
             result.splices += len(episode.telemetry)
             result.splices_checked_by_text += sum(episode.checked_by_text)
+            result.splices_new_turn += sum(episode.new_turn)
             wrong = _edits_are_refused(renderer, profile, episode, result)
             if wrong:
                 return _outcome(result, "wrong", wrong)
@@ -326,6 +335,17 @@ def _edits_are_refused(
             continue  # unrenderable: the splice rendered a shape the template cannot (no edit passed)
         return f"{label} passed the structural check"
     return None
+
+
+def _with_memo(renderer: SweepRenderer) -> SweepRenderer:
+    """A copy of `renderer` that keeps a render memo, as a server's splice host does."""
+    remembering = copy.copy(renderer)
+    remembering.render_memo, remembering.render_scope = RenderMemo(), "sweep"  # type: ignore[attr-defined]
+    return remembering
+
+
+def _as_is(renderer: SweepRenderer) -> SweepRenderer:
+    return renderer
 
 
 def _renders_tool_results(renderer: HFChatRenderer) -> bool:
