@@ -197,6 +197,7 @@ def splice_summary(rows: list[dict[str, Any]]) -> tuple[Table, dict[str, Reading
                 readings["P1a.adapter/stock.p50@7k.worst"] = reading
             if baseline == "direct token-in":
                 token_in += pairs
+                readings[f"P1a.adapter/token-in.p50@{size // 1024}k.worst"] = reading
         cells.append(median([r["adapter"][0] - r["direct token-in"][0] for r in at]))
         cells.append(median([r.get("adapter cpu", float("nan")) for r in at]))
         table.add(*cells, digits=2)

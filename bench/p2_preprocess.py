@@ -14,17 +14,18 @@ request is sent three ways, interleaved, as a 1-token chat completion:
 Each variant is sent once untimed first (warm-up). Every request, timed or not, ends its last user message with
 " (round N)": a request the server has not seen, as every real turn is. What the hook keeps per server (splice._memo)
 holds what a real next turn finds there: the prompt it spliced for the previous call (while the episode was built),
-never this request's own; and the placement rendering, which has every text a placeholder and so depends only on the
-conversation's shape: every round after the warm-up finds this call's, as the turns of a tool-less environment find
-each other's across rollouts (with tool calls, whose ids differ per rollout, a real turn renders its own). The prefix
-cache holds the history for every variant alike; only the last
-few ids (the varied message) are computed again, so the difference is preprocessing. Reported: end-to-end median
-latency, and the median of the hook's server-side timer (`nemo_gym_tok_preprocess_seconds` on /metrics, paths
-`spliced`, `template`, `token_in`; /metrics is read between consecutive requests, so each request's time is its
-own) where the server has it, else "n/a". At the calls nearest the --sizes, more repeats
-and `/tokenize` with a bundle vs stock `/tokenize` as well. Then the slope (ms per 1k history ids) of each variant over
-the episode (Theil-Sen: the median of the slopes between every two calls, which load spikes do not tilt). Per size
-and for the slope: the median over the histories and the worst of them (the targets judge the worst).
+never this request's own (the call before is sent once as a chat request first, so the hook keeps its prompt under a
+chat request's template scope); and the placement rendering, which has every text a placeholder and so depends only
+on the conversation's shape: every round after the warm-up finds this call's, as the turns of a tool-less environment
+find each other's across rollouts (with tool calls, whose ids differ per rollout, a real turn renders its own). The
+prefix cache holds the history for every variant alike; only the last few ids (the varied message) are computed again,
+so the difference is preprocessing. Reported: end-to-end median latency, and the median of the hook's server-side
+timer (`nemo_gym_tok_preprocess_seconds` on /metrics, paths `spliced`, `template`, `token_in`; /metrics is read
+between consecutive requests, so each request's time is its own) where the server has it, else "n/a". At the calls
+nearest the --sizes, more repeats and `/tokenize` with a bundle vs stock `/tokenize` as well. Then the slope (ms per
+1k history ids) of each variant over the episode (Theil-Sen: the median of the slopes between every two calls, which
+load spikes do not tilt). Per size and for the slope: the median over the histories and the worst of them (the targets
+judge the worst).
 """
 
 from __future__ import annotations
@@ -166,6 +167,10 @@ def measure_history(
         checkpoint = call.number in checkpoints
         if not checkpoint and (call.number - 2) % args.episode_step and call.number != episode[-1].number:
             continue
+        # The call before, sent once as a chat request: the hook then keeps the prompt it spliced for that call's
+        # messages under the chat request's template scope, as a real next turn finds it (the episode was built
+        # through /tokenize, whose scope lacks a chat request's tool_choice).
+        post_ms(http, "/v1/chat/completions", orjson.dumps(episode[call.number - 2].chat("hook", max_tokens=1)))
         chat = {v: _varied_body(call, tokenizer, v) for v in VARIANTS}
         measured = measure(
             http, url, "/v1/chat/completions", chat, args.repeats if checkpoint else args.episode_repeats

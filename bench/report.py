@@ -1,4 +1,4 @@
-"""Runs every bench/ figure (P1 to P8) on one bench server build and regenerates docs/performance.md and .png.
+"""Runs every bench/ figure (P1 to P9) on one bench server build and regenerates docs/performance.md and .png.
 
     .venv/bin/python bench/report.py            # what `make bench` runs (about 35 minutes on 2 cores, estimated)
     .venv/bin/python bench/report.py --quick    # a short smoke run (fewer calls and repeats; writes the docs too)
@@ -27,13 +27,24 @@ import p5_request_bytes
 import p6_collect_load
 import p7_routing
 import p8_headerless
+import p9_breakdown
 from benchkit.figures import Figure, command, fmt, judged
 from benchkit.machine import machine_facts
 from benchkit.server import BENCH_ARGS, REPO, vllm_server
 from benchkit.timing import median, ratio
 from targets import MISSED, Verdict, text
 
-FULL: dict[str, list[str]] = {"P1": [], "P2": [], "P3": [], "P4": [], "P5": [], "P6": [], "P7": [], "P8": []}
+FULL: dict[str, list[str]] = {
+    "P1": [],
+    "P2": [],
+    "P3": [],
+    "P4": [],
+    "P5": [],
+    "P6": [],
+    "P7": [],
+    "P8": [],
+    "P9": [],
+}
 QUICK: dict[str, list[str]] = {
     "P1": ["--sizes", "1024", "7168", "--repeats", "5", "--splice-repeats", "3", "--histories", "words-0", "tools-2"],
     "P2": [
@@ -58,6 +69,7 @@ QUICK: dict[str, list[str]] = {
     "P6": ["--quick"],
     "P7": ["--quick"],
     "P8": ["--quick"],
+    "P9": ["--calls", "24", "--sizes", "1024", "4096", "--repeats", "3", "--histories", "words-0", "tools-2"],
 }
 MODULES = {
     "P1": p1_adapter,
@@ -68,6 +80,7 @@ MODULES = {
     "P6": p6_collect_load,
     "P7": p7_routing,
     "P8": p8_headerless,
+    "P9": p9_breakdown,
 }
 SCRIPTS = {
     "P1": "p1_adapter.py",
@@ -78,8 +91,9 @@ SCRIPTS = {
     "P6": "p6_collect_load.py",
     "P7": "p7_routing.py",
     "P8": "p8_headerless.py",
+    "P9": "p9_breakdown.py",
 }
-ORDER = ("P2", "P5", "P4", "P1", "P3", "P6", "P7", "P8")
+ORDER = ("P2", "P9", "P5", "P4", "P1", "P3", "P6", "P7", "P8")
 """The hooked-only figures first; then the stock server joins for P1, P3 and P6; P7 and P8 last, each on a pair of
 its own."""
 NEEDS_STOCK = ("P1", "P3", "P6")
@@ -265,7 +279,7 @@ def document(
             *headline,
             "",
         ]
-    for key in ("P1", "P1a", "P2", "P3", "P4", "P5", "P6", "P7", "P8"):
+    for key in ("P1", "P1a", "P2", "P9", "P3", "P4", "P5", "P6", "P7", "P8"):
         figure = figures.get(key)
         if figure is None:
             continue

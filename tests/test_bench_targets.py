@@ -67,7 +67,10 @@ def test_the_table_holds_the_issues_thresholds_with_unique_keys() -> None:
     assert all(target.comparison in ("<=", ">=") for target in TARGETS)
     assert by_key["P1.own_share.p50@7k"].threshold == 1.10 and by_key["P1.own_share.p95@7k"].threshold == 1.10
     assert by_key["P1a.adapter/stock.p50@7k.worst"].threshold == 0.8
-    assert by_key["P1a.adapter/token-in.p50.worst"].threshold == 1.15  # issue 32
+    assert by_key["P1a-P2.adapter-hook.worst"].threshold == 0.05  # issue 40
+    assert by_key["P2.hook/token-in.paired@7k.worst"].threshold == 1.10
+    assert by_key["P2.hook/token-in.paired@32k.worst"].threshold == 1.10
+    assert by_key["P9.hook-token-in.ms@32k-1k"].threshold == 1.0
     assert by_key["P2.hook/stock.paired@7k.worst"].threshold == 0.8
     assert by_key["P3.adapter.per_spliced_turn"].threshold == 1.05
 
@@ -84,3 +87,18 @@ def test_the_worst_history_is_the_highest_reading_nan_left_out() -> None:
     )
     assert math.isnan(worst([(math.nan, "a")]).value)
     assert judge(AT_MOST, worst([])).verdict == UNMEASURED
+
+
+def test_the_adapter_is_judged_beside_the_hook_at_each_size() -> None:
+    from targets import ADAPTER_OVER_HOOK, derived
+
+    readings = {
+        "P1a.adapter/token-in.p50@1k.worst": Reading(1.12),
+        "P2.hook/token-in.paired@1k.worst": Reading(1.09),
+        "P1a.adapter/token-in.p50@32k.worst": Reading(1.20),
+        "P2.hook/token-in.paired@32k.worst": Reading(1.08),
+        "P1a.adapter/token-in.p50@7k.worst": Reading(1.30),  # no hook reading at 7k: not compared
+    }
+    gap = derived(readings)[ADAPTER_OVER_HOOK]
+    assert round(gap.value, 6) == 0.12 and gap.where.startswith("32k")
+    assert derived({"P1a.adapter/token-in.p50@1k.worst": Reading(1.1)}) == {}

@@ -132,16 +132,20 @@ def test_a_template_that_reads_the_history_takes_the_full_check(template, histor
 
 
 @pytest.mark.parametrize("template", [NUMBERED, COUNTED, QUOTING])
-def test_without_the_locality_probes_the_short_conversation_would_splice_wrong(template, monkeypatch) -> None:
-    """What the probes prevent: with them skipped, the short conversation's tail is taken, and it is not the
-    template's."""
-    monkeypatch.setattr("nemo_gym_tok.splice._locality._probe_histories", lambda neutral: [])
-    monkeypatch.setattr("nemo_gym_tok.splice._locality._region", lambda *args: "")
+def test_the_short_conversation_of_a_planted_dependence_renders_another_tail(template) -> None:
+    """Why those templates must take the full check: the short conversation (system, the message the turn answers,
+    the turn, the new message) renders another text after the turn than the whole conversation does, so a splice
+    that skipped the probes would be wrong."""
     renderer, profile = scoped(template)
-    for spliced, messages in episode(renderer, profile, 4, tools=False):
-        if spliced.new_turn and spliced.prompt_token_ids != full_check(renderer, profile, messages):
-            return
-    pytest.fail("the short conversation gave the template's own ids on every turn")
+    *_, (spliced, messages) = episode(renderer, profile, 4, tools=False)
+    short = [messages[0], *messages[-3:]]  # what splice._locality keeps of a turn that answers a user message
+
+    def after_last_turn(conversation: list[dict[str, Any]]) -> str:
+        text = renderer.inner.render(conversation, add_generation_prompt=True)
+        return text[text.rindex(messages[-2]["content"]) :]
+
+    assert after_last_turn(short) != after_last_turn(messages)
+    assert not spliced.new_turn
 
 
 def test_a_template_quoting_an_earlier_message_after_the_turn_takes_the_full_check() -> None:

@@ -217,6 +217,12 @@ def readings(histories: list[History]) -> dict[str, Reading]:
         "P2.hook/token-in.paired.worst": worst(
             (RATIOS["hook/token-in paired"](row), where(name, row)) for name, row in rows
         ),
+        **{
+            f"P2.hook/token-in.paired@{size // 1024}k.worst": worst(
+                (RATIOS["hook/token-in paired"](row), where(name, row)) for name, row in rows if row["size"] == size
+            )
+            for size in sorted({row["size"] for _, row in rows})
+        },
         "P2.tokenize.hook/stock.worst": worst(
             (RATIOS["/tokenize hook/stock"](row), where(name, row)) for name, row in rows
         ),

@@ -19,6 +19,7 @@ from nemo_gym_tok.common.exact_json import loads_exact  # noqa: E402
 from nemo_gym_tok.common.net import server_root  # noqa: E402
 from nemo_gym_tok.testing.tiny_model.build import build_tiny_model  # noqa: E402
 from nemo_gym_tok.vllm.hook import ENABLE_ENV  # noqa: E402
+from nemo_gym_tok.vllm.metrics import STAGE_TIMES_ENV  # noqa: E402
 from nemo_gym_tok.vllm_server import CPU_SERVING_ARGS, TEST_BED_ENV, VLLMServer  # noqa: E402
 
 MODEL = "tiny-qwen3"
@@ -90,7 +91,8 @@ def vllm_server(url: str | None, *, hook: bool = True, log_dir: Path | None = No
         model,
         served_model_name=MODEL,
         extra_args=BENCH_ARGS,
-        env={**TEST_BED_ENV, ENABLE_ENV: "1" if hook else "0"},
+        # The hook's stage timer on (P9 reads it; a few microseconds a request for the other figures).
+        env={**TEST_BED_ENV, ENABLE_ENV: "1" if hook else "0", STAGE_TIMES_ENV: "1"},
         hook=hook,
         log_path=log,
     )

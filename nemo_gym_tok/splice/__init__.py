@@ -24,7 +24,7 @@ from nemo_gym_tok.splice._image_runs import (
 )
 from nemo_gym_tok.splice._memo import RenderMemo
 from nemo_gym_tok.splice._neutral import neutralize
-from nemo_gym_tok.splice._new_turn import splice_new_turn
+from nemo_gym_tok.splice._new_turn import SPLICE_STAGES, StageClock, splice_new_turn
 from nemo_gym_tok.splice._profile import TERMINATOR_ENV, Header, TemplateProfile, detect_profile
 from nemo_gym_tok.splice._refusals import (
     BoundaryNotFoundError,
@@ -45,6 +45,8 @@ from nemo_gym_tok.splice._tail import match_chunks, matched_layout
 from nemo_gym_tok.types.tokens import NEW_SEGMENT_KEY, PREFIX_KEY  # the request fields, named in types/
 
 __all__ = [
+    "SPLICE_STAGES",
+    "StageClock",
     "NEW_SEGMENT_KEY",
     "PREFIX_KEY",
     "TERMINATOR_ENV",

@@ -68,13 +68,14 @@ def find_prefix_source(
     return None
 
 
-def check_in_vocabulary(source: PrefixSource, vocab_size: int | None) -> None:
+def check_in_vocabulary(source: PrefixSource, vocab_size: int | None, start: int = 0) -> None:
     """A prefix found before the vocabulary was known (the adapter reads it once per call, at validation) checked
-    against `vocab_size`; InvalidTokenIdsError names the first id out of it where the caller sent it."""
+    against `vocab_size`, from id `start` on (the ids before it proven otherwise); InvalidTokenIdsError names the
+    first id out of it where the caller sent it."""
     prefix = source.prefix
-    if vocab_size is None or not prefix or max(prefix) < vocab_size:
+    if vocab_size is None or len(prefix) <= start or max(prefix[start:] if start else prefix) < vocab_size:
         return
-    position = next(i for i, value in enumerate(prefix) if value >= vocab_size)
+    position = next(i for i in range(start, len(prefix)) if prefix[i] >= vocab_size)
     if source.explicit or source.prompt_length is None:
         field = f"{PREFIX_KEY}[{position}]"
     elif position < source.prompt_length:

@@ -138,11 +138,12 @@ class RenderMemo:
         return None if found is None else found[0]
 
     def proven_prompt_by_key(
-        self, key: bytes, prefix: Sequence[int], opening_json: bytes | None = None
+        self, key: bytes, prefix: Sequence[int], opening_json: bytes | None = None, opening_length: int | None = None
     ) -> tuple[ProvenPrompt, Any] | None:
         """proven_prompt by the messages' key, with the hash of the prompt's ids, which a caller extends into the next
         prompt's digest without hashing them again (ids_hasher). `opening_json`: orjson's text of exactly the ids the
-        prompt is expected to hold (a bundle's prompt ids, written once already when they were checked)."""
+        prompt may hold (a bundle's `opening_length` prompt ids, written once already when they were checked): used
+        where they are as many as the remembered prompt's."""
         with self._lock:
             entry = self._prompts.get(key)
             if entry is not None:
@@ -152,7 +153,10 @@ class RenderMemo:
         digest, proven = entry
         if len(prefix) <= proven.length:
             return None
-        hasher = ids_hasher(prefix[: proven.length], opening_json if _holds(opening_json, proven.length) else None)
+        if opening_json is not None and opening_length == proven.length:
+            hasher = ids_hasher(prefix, opening_json)
+        else:
+            hasher = ids_hasher(prefix[: proven.length])
         if hasher.digest() != digest:
             return None
         with self._lock:
@@ -211,12 +215,18 @@ def prompt_keys(scope: str, messages: Sequence[Any], cut: int) -> tuple[bytes, b
 
 
 def _template_input(message: Any) -> Any:
-    """`message` without the token fields (copied only where it has one)."""
+    """`message` without the token fields, its reasoning under one name (copied only where it changes)."""
     if type(message) is not dict:
         message = message.model_dump(exclude_none=True) if hasattr(message, "model_dump") else dict(message)
-    if TOKEN_FIELDS.isdisjoint(message):
+    if TOKEN_FIELDS.isdisjoint(message) and "reasoning_content" not in message:
         return message
-    return {key: value for key, value in message.items() if key not in TOKEN_FIELDS}
+    # vLLM's chat request reads `reasoning_content` as `reasoning`, its /tokenize request keeps it: one name, so a
+    # conversation has one key whichever route sent it.
+    return {
+        ("reasoning" if key == "reasoning_content" else key): value
+        for key, value in message.items()
+        if key not in TOKEN_FIELDS
+    }
 
 
 def ids_hasher(ids: Sequence[int], written: bytes | None = None) -> Any:
@@ -234,11 +244,6 @@ def extend_ids_hash(hasher: Any, more: Sequence[int]) -> bytes:
         extended.update(b",")
         extended.update(memoryview(orjson.dumps(more if isinstance(more, list) else list(more)))[1:-1])
     return extended.digest()
-
-
-def _holds(written: bytes | None, count: int) -> bool:
-    """`written` (orjson's text of an id list) holds exactly `count` ids: commas between them, none inside."""
-    return written is not None and count > 0 and written.count(b",") == count - 1
 
 
 def _put(entries: OrderedDict[bytes, Any], key: bytes, value: Any, max_entries: int) -> None:

@@ -14,10 +14,10 @@ its own reasons; a refusal about the prefix itself (an empty generation, an end 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from nemo_gym_tok.splice._ids import PrefixSource, message_field
+from nemo_gym_tok.splice._ids import PrefixSource, check_in_vocabulary, message_field
 from nemo_gym_tok.splice._locality import short_conversation, tail_is_local
 from nemo_gym_tok.splice._memo import TOKEN_FIELDS, ProvenPrompt, RenderMemo, extend_ids_hash, prompt_keys
 from nemo_gym_tok.splice._neutral import neutralize, placeholder_spans
@@ -38,6 +38,14 @@ from nemo_gym_tok.splice._tail import (
 from nemo_gym_tok.splice._template_text import body_finder
 from nemo_gym_tok.splice._turn_edges import check_turn_opening, junction_length, junction_text
 
+StageClock = Callable[[str], None]
+"""Called with each stage's name as it ends."""
+SPLICE_STAGES = ("history key", "proof", "short render", "tail tokenize", "prompt")
+"""The stages of a next turn's splice, in order: the history's key (one digest of the messages), the proof of the
+prefix's prompt part (one digest of its ids), the short conversation's renderings (with the locality probes, once
+per template scope and shape), the tokenization of the template's text after the turn, the prompt's ids and their
+digest for the next turn."""
+
 
 def splice_new_turn(
     renderer: ChatRenderer,
@@ -46,9 +54,14 @@ def splice_new_turn(
     source: PrefixSource,
     *,
     truncate_prompt_tokens: int | None = None,
+    vocab_size: int | None = None,
+    clock: StageClock | None = None,
 ) -> SplicedPrompt | None:
     """The spliced prompt of a next turn (a generation prompt after the new messages), rendering only the short
-    conversation; None where that cannot be proven, for the caller's full check to decide."""
+    conversation; None where that cannot be proven, for the caller's full check to decide. `vocab_size`: the ids
+    after the proven prompt are checked against it (a caller that read the prefix without the vocabulary). `clock` is
+    called with the name of each stage as it ends (SPLICE_STAGES), for a server that times them."""
+    tick = clock or _untimed
     a, prefix = source.message_index, source.prefix
     if getattr(renderer, "render_memo", None) is None or a < 1 or not prefix:
         return None
@@ -62,16 +75,19 @@ def splice_new_turn(
         return None
     memo: RenderMemo = renderer.render_memo  # type: ignore[attr-defined]
     keys = prompt_keys(renderer.render_scope, messages, a)  # type: ignore[attr-defined]
+    tick("history key")
     if keys is None:
         return None
     before, whole = keys
-    found = memo.proven_prompt_by_key(before, prefix, source.prompt_json)
+    found = memo.proven_prompt_by_key(before, prefix, source.prompt_json, source.prompt_length)
     if found is None:
         return None
     proven, prompt_hash = found
     check_generation(renderer, profile, source, proven.length)
+    check_in_vocabulary(source, vocab_size, proven.length)  # the prompt part is a prompt spliced here: in it
+    tick("proof")
     try:
-        tail = _short_tail(renderer, profile, short, prefix, proven, calls, source)
+        tail = _short_tail(renderer, profile, short, prefix, proven, calls, source, tick)
     except SpliceError:
         return None
     except Exception as exc:  # noqa: BLE001 - a template raising on the short conversation: the full check decides
@@ -85,6 +101,7 @@ def splice_new_turn(
     check_truncation(truncate_prompt_tokens, spliced)
     digest = extend_ids_hash(prompt_hash, prefix[proven.length : kept] + ids)
     memo.remember_prompt_by_key(whole, digest, len(spliced), tail_text, proven.checked_by_text)
+    tick("prompt")
     return SplicedPrompt(
         spliced,
         kept,
@@ -104,6 +121,7 @@ def _short_tail(
     proven: ProvenPrompt,
     calls: bool,
     source: PrefixSource,
+    tick: StageClock,
 ) -> tuple[list[int], int, bool, str, Any] | None:
     """The template's ids after the turn, read from the short conversation: (those ids, how many prefix ids open the
     prompt, whether the model's end token gave way to the template's closing, the tail's text, the measurement of the
@@ -132,6 +150,7 @@ def _short_tail(
             raise UnsupportedTemplateError("the template's text after the turn depends on the model's text")
     if placeholder_spans(tail_text):
         return None  # the template writes a turn's text again after it: the full check refuses that
+    tick("short render")
     tail = renderer.encode(tail_text)
     kept, end_replaced = kept_prefix(prefix, tail, profile, False, source)
     junction = junction_text(marked_text, marked_bodies[-1], prefix, kept, end_replaced, profile, calls)
@@ -139,6 +158,7 @@ def _short_tail(
         if not template_text.endswith(junction + tail_text):
             return None
         tail = renderer.encode(junction + tail_text)
+    tick("tail tokenize")
     generation = prefix[proven.length : kept] + tail[: junction_length(renderer, junction)]
     full = layout
 
@@ -154,6 +174,10 @@ def _short_tail(
         return differed, replaced, repaired
 
     return tail, kept, end_replaced, tail_text, measure
+
+
+def _untimed(stage: str) -> None:
+    pass
 
 
 def _turn_opening(full: Layout, context: Any, prompt_end: str) -> tuple[str | None, str | None]:

@@ -19,6 +19,7 @@ from nemo_gym_tok.splice import (
     PrefixSource,
     RenderMemo,
     SplicedPrompt,
+    StageClock,
     TemplateProfile,
     check_starts_with,
     detect_profile,
@@ -177,6 +178,8 @@ class SpliceHost:
         add_generation_prompt: bool,
         continue_final_message: bool,
         truncate_prompt_tokens: Any,
+        vocab_size: int | None = None,
+        clock: StageClock | None = None,
     ) -> SplicedPrompt | None:
         """The request's spliced prompt at the cost of its new messages (nemo_gym_tok.splice.splice_new_turn), before
         anything renders the whole conversation; None where the full check (`splice`) must decide."""
@@ -189,6 +192,8 @@ class SpliceHost:
             messages,
             source,
             truncate_prompt_tokens=truncate if isinstance(truncate, int) and truncate >= 0 else None,
+            vocab_size=vocab_size,
+            clock=clock,
         )
 
     def _keep(self, entries: OrderedDict[str, Any], key: str, value: Any) -> None:

@@ -32,7 +32,7 @@ import time
 from typing import Any
 
 from nemo_gym_tok.common.jinja_sandbox import memoize_attribute_checks
-from nemo_gym_tok.splice import PrefixSource, SplicedPrompt, SpliceError
+from nemo_gym_tok.splice import PrefixSource, SplicedPrompt, SpliceError, StageClock
 from nemo_gym_tok.splice_host import new_segment_telemetry
 from nemo_gym_tok.vllm import replica_identity, routes
 from nemo_gym_tok.vllm.chat_rendering import host_of, plain_message, profile_for, scoped_renderer
@@ -57,7 +57,7 @@ from nemo_gym_tok.vllm.internals import (
     supported_vllm_text,
     wrap,
 )
-from nemo_gym_tok.vllm.request_prefix import as_400, read_request, signature_of
+from nemo_gym_tok.vllm.request_prefix import as_400, check_vocabulary, read_request, signature_of
 from nemo_gym_tok.vllm.telemetry import TelemetryLater, remember
 
 logger = logging.getLogger("nemo_gym_tok.vllm.hook")
@@ -147,10 +147,17 @@ def preprocess_chat_with_splice(original: Any) -> Any:
         markers = image_markers(self)
         if markers is not None:
             ban_placeholders(request, markers)
+        clock = metrics.stage_clock()
         try:
             with as_400():
-                asked = read_request(self, request, messages)
+                # The vocabulary is checked below: prompt ids proven to be a prompt spliced here need no check.
+                asked = read_request(self, request, messages, vocabulary=False)
                 source = asked.source
+                next_turn = source is not None and source.message_index >= 0 and not asked.new_segment
+                if not (next_turn and markers is None):
+                    check_vocabulary(self, source)
+            if clock is not None:
+                clock("prefix read")
                 if source is not None and getattr(self, "use_harmony", False):
                     raise SpliceError(HARMONY_TOKENIZE_REFUSAL)
             if source is None or asked.new_segment:
@@ -159,6 +166,8 @@ def preprocess_chat_with_splice(original: Any) -> Any:
                     "new_segment" if source is not None else "token_in" if _forwards_ids(request) else "template"
                 )
                 answer = await original(self, request, messages, *args, **kwargs)
+                if clock is not None:
+                    clock("vLLM preprocessing")
                 if markers is not None:
                     remember_image_runs(request, _engine_inputs(answer))
                 if source is not None:
@@ -177,9 +186,13 @@ def preprocess_chat_with_splice(original: Any) -> Any:
             messages = [plain_message(m) for m in messages]  # as sent: vLLM's rendering edits tool calls in place
             if markers is None:
                 with as_400():
-                    ready = _splice_new_turn(self, request, messages, bound.arguments, source)
+                    ready = _splice_new_turn(self, request, messages, bound.arguments, source, clock)
+                    if ready is None:
+                        check_vocabulary(self, source)
                 if ready is not None:
                     answer = await _preprocess_spliced(original, bound, request, ready)
+                    if clock is not None:
+                        clock("vLLM preprocessing")
                     remember(request, TelemetryLater(ready))
                     metrics.spliced(new_turn=True)
                     path = "spliced"
@@ -275,13 +288,20 @@ async def _preprocess_spliced(original: Any, bound: Any, request: Any, ready: Sp
 
 
 def _splice_new_turn(
-    online: Any, request: Any, messages: list[Any], arguments: dict[str, Any], source: PrefixSource
+    online: Any,
+    request: Any,
+    messages: list[Any],
+    arguments: dict[str, Any],
+    source: PrefixSource,
+    clock: StageClock | None = None,
 ) -> SplicedPrompt | None:
     """The request's spliced prompt at the cost of its new messages (nemo_gym_tok.splice.splice_new_turn), or None
     where it takes the full check: a request vLLM must render anyway (echo), or one that forwards ids of its own."""
     if getattr(request, "echo", False) or getattr(request, "kv_transfer_params", None) is not None:
         return None
     renderer, profile = _renderer_and_profile(online, request, arguments)
+    if clock is not None:
+        clock("template scope")
     return host_of(online).splice_new_turn(
         renderer,
         profile,
@@ -290,6 +310,8 @@ def _splice_new_turn(
         add_generation_prompt=bool(getattr(request, "add_generation_prompt", True)),
         continue_final_message=bool(getattr(request, "continue_final_message", False)),
         truncate_prompt_tokens=getattr(request, "truncate_prompt_tokens", None),
+        vocab_size=online.model_config.get_vocab_size(),
+        clock=clock,
     )
 
 

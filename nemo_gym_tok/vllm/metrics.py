@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 from prometheus_client import Counter, Histogram
 
 from nemo_gym_tok.splice import SpliceResult
@@ -55,3 +58,36 @@ def measured(result: SpliceResult) -> None:
 
 def rejected() -> None:
     REJECTED.inc()
+
+
+STAGE_TIMES_ENV = "NEMO_GYM_TOK_STAGE_TIMES"
+"""Set to 1, the hook times each stage of chat preprocessing (STAGE_SECONDS): what `bench/p9_breakdown.py` reads.
+Off by default: a few microseconds a request that only a profile needs."""
+STAGE_SECONDS = Histogram(
+    "nemo_gym_tok_preprocess_stage_seconds",
+    "Wall time of each stage of vLLM's chat preprocessing with the hook, where NEMO_GYM_TOK_STAGE_TIMES=1: prefix "
+    "read (the request's prefix and its ids checked), template scope (the request's template, arguments and tools "
+    "looked up), the splice's stages (history key, proof, short render, tail "
+    "tokenize, prompt: a next turn spliced at the cost of its new messages), vLLM preprocessing (what vLLM's own "
+    "preprocessing took: rendering and tokenizing, the full check's splice, or handing ids through its token reuse), "
+    "turn measurement (the splice's telemetry of the turn it adds, while the engine generates)",
+    ["stage"],
+    buckets=(0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256),
+)
+
+
+class StageTimer:
+    """Observes the time since the previous stage ended (or since it was made) as each stage ends."""
+
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+
+    def __call__(self, stage: str) -> None:
+        now = time.perf_counter()
+        STAGE_SECONDS.labels(stage=stage).observe(now - self.last)
+        self.last = now
+
+
+def stage_clock() -> StageTimer | None:
+    """A clock for one request's stages where NEMO_GYM_TOK_STAGE_TIMES=1, else None (nothing timed)."""
+    return StageTimer() if os.environ.get(STAGE_TIMES_ENV) == "1" else None

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from nemo_gym_tok.contract.router_marks import came_through_vllm_router
-from nemo_gym_tok.splice import NEW_SEGMENT_KEY, PREFIX_KEY, SpliceError
+from nemo_gym_tok.splice import NEW_SEGMENT_KEY, PREFIX_KEY, PrefixSource, SpliceError, check_in_vocabulary
 from nemo_gym_tok.splice_host import SpliceRequest, read_splice_request
 
 ROUTER_STRIPPED_HISTORY = (
@@ -35,18 +35,26 @@ def as_400() -> Iterator[None]:
         raise VLLMValidationError(str(exc), parameter=PREFIX_KEY) from None
 
 
-def read_request(online: Any, request: Any, messages: list[Any]) -> SpliceRequest:
+def read_request(online: Any, request: Any, messages: list[Any], *, vocabulary: bool = True) -> SpliceRequest:
     """What the request asks of the splice (its validated prefix, a new token segment); a history a router stripped
-    of its bundles is refused."""
+    of its bundles is refused. `vocabulary=False` leaves the ids' check against the vocabulary to the caller
+    (`check_vocabulary`): a next turn's prompt ids proven to be a prompt this server spliced need none."""
     asked = read_splice_request(
         messages,
         getattr(request, PREFIX_KEY, None),
         getattr(request, NEW_SEGMENT_KEY, None),
-        online.model_config.get_vocab_size(),
+        online.model_config.get_vocab_size() if vocabulary else None,
     )
     if asked.source is None and not asked.new_segment:
         refuse_history_a_router_stripped(request, messages)
     return asked
+
+
+def check_vocabulary(online: Any, source: PrefixSource | None, start: int = 0) -> None:
+    """The prefix's ids from `start` on are in the served model's vocabulary (SpliceError naming the first that is
+    not, where the caller sent it)."""
+    if source is not None:
+        check_in_vocabulary(source, online.model_config.get_vocab_size(), start)
 
 
 def refuse_history_a_router_stripped(request: Any, messages: list[Any]) -> None:

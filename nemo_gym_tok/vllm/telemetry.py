@@ -53,10 +53,15 @@ class TelemetryLater:
             logger.exception("nemo_gym_tok: verifying a spliced prompt failed")
             self._future.set_exception(SpliceError(f"the splice could not be verified ({type(exc).__name__}: {exc})"))
             return
+        from nemo_gym_tok.vllm import metrics
+
+        clock = metrics.stage_clock()
         try:
             self._future.set_result(self._spliced.result())
         except Exception as exc:  # noqa: BLE001 - handed to whoever awaits the telemetry
             self._future.set_exception(exc)
+        if clock is not None:
+            clock("turn measurement")
 
     async def telemetry(self) -> dict[str, Any]:
         from vllm.exceptions import VLLMValidationError

@@ -288,6 +288,21 @@ def _splice(
     """
     renderer = request.renderer
     host = template.host
+    if template_ids is None and source.message_index >= 0:  # a proven scope's next turn: the new messages only
+        try:
+            ready = host.splice_new_turn(
+                renderer,
+                template.profile(request.template_kwargs, request.chat_template),
+                request.messages,
+                source,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
+            )
+        except SpliceError as exc:
+            raise ApiError(400, str(exc), param=PREFIX_KEY) from None
+        if ready is not None:
+            return _Spliced(ready.prompt_token_ids, {"applied": True}, lambda: ready.result().telemetry())
     try:
         text = request.render()
         if source.message_index < 0:
@@ -311,6 +326,7 @@ def _splice(
             continue_final_message=request.continue_final_message,
             truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
             template_text=text,
+            new_turn=False,  # tried above where it can apply
         )  # proven before it returns (no deferred verification): only the measurement is left
     except SpliceError as exc:
         raise ApiError(400, str(exc), param=PREFIX_KEY) from None
