@@ -329,8 +329,9 @@ def stand_in_splice(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[object]]:
     monkeypatch.setattr(
         hook,
         "read_request",
-        lambda online, request, messages: SpliceRequest(source if messages == ["bundled"] else None, False),
+        lambda online, request, messages, **_: SpliceRequest(source if messages == ["bundled"] else None, False),
     )
+    monkeypatch.setattr(hook, "check_vocabulary", lambda online, source, start=0: None)  # no model config here
     monkeypatch.setattr(hook, "_splice", splice)
     monkeypatch.setattr(hook, "_splice_new_turn", lambda *args: None)  # these requests take the tokenization step
     monkeypatch.setattr(

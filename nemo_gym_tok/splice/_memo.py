@@ -5,14 +5,18 @@ turn of the same conversation renders for the messages before its prefix's turn:
 memo maps a digest of (template scope, flags, messages) to the text; the messages hold no model text (placeholders),
 so one entry is small next to the history it saves rendering again.
 
-It also keeps the prompts this server spliced, by the same digest: a spliced prompt passed the structural check for
-exactly those neutral messages (the prefix's part) and is the template's own ids after it (the tail). The next turn's
-prefix opens with that prompt, id for id, when the client sends back what it was given; the memo then proves the
-prefix's prompt part by one digest of its ids instead of walking the history again. A prefix that differs anywhere
-in that part, or messages that differ in anything the template sees, find no entry and take the full check.
+It also keeps the prompts this server spliced, by a digest of the template scope and the messages as the client sent
+them (`prompt_keys`: one orjson pass and one SHA-256, the token fields left out): a spliced prompt passed the
+structural check for those messages (the prefix's part) and is the template's own ids after it (the tail). The next
+turn's prefix opens with that prompt, id for id, when the client sends back what it was given; the memo then proves
+the prefix's prompt part by one digest of its ids (`ids_hasher`, which the next prompt's digest extends without
+reading those ids again) instead of walking the history. A prefix that differs anywhere in that part, or messages
+that differ in anything, find no entry and take the full check.
 
 And it keeps the messages for which the splice's shortcut to the tail (the placement rendering) proved wrong, so
-they take the full path when they come again. Bounded; least recently used entries leave first.
+they take the full path when they come again, and per template scope and conversation shape whether a next turn's
+text may be read from a short conversation (`verdict`, see _locality). Bounded; least recently used entries leave
+first.
 """
 
 from __future__ import annotations
@@ -198,7 +202,7 @@ def prompt_keys(scope: str, messages: Sequence[Any], cut: int) -> tuple[bytes, b
     SHA-256 over the scope and the messages as orjson writes them, the token fields left out (they are not template
     input, and which call carries the bundle varies), in one pass at C speed. The messages' own text is in the key:
     a prompt is found again only for the very messages it was spliced for. None where orjson cannot write them."""
-    plain = [_template_input(message) for message in messages]
+    plain = [_key_input(message) for message in messages]
     try:
         before = orjson.dumps(plain[:cut], option=orjson.OPT_SORT_KEYS)
         after = orjson.dumps(plain[cut:], option=orjson.OPT_SORT_KEYS)
@@ -214,7 +218,7 @@ def prompt_keys(scope: str, messages: Sequence[Any], cut: int) -> tuple[bytes, b
     return first, hasher.digest()
 
 
-def _template_input(message: Any) -> Any:
+def _key_input(message: Any) -> Any:
     """`message` without the token fields, its reasoning under one name (copied only where it changes)."""
     if type(message) is not dict:
         message = message.model_dump(exclude_none=True) if hasattr(message, "model_dump") else dict(message)

@@ -4,6 +4,7 @@ each vLLM API-server renderer keeps (template profiles, tokenizer facts, the ren
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from nemo_gym_tok.splice import TERMINATOR_ENV as TERMINATOR_ENV
@@ -129,7 +130,9 @@ def plain_message(message: Any) -> Any:
     conversation (the render memo's) must read every request's messages as the client sent them, whichever of
     vLLM's renderings ran first."""
     if not isinstance(message, dict):
-        return message.model_dump(exclude_none=True) if hasattr(message, "model_dump") else dict(message)
+        if hasattr(message, "model_dump"):
+            return message.model_dump(exclude_none=True)
+        return dict(message) if isinstance(message, Mapping) else message
     calls = message.get("tool_calls")
     if not isinstance(calls, list) or not calls:
         return message
