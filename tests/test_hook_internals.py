@@ -488,3 +488,12 @@ def test_preprocessing_time_is_observed_by_path(stand_in_splice) -> None:
     assert count("spliced") == before["spliced"] + 1
     assert count("template") == before["template"] + 1
     assert count("refused") == before["refused"]
+
+
+def test_vllms_token_reuse_step_is_in_place() -> None:
+    """Where the hook hands a next turn's spliced ids to the engine, nothing rendered (internals.TOKEN_REUSE): an
+    upgrade that moves it fails here (the hook would still splice, through vLLM's rendering, only slower)."""
+    from nemo_gym_tok.vllm.internals import reuses_forwarded_ids
+
+    assert reuses_forwarded_ids()
+

@@ -26,6 +26,7 @@ request's chat template for the splice, nemo_gym_tok.vllm.chat_rendering.
 from __future__ import annotations
 
 import contextvars
+import importlib
 import logging
 import os
 import time
@@ -48,6 +49,7 @@ from nemo_gym_tok.vllm.images import (
 from nemo_gym_tok.vllm.internals import (
     ALLOW_UNTESTED_ENV,
     PATCHED_METHODS,
+    TOKEN_REUSE,
     VLLMInternalsChanged,
     check_internals,
     is_installed,
@@ -98,6 +100,8 @@ def install() -> None:
     wrap(serving_cls, "chat_completion_full_generator", full_generator_with_bundle)
     wrap(serving_cls, "chat_completion_stream_generator", stream_generator_with_bundle)
     wrap(renderer_cls, "_make_request_with_harmony", harmony_with_splice)
+    if reuses_forwarded_ids():
+        wrap(importlib.import_module(TOKEN_REUSE[0]), TOKEN_REUSE[1], reuse_spliced_ids)
     routes.install(wrap)  # the other routes that render chat messages: splice with the full check, or refuse
     memoize_attribute_checks()  # vLLM renders chat templates in transformers' sandbox: the same text, sooner
     logger.info("nemo_gym_tok prefix-splice hook installed (vLLM %s)", vllm.__version__)
@@ -270,14 +274,14 @@ class _PendingSplice:
 
 async def _preprocess_spliced(original: Any, bound: Any, request: Any, ready: SplicedPrompt) -> Any:
     """vLLM's preprocessing of a request whose spliced ids are ready: handed through vLLM's token-reuse step where it
-    has one (nothing rendered; internals.TOKEN_REUSE), else through the tokenization step (vLLM renders the messages,
-    and the spliced ids replace its tokenization of them)."""
+    has one (nothing rendered or tokenized; internals.TOKEN_REUSE, wrapped by `reuse_spliced_ids`), else through the
+    tokenization step (vLLM renders the messages, and the spliced ids replace its tokenization of them)."""
     if reuses_forwarded_ids():
-        request.kv_transfer_params = {"prompt_token_ids": ready.prompt_token_ids}
+        reset_ready = _ready_ids.set((request, ready.prompt_token_ids))
         try:
             return await original(*bound.args, **bound.kwargs)
         finally:
-            request.kv_transfer_params = None
+            _ready_ids.reset(reset_ready)
     pending = _PendingSplice(None, request, [], {}, None)
     pending.result = ready
     reset = _pending_splice.set(pending)
@@ -313,6 +317,27 @@ def _splice_new_turn(
         vocab_size=online.model_config.get_vocab_size(),
         clock=clock,
     )
+
+
+# The spliced ids of the request being preprocessed, for vLLM's token-reuse step to hand the engine.
+_ready_ids: contextvars.ContextVar[tuple[Any, list[int]] | None] = contextvars.ContextVar(
+    "nemo_gym_tok_ready_ids", default=None
+)
+
+
+def reuse_spliced_ids(original: Any) -> Any:
+    """Wrap vLLM's token-reuse step (internals.TOKEN_REUSE): the request whose spliced ids are ready gets them as its
+    prompt, nothing rendered or tokenized; every other request is vLLM's as before. The ids are not checked again:
+    the prompt part is a prompt this server spliced (its digest proved it), the generation was checked against the
+    vocabulary, and the tail is the tokenizer's own (vLLM's check is a Python loop over every id)."""
+
+    def reused_prompt_token_ids(request: Any, *args: Any, **kwargs: Any) -> Any:
+        ready = _ready_ids.get()
+        if ready is not None and ready[0] is request:
+            return ready[1]
+        return original(request, *args, **kwargs)
+
+    return reused_prompt_token_ids
 
 
 def tokenize_with_splice(original: Any) -> Any:
