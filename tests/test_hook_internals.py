@@ -496,4 +496,3 @@ def test_vllms_token_reuse_step_is_in_place() -> None:
     from nemo_gym_tok.vllm.internals import reuses_forwarded_ids
 
     assert reuses_forwarded_ids()
-
