@@ -133,16 +133,24 @@ def test_metrics_count_splices_repairs_and_rejections(vllm_server: VLLMServer) -
     assert after[names[3]] - before[names[3]] == 1
 
 
-@pytest.mark.parametrize("tools", [False, True])
-def test_later_turns_are_spliced_at_the_cost_of_the_new_turn(vllm_server: VLLMServer, tools: bool) -> None:
+def test_later_turns_are_spliced_at_the_cost_of_the_new_turn(vllm_server: VLLMServer) -> None:
     """From the third turn on, the history's prompt is one this server spliced: the hook renders the new messages
     only (vLLM renders nothing) and the prompts stay contiguous; the template's own prompt of turn 1 and the splice
     of turn 2 take the full check."""
+    assert_new_turn_splices(vllm_server, tools=False)
+
+
+def test_later_tool_call_turns_are_spliced_at_the_cost_of_the_new_turn(vllm_server: VLLMServer) -> None:
+    """The same with a forced tool call every turn, each answered by a tool result."""
+    assert_new_turn_splices(vllm_server, tools=True)
+
+
+def assert_new_turn_splices(server: VLLMServer, *, tools: bool) -> None:
     name = "nemo_gym_tok_prefix_splices_new_turn"
-    before = metric(vllm_server, name)
-    conversations = play(vllm_server, [61, 62], mode="bundles", turns=5, tools=tools)
+    before = metric(server, name)
+    conversations = play(server, [61, 62], mode="bundles", turns=5, tools=tools)
     assert all(conversation.contiguous for conversation in conversations)
-    assert metric(vllm_server, name) - before == 2 * 3
+    assert metric(server, name) - before == 2 * 3
 
 
 def preprocess_counts(server: VLLMServer) -> dict[str, float]:
