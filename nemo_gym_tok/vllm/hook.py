@@ -157,13 +157,13 @@ def preprocess_chat_with_splice(original: Any) -> Any:
                 # The vocabulary is checked below: prompt ids proven to be a prompt spliced here need no check.
                 asked = read_request(self, request, messages, vocabulary=False)
                 source = asked.source
+                if source is not None and getattr(self, "use_harmony", False):
+                    raise SpliceError(HARMONY_TOKENIZE_REFUSAL)
                 next_turn = source is not None and source.message_index >= 0 and not asked.new_segment
                 if not (next_turn and markers is None):
                     check_vocabulary(self, source)
             if clock is not None:
                 clock("prefix read")
-                if source is not None and getattr(self, "use_harmony", False):
-                    raise SpliceError(HARMONY_TOKENIZE_REFUSAL)
             if source is None or asked.new_segment:
                 # Read before vLLM runs: its token-reuse path pops the forwarded ids from the request.
                 unspliced_path = (
