@@ -23,7 +23,7 @@ from nemo_gym_tok.splice._image_runs import (
     count_image_parts,
 )
 from nemo_gym_tok.splice._memo import RenderMemo
-from nemo_gym_tok.splice._neutral import neutralize
+from nemo_gym_tok.splice._neutral import neutralize, with_own_tool_calls
 from nemo_gym_tok.splice._new_turn import SPLICE_STAGES, StageClock, splice_new_turn
 from nemo_gym_tok.splice._profile import TERMINATOR_ENV, Header, TemplateProfile, detect_profile
 from nemo_gym_tok.splice._refusals import (
@@ -92,4 +92,5 @@ __all__ = [
     "splice_new_turn",
     "splice_prompt",
     "text_encoder",
+    "with_own_tool_calls",
 ]

@@ -69,30 +69,12 @@ class RenderMemo:
         key = _key(scope, messages, flags)
         if key is None:  # something orjson cannot write: render without the memo
             return render()
-        with self._lock:
-            text = self._entries.get(key)
-            if text is not None:
-                self._entries.move_to_end(key)
-                self.hits += 1
-                return text
-            self.misses += 1
-        text = render()
-        with self._lock:
-            _put(self._entries, key, text, self._max_entries)
-        return text
+        return self._kept(self._entries, key, render, count=True)
 
     def located(self, key: tuple[Any, ...], locate: Callable[[], Any]) -> Any:
         """What `locate()` found in a memoized rendering, by `key` (which holds that rendering's text: the memo
         hands out one string object per rendering, whose hash Python keeps, so the lookup does not read the text)."""
-        with self._lock:
-            found = self._located.get(key)
-            if found is not None:
-                self._located.move_to_end(key)
-                return found
-        found = locate()
-        with self._lock:
-            _put(self._located, key, found, self._max_entries)
-        return found
+        return self._kept(self._located, key, locate)
 
     def verdict(self, scope: str, messages: Sequence[Any], name: str, decide: Callable[[], bool]) -> bool:
         """What `decide()` found for these (placeholder-only) messages in `scope`, decided once: a property of the
@@ -100,14 +82,21 @@ class RenderMemo:
         key = _key(scope, messages, {"verdict": name})
         if key is None:
             return decide()
+        return self._kept(self._verdicts, key, decide)
+
+    def _kept(self, entries: OrderedDict[Any, Any], key: Any, make: Callable[[], Any], *, count: bool = False) -> Any:
+        """`entries[key]`, or `make()` kept there (made outside the lock: two requests may make it once each);
+        `count`: a lookup counts as a hit or a miss."""
         with self._lock:
-            found = self._verdicts.get(key)
+            found = entries.get(key)
             if found is not None:
-                self._verdicts.move_to_end(key)
+                entries.move_to_end(key)
+                self.hits += count
                 return found
-        found = decide()
+            self.misses += count
+        found = make()
         with self._lock:
-            _put(self._verdicts, key, found, self._max_entries)
+            _put(entries, key, found, self._max_entries)
         return found
 
     def remember_prompt(
@@ -250,7 +239,7 @@ def extend_ids_hash(hasher: Any, more: Sequence[int]) -> bytes:
     return extended.digest()
 
 
-def _put(entries: OrderedDict[bytes, Any], key: bytes, value: Any, max_entries: int) -> None:
+def _put(entries: OrderedDict[Any, Any], key: Any, value: Any, max_entries: int) -> None:
     entries[key] = value
     entries.move_to_end(key)
     while len(entries) > max_entries:

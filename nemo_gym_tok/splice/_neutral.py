@@ -65,6 +65,22 @@ def neutralize(
     return neutral
 
 
+def with_own_tool_calls(message: dict[str, Any]) -> dict[str, Any]:
+    """`message` (a plain dict) with tool calls that are its own copies, down to each call's `function`: a renderer
+    may edit them in place (vLLM's turns `arguments` into a dict), and the caller's messages must stay as sent."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list) or not calls:
+        return message
+    return {**message, "tool_calls": [_own_call(call) for call in calls]}
+
+
+def _own_call(call: Any) -> Any:
+    if not isinstance(call, dict):
+        return call
+    function = call.get("function")
+    return {**call, "function": dict(function)} if isinstance(function, dict) else dict(call)
+
+
 def placeholder_spans(text: str) -> dict[int, tuple[int, int]]:
     """For each message index with a placeholder in `text`: (start of its first, end of its last)."""
     spans: dict[int, tuple[int, int]] = {}

@@ -20,7 +20,7 @@ from typing import Any
 from nemo_gym_tok.splice._ids import PrefixSource, check_in_vocabulary, message_field
 from nemo_gym_tok.splice._locality import short_conversation, tail_is_local
 from nemo_gym_tok.splice._memo import TOKEN_FIELDS, ProvenPrompt, RenderMemo, extend_ids_hash, prompt_keys
-from nemo_gym_tok.splice._neutral import neutralize, placeholder_spans
+from nemo_gym_tok.splice._neutral import neutralize, placeholder_spans, with_own_tool_calls
 from nemo_gym_tok.splice._prefix_check import check_generation
 from nemo_gym_tok.splice._profile import TemplateProfile
 from nemo_gym_tok.splice._refusals import SpliceError, UnsupportedTemplateError, raised_in_this_package
@@ -200,15 +200,4 @@ def _turn_opening(full: Layout, context: Any, prompt_end: str) -> tuple[str | No
 def _template_input(message: Any) -> dict[str, Any]:
     """A message as the template reads it: a plain dict without the gym's token fields, with tool calls of its own
     (a renderer may edit them in place, as vLLM's does: the request's messages must stay as they were sent)."""
-    plain = {key: value for key, value in dict(message).items() if key not in TOKEN_FIELDS}
-    calls = plain.get("tool_calls")
-    if isinstance(calls, list):
-        plain["tool_calls"] = [
-            call
-            if not isinstance(call, dict)
-            else {**call, "function": dict(call["function"])}
-            if isinstance(call.get("function"), dict)
-            else dict(call)
-            for call in calls
-        ]
-    return plain
+    return with_own_tool_calls({key: value for key, value in dict(message).items() if key not in TOKEN_FIELDS})

@@ -154,7 +154,6 @@ class SpliceHost:
     ) -> SplicedPrompt:
         """The request's spliced prompt (nemo_gym_tok.splice.splice_prompt); `truncate_prompt_tokens` as the request
         holds it (a negative or absent value truncates nothing)."""
-        truncate = truncate_prompt_tokens
         return splice_prompt(
             renderer,
             profile,
@@ -162,7 +161,7 @@ class SpliceHost:
             source,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-            truncate_prompt_tokens=truncate if isinstance(truncate, int) and truncate >= 0 else None,
+            truncate_prompt_tokens=_truncation(truncate_prompt_tokens),
             template_text=template_text,
             defer_verify=defer_verify,
             new_turn=new_turn,
@@ -185,13 +184,12 @@ class SpliceHost:
         anything renders the whole conversation; None where the full check (`splice`) must decide."""
         if not add_generation_prompt or continue_final_message or source.message_index < 0:
             return None
-        truncate = truncate_prompt_tokens
         return splice_new_turn(
             renderer,
             profile,
             messages,
             source,
-            truncate_prompt_tokens=truncate if isinstance(truncate, int) and truncate >= 0 else None,
+            truncate_prompt_tokens=_truncation(truncate_prompt_tokens),
             vocab_size=vocab_size,
             clock=clock,
         )
@@ -201,3 +199,9 @@ class SpliceHost:
         entries.move_to_end(key)
         while len(entries) > self.max_scopes:
             entries.popitem(last=False)
+
+
+def _truncation(truncate_prompt_tokens: Any) -> int | None:
+    """`truncate_prompt_tokens` as the request holds it, as the splice reads it: a negative or absent value truncates
+    nothing."""
+    return truncate_prompt_tokens if isinstance(truncate_prompt_tokens, int) and truncate_prompt_tokens >= 0 else None

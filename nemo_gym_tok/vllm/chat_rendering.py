@@ -8,7 +8,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from nemo_gym_tok.splice import TERMINATOR_ENV as TERMINATOR_ENV
-from nemo_gym_tok.splice import TemplateProfile, UnsupportedTemplateError, added_token_maps, text_encoder
+from nemo_gym_tok.splice import (
+    TemplateProfile,
+    UnsupportedTemplateError,
+    added_token_maps,
+    text_encoder,
+    with_own_tool_calls,
+)
 from nemo_gym_tok.splice_host import ScopedRenderer, SpliceHost, profile_key, scope_key
 
 HOST_ATTRIBUTE = "_nemo_gym_tok_splice_host"
@@ -133,14 +139,4 @@ def plain_message(message: Any) -> Any:
         if hasattr(message, "model_dump"):
             return message.model_dump(exclude_none=True)
         return dict(message) if isinstance(message, Mapping) else message
-    calls = message.get("tool_calls")
-    if not isinstance(calls, list) or not calls:
-        return message
-    return {**message, "tool_calls": [_own_call(call) for call in calls]}
-
-
-def _own_call(call: Any) -> Any:
-    if not isinstance(call, dict):
-        return call
-    function = call.get("function")
-    return {**call, "function": dict(function)} if isinstance(function, dict) else dict(call)
+    return with_own_tool_calls(message)

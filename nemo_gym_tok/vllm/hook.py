@@ -162,16 +162,14 @@ def preprocess_chat_with_splice(original: Any) -> Any:
                 next_turn = source is not None and source.message_index >= 0 and not asked.new_segment
                 if not (next_turn and markers is None):
                     check_vocabulary(self, source)
-            if clock is not None:
-                clock("prefix read")
+            clock("prefix read")
             if source is None or asked.new_segment:
                 # Read before vLLM runs: its token-reuse path pops the forwarded ids from the request.
                 unspliced_path = (
                     "new_segment" if source is not None else "token_in" if _forwards_ids(request) else "template"
                 )
                 answer = await original(self, request, messages, *args, **kwargs)
-                if clock is not None:
-                    clock("vLLM preprocessing")
+                clock("vLLM preprocessing")
                 if markers is not None:
                     remember_image_runs(request, _engine_inputs(answer))
                 if source is not None:
@@ -195,8 +193,7 @@ def preprocess_chat_with_splice(original: Any) -> Any:
                         check_vocabulary(self, source)
                 if ready is not None:
                     answer = await _preprocess_spliced(original, bound, request, ready)
-                    if clock is not None:
-                        clock("vLLM preprocessing")
+                    clock("vLLM preprocessing")
                     remember(request, TelemetryLater(ready))
                     metrics.spliced(new_turn=True)
                     path = "spliced"
@@ -255,17 +252,15 @@ class _PendingSplice:
         """Set for a vision model's history with images: spliced in the template's space, proven once expanded."""
 
     def splice(self, prompts: Any) -> list[Any]:
-        """The prompts vLLM is about to tokenize, with the spliced ids in place of tokenizing the template's text
-        (spliced now, or before vLLM rendered: `result` set already)."""
+        """The prompts vLLM is about to tokenize, with the spliced ids in place of tokenizing the template's text."""
         self.claimed = True
         prompt = prompts[0] if len(prompts) == 1 else None
         text = prompt.get("prompt") if isinstance(prompt, dict) else None
         if not isinstance(text, str) or "prompt_token_ids" in prompt or "prompt_embeds" in prompt:
             raise SpliceError("the prefix splice supports chats rendered to one token prompt")
-        if self.result is None:
-            self.images = ImageSplice.of(self.online, self.source, carries_images(prompt), self.messages)
-            source = self.source if self.images is None else self.images.source
-            self.result = _splice(self.online, self.request, self.messages, self.arguments, source, text)
+        self.images = ImageSplice.of(self.online, self.source, carries_images(prompt), self.messages)
+        source = self.source if self.images is None else self.images.source
+        self.result = _splice(self.online, self.request, self.messages, self.arguments, source, text)
         # The template's text no longer describes these ids; vLLM skips tokenizing a prompt that holds its ids.
         spliced = {key: value for key, value in prompt.items() if key != "prompt"}
         spliced["prompt_token_ids"] = self.result.prompt_token_ids
@@ -273,22 +268,13 @@ class _PendingSplice:
 
 
 async def _preprocess_spliced(original: Any, bound: Any, request: Any, ready: SplicedPrompt) -> Any:
-    """vLLM's preprocessing of a request whose spliced ids are ready: handed through vLLM's token-reuse step where it
-    has one (nothing rendered or tokenized; internals.TOKEN_REUSE, wrapped by `reuse_spliced_ids`), else through the
-    tokenization step (vLLM renders the messages, and the spliced ids replace its tokenization of them)."""
-    if reuses_forwarded_ids():
-        reset_ready = _ready_ids.set((request, ready.prompt_token_ids))
-        try:
-            return await original(*bound.args, **bound.kwargs)
-        finally:
-            _ready_ids.reset(reset_ready)
-    pending = _PendingSplice(None, request, [], {}, None)
-    pending.result = ready
-    reset = _pending_splice.set(pending)
+    """vLLM's preprocessing of a request whose spliced ids are ready, handed through vLLM's token-reuse step (nothing
+    rendered or tokenized; internals.TOKEN_REUSE, wrapped by `reuse_spliced_ids`)."""
+    reset = _ready_ids.set((request, ready.prompt_token_ids))
     try:
         return await original(*bound.args, **bound.kwargs)
     finally:
-        _pending_splice.reset(reset)
+        _ready_ids.reset(reset)
 
 
 def _splice_new_turn(
@@ -297,15 +283,19 @@ def _splice_new_turn(
     messages: list[Any],
     arguments: dict[str, Any],
     source: PrefixSource,
-    clock: StageClock | None = None,
+    clock: StageClock,
 ) -> SplicedPrompt | None:
     """The request's spliced prompt at the cost of its new messages (nemo_gym_tok.splice.splice_new_turn), or None
-    where it takes the full check: a request vLLM must render anyway (echo), or one that forwards ids of its own."""
-    if getattr(request, "echo", False) or getattr(request, "kv_transfer_params", None) is not None:
+    where it takes the full check: a request vLLM must render anyway (echo), one that forwards ids of its own, or a
+    vLLM without the token-reuse step that would skip its rendering."""
+    if (
+        getattr(request, "echo", False)
+        or getattr(request, "kv_transfer_params", None) is not None
+        or not reuses_forwarded_ids()
+    ):
         return None
     renderer, profile = _renderer_and_profile(online, request, arguments)
-    if clock is not None:
-        clock("template scope")
+    clock("template scope")
     return host_of(online).splice_new_turn(
         renderer,
         profile,

@@ -69,8 +69,8 @@ check_internals() names it; absent from an earlier one, the hook's bundles say w
 TOKEN_REUSE = ("vllm.renderers.online_renderer", "_reused_prompt_token_ids")
 """vLLM's token-reuse step of chat preprocessing: a request whose `kv_transfer_params` holds `prompt_token_ids` is
 handed those ids, nothing rendered or tokenized. The hook wraps it (hook.reuse_spliced_ids) to hand a next turn
-spliced at the cost of its new messages to the engine, so vLLM's rendering of the whole conversation is skipped; a
-release without it renders as before, and the tokenization step takes the spliced ids (slower, as exact).
+spliced at the cost of its new messages to the engine, so vLLM's rendering of the whole conversation is skipped; on a
+release without it (0.29 to 0.33 all have it) next turns take the full check (slower, as exact).
 tests/test_hook_internals.py fails where the suite's vLLM lacks it."""
 WRAPPED_MARKER = "__nemo_gym_tok_original__"
 """The attribute on a hook wrapper that holds the vLLM method it wraps."""
