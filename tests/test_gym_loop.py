@@ -88,18 +88,27 @@ def run_rollouts(gym: GymUnderTest, agent: str, environment: str) -> list[dict]:
 @pytest.mark.parametrize("environment", ENVIRONMENTS)
 def test_agent_episodes_are_token_exact_training_data(gym, environment: str) -> None:
     already_sent = len(gym.model_requests.bodies("/v1/responses"))
+    already_chat = len(gym.proxy.bodies("/v1/chat/completions"))
     records = run_rollouts(gym, f"{environment}_agent", environment)
     requests = iter(gym.model_requests.bodies("/v1/responses")[already_sent:])  # the rollouts ran one after another
+    answers = iter(gym.model_requests.answers("/v1/responses")[already_sent:])
+    chats = iter(gym.proxy.bodies("/v1/chat/completions")[already_chat:])
     repaired = 0
     for record in records:
         assert isinstance(record["reward"], float | int)
         assert record["schema_version"] == 2
         turns = bundled_turns(record)
+        previous_id = None
         for number in range(len(turns)):
-            # Each call carries the previous call's bundle, and no other: the hook takes its prefix from it alone.
-            bundled = [item for item in next(requests)["input"] if any(key in item for key in BUNDLE_FIELDS)]
+            # The agent continues the adapter's kept response: the previous call's id and the new items, no ids.
+            request = next(requests)
+            assert request.get("previous_response_id") == previous_id
+            assert not [item for item in request["input"] if any(key in item for key in BUNDLE_FIELDS)]
+            # vLLM gets the previous call's bundle back, and no other: the hook takes its prefix from it alone.
+            bundled = [m for m in next(chats)["messages"] if m.get("prompt_token_ids") is not None]
             expected = [turns[number - 1].prompt_token_ids] if number else []
-            assert [item["prompt_token_ids"] for item in bundled] == expected
+            assert [message["prompt_token_ids"] for message in bundled] == expected
+            previous_id = next(answers)["id"]
         assert len(turns) >= 3, f"only {len(turns)} model calls"
         assert record["response"]["model_calls"] == len(turns)
         repaired += sum(turn.repaired for turn in turns)

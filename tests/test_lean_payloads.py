@@ -115,14 +115,17 @@ class Recorded:
     environment_bodies: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
 
-def recording_relay(target: str, recorded: Recorded) -> FastAPI:
-    """Between the agent and the adapter: keeps each request's bytes as the agent sent them, forwards it whole."""
+def recording_relay(target: str, recorded: Recorded, before: Callable[[int], None] | None = None) -> FastAPI:
+    """Between the agent and the adapter: keeps each request's bytes as the agent sent them, forwards it whole;
+    `before` is called with each request's number first."""
     app = FastAPI()
     client = httpx.AsyncClient(base_url=target, timeout=120, limits=pool_limits())
 
     @app.post("/{path:path}")
     async def forward(path: str, request: Request) -> Response:
         raw = await request.body()
+        if before is not None:
+            before(len(recorded.model_requests))
         recorded.model_requests.append(raw)
         headers = {"content-type": "application/json", SESSION_HEADER: request.headers.get(SESSION_HEADER, "")}
         answer = await client.post(f"/{path}", content=raw, headers=headers)
@@ -150,20 +153,37 @@ class Episode:
     recorded: Recorded
 
 
-def play(send_token_bundles: bool = True) -> Episode:
+def play(
+    send_token_bundles: bool = True,
+    chain_responses: bool = False,
+    received: list[dict[str, Any]] | None = None,
+    before: Callable[[int, VLLMModel], None] | None = None,
+) -> Episode:
+    """One 20-call episode through agent, adapter and the stand-in. Chaining is off by default here: these tests are
+    about the whole-history requests an agent sends a server that keeps no responses (tests/test_response_chain.py
+    has the chained ones). `received` collects the bodies the stand-in got; `before(n, adapter)` runs before the agent's
+    n-th request reaches the adapter."""
     recorded = Recorded()
     with ExitStack() as stack:
-        vllm = stack.enter_context(serve_in_thread(hooked_vllm_stand_in()))
+        vllm = stack.enter_context(serve_in_thread(hooked_vllm_stand_in(received=received)))
         adapter = VLLMModel(
             "policy_model", VLLMModelConfig(base_url=vllm, model="m", splice="hook", return_token_id_information=True)
         )
         adapter_url = stack.enter_context(serve_in_thread(adapter.build_app()))
         servers = {
-            "policy_model": stack.enter_context(serve_in_thread(recording_relay(adapter_url, recorded))),
+            "policy_model": stack.enter_context(
+                serve_in_thread(
+                    recording_relay(adapter_url, recorded, None if before is None else lambda n: before(n, adapter))
+                )
+            ),
             "env": stack.enter_context(serve_in_thread(recording_number_guess(recorded).build_app())),
         }
         config = SimpleAgentConfig(
-            model_server="policy_model", resources_server="env", max_steps=TURNS, send_token_bundles=send_token_bundles
+            model_server="policy_model",
+            resources_server="env",
+            max_steps=TURNS,
+            send_token_bundles=send_token_bundles,
+            chain_responses=chain_responses,
         )
         agent = stack.enter_context(serve_in_thread(SimpleAgent("agent", config, ServerClient(servers)).build_app()))
         answer = httpx.post(f"{agent}/run", json=ROW, timeout=120)
@@ -312,8 +332,11 @@ def text_then_tool_then_text(messages: list[dict[str, Any]]) -> dict[str, Any]:
     return {"role": "assistant", "content": "one" if calls_so_far == 0 else "three"}
 
 
-def test_a_tool_only_call_right_after_a_text_only_call_stays_a_call_of_its_own() -> None:
-    """The one history whose calls the adapter cannot tell apart by their items: the earlier call keeps its bundle."""
+@pytest.mark.parametrize("chain_responses", [False, True], ids=["whole-history", "previous-response-id"])
+def test_a_tool_only_call_right_after_a_text_only_call_stays_a_call_of_its_own(chain_responses: bool) -> None:
+    """The one history whose calls the adapter cannot tell apart by their items: the earlier call keeps its bundle,
+    whether the agent sends it back or the adapter's kept response holds it."""
+    ContinueWithoutUserTurn.steps = 0
     received: list[dict[str, Any]] = []
     recorded = Recorded()
     with ExitStack() as stack:
@@ -327,7 +350,9 @@ def test_a_tool_only_call_right_after_a_text_only_call_stays_a_call_of_its_own()
             "policy_model": stack.enter_context(serve_in_thread(recording_relay(adapter_url, recorded))),
             "env": stack.enter_context(serve_in_thread(env.build_app())),
         }
-        config = SimpleAgentConfig(model_server="policy_model", resources_server="env", max_steps=5)
+        config = SimpleAgentConfig(
+            model_server="policy_model", resources_server="env", max_steps=5, chain_responses=chain_responses
+        )
         agent = stack.enter_context(serve_in_thread(SimpleAgent("agent", config, ServerClient(servers)).build_app()))
         row = {"responses_create_params": {"input": "go", "tools": [{"type": "function", "name": "ping"}]}}
         answer = httpx.post(f"{agent}/run", json=row, timeout=60)
@@ -340,8 +365,14 @@ def test_a_tool_only_call_right_after_a_text_only_call_stays_a_call_of_its_own()
         ("assistant", "", 1),
         ("tool", "pong", 0),
     ]
-    assert len(bundled_inputs(json.loads(recorded.model_requests[2]))) == 2  # the separator and the latest call's
-    assert len(bundled_inputs(json.loads(recorded.model_requests[1]))) == 1
+    assert [len(m["prompt_token_ids"]) > 0 for m in third if "prompt_token_ids" in m] == [True, True]
+    sent = [json.loads(raw) for raw in recorded.model_requests]
+    if chain_responses:  # the agent sent the new items only; the adapter put the two bundles back
+        assert [bool(request.get("previous_response_id")) for request in sent] == [False, True, True]
+        assert [token_keys(request) for request in sent] == [set(), set(), set()]
+    else:
+        assert len(bundled_inputs(sent[2])) == 2  # the separator and the latest call's
+        assert len(bundled_inputs(sent[1])) == 1
 
 
 def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:

@@ -22,6 +22,17 @@ def error_param(response: httpx.Response) -> str | None:
     return param if isinstance(param, str) and param else None
 
 
+def error_type(response: httpx.Response) -> str | None:
+    """OpenAI-style `error.type` (what kind of refusal), when the answer names one."""
+    try:
+        body = loads_exact(response.content)
+    except ValueError:
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    kind = error.get("type") if isinstance(error, dict) else None
+    return kind if isinstance(kind, str) and kind else None
+
+
 def error_message(response: httpx.Response) -> str:
     """OpenAI-style `error.message`, FastAPI's `detail`, or the start of the raw body."""
     try:

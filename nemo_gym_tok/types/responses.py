@@ -45,6 +45,12 @@ class ResponseItem(TokenBundleMixin):
         return self.type in ASSISTANT_ITEM_TYPES or (self.type == "message" and self.role == "assistant")
 
 
+PREVIOUS_KEY = "previous_response_id"
+"""The Responses field naming the answer a call continues: the server holds its history, the caller sends the rest."""
+PREVIOUS_NOT_FOUND = "previous_response_not_found"
+"""`error.type` of the 400 for a previous response the server does not hold: send the whole input instead."""
+
+
 class ResponsesRequest(BaseModel):
     """What callers send to `/v1/responses`; unknown fields are kept and forwarded."""
 

@@ -14,7 +14,7 @@ from nemo_gym_tok.servers.bodies import json_object
 from nemo_gym_tok.servers.client import SESSION_HEADER
 from nemo_gym_tok.servers.openapi import AgentRunRequest, json_body
 from nemo_gym_tok.types.responses import ResponsesRequest
-from responses_api_agents.simple_agent.episode import EnvironmentProtocol, ModelCalls, play_episode
+from responses_api_agents.simple_agent.episode import EnvironmentProtocol, KeptResponse, ModelCalls, play_episode
 from responses_api_agents.simple_agent.gym_protocol import DeclaredTools, GymEnvironment
 from responses_api_agents.simple_agent.nemo_gym_protocol import NEMO_GYM, NemoGymEnvironment
 from responses_api_agents.simple_agent.peers import Peers, answer_json
@@ -35,6 +35,11 @@ class SimpleAgentConfig(BaseServerConfig):
     send_token_bundles: bool = True
     """Send the latest call's token bundle back with the history (the hook takes the next prompt's prefix from it,
     which keeps the episode token-exact). False strips every bundle: stock re-tokenization, for ablations."""
+    chain_responses: bool = True
+    """After an answer the model server says it kept (`store: true`, as this project's adapter does), send the next
+    call as `previous_response_id` and the new items only: the request no longer grows with the history. A server
+    that no longer holds it gets the whole history again; one that does not echo the id fails the episode (it may
+    have ignored it). Off with `send_token_bundles: false` (the kept history holds the bundle)."""
     environment_protocol: Literal["ngt", "nemo_gym"] = "ngt"
     """How the agent talks to `resources_server`. `ngt` (this project's environments): the episode is named by the
     `x-session-id` header, tools are the names GET /tools lists, a tool's answer is unwrapped from `{"output": ...}`,
@@ -84,8 +89,16 @@ class SimpleAgent(Agent):
         call's bundle packed once), `reward`, verifier extras."""
         first_input, request = episode_request(row, self.config.request_overrides)
         offered = offered_tool_names(request.get("tools"))  # checked under either protocol: a bad row is a 400
+        chain = self.config.chain_responses and self.config.send_token_bundles
         model = ModelCalls(
-            self.peers, self.config.model_server, session, row, first_input, request, self.config.send_token_bundles
+            self.peers,
+            self.config.model_server,
+            session,
+            row,
+            first_input,
+            request,
+            self.config.send_token_bundles,
+            KeptResponse() if chain else None,
         )
         return await play_episode(row, model, self._environment(session, offered), self.config.max_steps)
 

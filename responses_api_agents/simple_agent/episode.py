@@ -6,10 +6,12 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from nemo_gym_tok.types.responses import Response, ResponseUsage
+from nemo_gym_tok.common.remote_errors import error_type
+from nemo_gym_tok.servers.api_errors import ApiError
+from nemo_gym_tok.types.responses import PREVIOUS_KEY, PREVIOUS_NOT_FOUND, Response, ResponseUsage
 from nemo_gym_tok.types.tokens import PREFIX_KEY
 from responses_api_agents.simple_agent.episode_items import EpisodeItems
-from responses_api_agents.simple_agent.peers import Peers
+from responses_api_agents.simple_agent.peers import Peers, checked_json
 from responses_api_agents.simple_agent.rows import model_row_field, rollout_record
 
 
@@ -50,6 +52,15 @@ class EnvironmentProtocol(Protocol):
         """Release what the environment holds for the episode; also called after a failed episode."""
 
 
+@dataclass
+class KeptResponse:
+    """The model server's latest answer that it kept (`store: true`): the next call continues it by its id."""
+
+    response_id: str | None = None
+    covered: int = 0
+    """How many of the episode's items (after the input) that answer's history holds."""
+
+
 @dataclass(frozen=True)
 class ModelCalls:
     """One episode's calls to the model server: the row's request with the episode so far as its input."""
@@ -64,15 +75,42 @@ class ModelCalls:
     request: dict[str, Any]
     """Every Responses field of a call but `input`."""
     send_token_bundles: bool
+    kept: KeptResponse | None = None
+    """Set: a call after one the server kept sends `previous_response_id` and the new items only (chain_responses)."""
 
     async def answer(self, step: int, items: EpisodeItems) -> dict[str, Any]:
         """The model server's answer to the episode's `step`-th call."""
-        body = {**self.request, "input": self.first_input + items.for_model(self.send_token_bundles)}
-        if step == 0 and PREFIX_KEY in self.row:  # a harness's prefix for the episode's first call
-            body[PREFIX_KEY] = self.row[PREFIX_KEY]
-        # Only the first call is the row's as sent; a refusal later is about the episode the gym built.
-        row_param = model_row_field if step == 0 else None
-        return await self.peers.call(self.server, "/v1/responses", body, self.session, row_param=row_param)
+        response = None
+        if self.kept is not None and self.kept.response_id is not None:
+            response = await self._continue(self.kept.response_id, items.items[self.kept.covered :])
+        if response is None:
+            body = {**self.request, "input": self.first_input + items.for_model(self.send_token_bundles)}
+            if step == 0 and PREFIX_KEY in self.row:  # a harness's prefix for the episode's first call
+                body[PREFIX_KEY] = self.row[PREFIX_KEY]
+            # Only the first call is the row's as sent; a refusal later is about the episode the gym built.
+            row_param = model_row_field if step == 0 else None
+            response = await self.peers.call(self.server, "/v1/responses", body, self.session, row_param=row_param)
+        if self.kept is not None:
+            kept_id = response.get("id") if response.get("store") is True else None
+            self.kept.response_id = kept_id if isinstance(kept_id, str) else None
+            self.kept.covered = len(items.items) + len(response.get("output") or [])
+        return response
+
+    async def _continue(self, previous: str, new_items: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """The answer to a call that continues the kept response `previous` with `new_items`; None when the server
+        no longer holds it (dropped, restarted): the caller then sends the whole history, which is as exact."""
+        body = {**self.request, PREVIOUS_KEY: previous, "input": new_items}
+        answer = await self.peers.post(self.server, "/v1/responses", body, self.session)
+        if answer.status_code == 400 and error_type(answer) == PREVIOUS_NOT_FOUND:
+            return None
+        response = checked_json(self.server, answer)
+        if response.get(PREVIOUS_KEY) != previous:
+            raise ApiError(
+                502,
+                f"{self.server} answered a call that continues {previous} without echoing its previous_response_id: "
+                "it may have answered the new items alone. Set chain_responses: false on the agent for it",
+            )
+        return response
 
 
 async def play_episode(

@@ -4,71 +4,49 @@ from __future__ import annotations
 
 from typing import Any
 
+from nemo_gym_tok.contract.model_history import TOKEN_FIELDS, ModelHistory
 from nemo_gym_tok.records.rollout_record import PromptPacker
-from nemo_gym_tok.types.tokens import BUNDLE_FIELDS, TELEMETRY_FIELDS
-
-_TOKEN_FIELDS = frozenset((*BUNDLE_FIELDS, *TELEMETRY_FIELDS))
 
 
 class EpisodeItems:
     """The episode's items, kept once, and what each party gets of them: the model, the environment, the record.
 
-    Items are stored without their token fields. Each model call's bundle is kept apart, packed as a version 2
-    rollout record stores it; only the latest call's bundle is kept whole, because the adapter takes the next
-    prompt's prefix from the last bundled item and nothing else reads the earlier ones (resending them made every
-    request as large as the whole episode's ids, turn after turn). One exception: a call that starts with a function
-    call right after a call that ended on its text (no item between, as when /step continues without a user turn)
-    would read as one call to the adapter, so the earlier call keeps its bundle, which closes it (conversion.py).
+    What the model is sent follows `ModelHistory` (only the latest call's bundle goes back); the record keeps every
+    call's bundle, packed as a version 2 rollout record stores it.
     """
 
     def __init__(self) -> None:
-        self.items: list[dict[str, Any]] = []
-        """Every item after the input, without bundle or telemetry fields: what environments get."""
+        self.history = ModelHistory()
+        """The items and the bundles the model is sent back."""
         self._packed: dict[int, dict[str, Any]] = {}
         """Item index -> the token fields it came with, its prompt packed (prefix length + suffix) for the record."""
-        self._latest: tuple[int, dict[str, Any]] | None = None
-        """The latest bundled item's index and its token fields as the model server returned them."""
-        self._separators: dict[int, dict[str, Any]] = {}
-        """Earlier bundled items whose bundle is still sent: it is all that tells their call from the next (above)."""
         self._packer = PromptPacker()
+
+    @property
+    def items(self) -> list[dict[str, Any]]:
+        """Every item after the input, without bundle or telemetry fields: what environments get."""
+        return self.history.items
 
     def add_call(self, items: list[dict[str, Any]]) -> None:
         """Append one model call's output items."""
-        latest = self._latest
-        if (
-            items
-            and latest is not None
-            and latest[0] == len(self.items) - 1
-            and _is_type(items[0], "function_call")
-            and _is_type(self.items[-1], "message")
-        ):
-            self._separators[latest[0]] = latest[1]
         for item in items:
             self.add(item)
 
     def add(self, item: dict[str, Any]) -> None:
         """Append an item of the episode (a model output item, a tool result, a user turn)."""
-        token_fields = {k: v for k, v in item.items() if k in _TOKEN_FIELDS} if isinstance(item, dict) else {}
-        if token_fields:
-            item = {k: v for k, v in item.items() if k not in _TOKEN_FIELDS}
-        index = len(self.items)
-        self.items.append(item)
-        if not token_fields:
-            return
-        if token_fields.get("prompt_token_ids") is not None:
-            self._packed[index] = self._packer.pack(token_fields)
-            self._latest = (index, token_fields)
-        else:
-            self._packed[index] = token_fields  # telemetry without a bundle: recorded as it came
+        self.history.add(item)
+        self._pack(len(self.history.items) - 1, item)
+
+    def _pack(self, index: int, item: Any) -> None:
+        latest = self.history.latest
+        if latest is not None and latest[0] == index:
+            self._packed[index] = self._packer.pack(latest[1])
+        elif isinstance(item, dict) and (fields := {k: v for k, v in item.items() if k in TOKEN_FIELDS}):
+            self._packed[index] = fields  # telemetry without a bundle: recorded as it came
 
     def for_model(self, send_bundle: bool) -> list[dict[str, Any]]:
         """The history for the next model call: the items, the latest call's bundle back on its item (if sent)."""
-        if not send_bundle or self._latest is None:
-            return list(self.items)
-        history = list(self.items)
-        for index, token_fields in [*self._separators.items(), self._latest]:
-            history[index] = {**history[index], **token_fields}
-        return history
+        return self.history.for_model() if send_bundle else list(self.history.items)
 
     def recorded(self) -> list[dict[str, Any]]:
         """The items as the rollout record (schema_version 2) holds them: each call's packed bundle on its item."""
@@ -91,7 +69,3 @@ def content_parts(result: Any) -> list[dict[str, Any]] | None:
     if not all(isinstance(part, dict) and part.get("type") in CONTENT_PART_TYPES for part in result):
         return None
     return result if any(part["type"] == "input_image" for part in result) else None
-
-
-def _is_type(item: Any, kind: str) -> bool:
-    return isinstance(item, dict) and item.get("type", "message") == kind

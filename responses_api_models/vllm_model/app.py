@@ -6,6 +6,7 @@ import asyncio
 import os
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -25,6 +26,7 @@ from nemo_gym_tok.servers.json_response import JSONBytesResponse
 from nemo_gym_tok.servers.openapi import json_body
 from nemo_gym_tok.splice import NEW_SEGMENT_KEY, PREFIX_KEY, TERMINATOR_ENV
 from nemo_gym_tok.types import ChatCompletionRequest, Response, ResponsesRequest
+from nemo_gym_tok.types.responses import PREVIOUS_KEY
 from nemo_gym_tok.types.tokens import NEW_SEGMENT_REASON_KEY, SEGMENT_HISTORY_WITHOUT_IDS
 from responses_api_models.vllm_model.behind_router import (
     DeclaredWorkers,
@@ -41,6 +43,7 @@ from responses_api_models.vllm_model.local_splice import AdapterSplicer
 from responses_api_models.vllm_model.nemo_gym_token_store import NeMoGymTokenStore
 from responses_api_models.vllm_model.reasoning_parser import refuse_parsed_reasoning
 from responses_api_models.vllm_model.request_metadata import apply_metadata
+from responses_api_models.vllm_model.response_chain import ResponseChain
 from responses_api_models.vllm_model.response_fields import request_echo, response_usage
 from responses_api_models.vllm_model.responses_events import responses_sse
 from responses_api_models.vllm_model.rollout_paths import RolloutPathMiddleware, rollout_of
@@ -60,8 +63,8 @@ from responses_api_models.vllm_model.weight_versions import WeightVersionReads
 ADAPTER_FIELDS = frozenset({"model", "messages", "stream", "stream_options", "n", PREFIX_KEY, "start_token_segment"})
 """Top-level fields the adapter reads itself (routing, token ids, streaming): allowed whatever `forwarded_fields`
 says. Bundle fields ride on messages, so they are never top-level fields."""
-RESPONSES_ADAPTER_FIELDS = frozenset({"input", "instructions"})
-"""`/v1/responses` fields that become the chat `messages`."""
+RESPONSES_ADAPTER_FIELDS = frozenset({"input", "instructions", PREVIOUS_KEY, "store"})
+"""`/v1/responses` fields that become the chat `messages` (with the kept history `previous_response_id` names)."""
 RESPONSES_ALIASES = {"max_output_tokens": "max_tokens"}
 FINGERPRINT_SECONDS = 60.0
 """How long a worker behind the router has to answer the fleet check's 1-token probe."""
@@ -98,6 +101,7 @@ class VLLMModel(ModelServer):
         self._provenance: dict[str, tuple[dict[str, Any] | None, dict[str, str] | None]] = {}
         capture_dir = self.config.nemo_gym_token_capture_dir
         self.capture_store = NeMoGymTokenStore(capture_dir) if capture_dir else None
+        self.kept_responses = ResponseChain(self.config.response_store_max_ids)
         app.add_middleware(RolloutPathMiddleware)
 
         @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest, session="optional"))
@@ -117,7 +121,8 @@ class VLLMModel(ModelServer):
         async def responses(request: Request) -> HTTPResponse:
             raw = await json_object(request)
             self._check_forwarded(raw, responses_api=True)
-            responses_request = parse_body(ResponsesRequest, raw)
+            chained = self.kept_responses.expand(raw)  # the whole history, where the call continues a kept one
+            responses_request = parse_body(ResponsesRequest, chained.body)
             try:
                 chat_body = responses_to_chat_request(responses_request)
             except ValueError as exc:
@@ -130,10 +135,14 @@ class VLLMModel(ModelServer):
             conversation.set(conversation_key(request, raw))
             self._check_capture(request, chat)
             echo = request_echo(responses_request)
+
+            def settle(response: dict[str, Any]) -> dict[str, Any]:
+                return self.kept_responses.answered(response, chained)
+
             if chat.stream:  # `stream` is not a Responses-only field: the chat body carries it
-                return await self.stream(chat, self.base_url, as_responses=echo)
+                return await self.stream(chat, self.base_url, as_responses=echo, settle=settle)
             result = await self.complete(chat, self.base_url)
-            response = _chat_result_to_response(result, self.config.model, echo).model_dump(exclude_none=True)
+            response = settle(_chat_result_to_response(result, self.config.model, echo).model_dump(exclude_none=True))
             await self._capture(request, response, chat)
             return JSONBytesResponse(response)
 
@@ -209,7 +218,12 @@ class VLLMModel(ModelServer):
         return await self.finish(call, answer_json(response, f"{what} at {url}"), url)
 
     async def stream(
-        self, chat: ChatCall, url: str, *, as_responses: dict[str, Any] | None = None
+        self,
+        chat: ChatCall,
+        url: str,
+        *,
+        as_responses: dict[str, Any] | None = None,
+        settle: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> StreamingResponse:
         """`chat` streamed from vLLM at `url` as server-sent events: chat chunks, or Responses events when
         `as_responses` is given (the request echo of `request_echo`). Every refusal (prepare's, vLLM's status, the
@@ -226,7 +240,9 @@ class VLLMModel(ModelServer):
         )
         if as_responses is not None:
             return responses_sse(
-                stream, to_response=lambda result: _chat_result_to_response(result, self.config.model, as_responses)
+                stream,
+                to_response=lambda result: _chat_result_to_response(result, self.config.model, as_responses),
+                settle=settle,
             )
         return chat_sse(stream, call)
 

@@ -59,6 +59,10 @@ class VLLMModelConfig(BaseServerConfig):
     forwarded_fields: list[str] | None = None
     """Top-level request fields a caller may send, forwarded to vLLM; None forwards every field. A field outside the
     list is a 400 naming it. The fields the adapter itself reads (ADAPTER_FIELDS) are always allowed."""
+    response_store_max_ids: int = Field(default=4_000_000, ge=0)
+    """`/v1/responses` keeps each answer's history for a later call's `previous_response_id` (the caller then sends
+    only its new items), bounded by the ids of the bundles held (one prompt per conversation, about 36 bytes an id in
+    memory); the least recently continued are dropped first. 0 keeps none (response_chain.py)."""
     max_attempts: int = 3
     """Attempts per vLLM call while the request reaches no engine (unreachable, 429, vLLM's 503). One that may have
     generated the turn (the connection dropped mid-call, a router's or proxy's 502/500) is sent again once, a timeout

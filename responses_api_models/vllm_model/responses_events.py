@@ -15,18 +15,25 @@ from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.types import Response, bundle_of
 from responses_api_models.vllm_model.streaming import SSE_MEDIA_TYPE, ChatStream, is_hook_final_chunk
 
+Settle = Callable[[dict[str, Any]], dict[str, Any]]
 
-def responses_sse(stream: ChatStream, *, to_response: Callable[[dict[str, Any]], Response]) -> StreamingResponse:
+
+def responses_sse(
+    stream: ChatStream, *, to_response: Callable[[dict[str, Any]], Response], settle: Settle | None = None
+) -> StreamingResponse:
     """The Responses API stream for the caller: `response.created`, each output item's events as vLLM streams it,
     and `response.completed` (or `response.incomplete`, as the status is) with the whole Response, whose last
-    output item carries the bundle as the non-streaming route's does. `to_response` is that route's conversion."""
+    output item carries the bundle as the non-streaming route's does. `to_response` is that route's conversion;
+    `settle` its last step on the whole response (the adapter keeps it for `previous_response_id`)."""
     return StreamingResponse(
-        _responses_events(stream, to_response), media_type=SSE_MEDIA_TYPE, background=BackgroundTask(stream.aclose)
+        _responses_events(stream, to_response, settle),
+        media_type=SSE_MEDIA_TYPE,
+        background=BackgroundTask(stream.aclose),
     )
 
 
 async def _responses_events(
-    stream: ChatStream, to_response: Callable[[dict[str, Any]], Response]
+    stream: ChatStream, to_response: Callable[[dict[str, Any]], Response], settle: Settle | None
 ) -> AsyncIterator[str]:
     events = ResponsesEvents(f"resp_{stream.head.get('id') or uuid.uuid4().hex}", str(stream.head.get("model") or ""))
     try:
@@ -37,7 +44,7 @@ async def _responses_events(
                 for event in events.add(chunk):
                     yield event
         result = await stream.completion()
-        for event in events.finish(result, to_response(result)):
+        for event in events.finish(result, to_response(result), settle):
             yield event
     except ApiError as exc:
         yield events.error(exc)
@@ -86,8 +93,8 @@ class ResponsesEvents:
                 events += self._tool_call(call)
         return events
 
-    def finish(self, result: dict[str, Any], response: Response) -> list[str]:
-        """Close the last item with the bundle, and complete the response with the streamed items."""
+    def finish(self, result: dict[str, Any], response: Response, settle: Settle | None = None) -> list[str]:
+        """Close the last item with the bundle, and complete the response with the streamed items (`settle`d)."""
         choices = result.get("choices") or [{}]
         message = choices[0].get("message") or {}
         events: list[str] = []
@@ -105,6 +112,8 @@ class ResponsesEvents:
                 "output": self.items,
             }
         ).model_dump(exclude_none=True)
+        if settle is not None:
+            final = settle(final)
         kind = "response.completed" if final.get("status") == "completed" else "response.incomplete"
         events.append(self._event(kind, response=final))
         return events

@@ -1,0 +1,175 @@
+"""`previous_response_id` (issue 40, item 3): the adapter keeps each answered history, the agent sends the new items
+only, and vLLM gets what a whole-history request would have given it, bundle for bundle."""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+
+from nemo_gym_tok.records.contiguity import bundled_turns, check_contiguous
+from nemo_gym_tok.records.training import rollout_to_training_sequence
+from nemo_gym_tok.servers.api_errors import ApiError
+from nemo_gym_tok.servers.client import ServerClient
+from nemo_gym_tok.servers.inprocess import serve_in_thread
+from nemo_gym_tok.types.responses import PREVIOUS_NOT_FOUND
+from responses_api_agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
+from responses_api_models.vllm_model.app import VLLMModel
+from responses_api_models.vllm_model.response_chain import ResponseChain
+from tests.test_lean_payloads import ROW, TURNS, Episode, Recorded, play, recording_number_guess, token_keys
+
+
+def answer(response_id: str, text: str, ids: int, start: int = 0) -> dict[str, Any]:
+    """A Responses answer whose last item carries a bundle of `ids` prompt ids."""
+    item = {
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text}],
+        "prompt_token_ids": list(range(start, start + ids)),
+        "generation_token_ids": [7],
+        "generation_log_probs": [-0.5],
+    }
+    return {"id": response_id, "object": "response", "output": [item]}
+
+
+def kept_turn(chain: ResponseChain, raw: dict[str, Any], response_id: str, ids: int) -> dict[str, Any]:
+    call = chain.expand(raw)
+    return chain.answered(answer(response_id, "ok", ids), call)
+
+
+def test_a_continued_call_gets_the_kept_history_with_only_the_latest_bundle() -> None:
+    chain = ResponseChain(max_ids=1000)
+    first = kept_turn(chain, {"input": "hi", "instructions": "be brief"}, "resp_1", 10)
+    assert (first["store"], first["previous_response_id"]) == (True, None)
+    second = kept_turn(chain, {"previous_response_id": "resp_1", "input": "more"}, "resp_2", 20)
+    assert second["previous_response_id"] == "resp_1"
+    call = chain.expand({"previous_response_id": "resp_2", "input": [{"role": "user", "content": "again"}]})
+    body = call.body
+    assert "previous_response_id" not in body and body["instructions"] == "be brief"
+    roles = [item.get("role") for item in body["input"]]
+    assert roles == ["user", "assistant", "user", "assistant", "user"]
+    bundled = [item for item in body["input"] if "prompt_token_ids" in item]
+    assert [len(item["prompt_token_ids"]) for item in bundled] == [20]  # the first call's bundle is not sent again
+
+
+def test_kept_responses_stay_within_their_id_bound() -> None:
+    chain = ResponseChain(max_ids=50)
+    for number in range(3):
+        kept_turn(chain, {"input": f"conversation {number}"}, f"resp_{number}", 20)  # 21 ids each with the answer
+    assert len(chain) == 2
+    with pytest.raises(ApiError) as dropped:
+        chain.expand({"previous_response_id": "resp_0", "input": "next"})
+    assert dropped.value.status == 400 and dropped.value.error_type == PREVIOUS_NOT_FOUND
+    assert "response_store_max_ids: 50" in dropped.value.message and "whole input" in dropped.value.message
+    too_big = kept_turn(chain, {"input": "long"}, "resp_big", 60)
+    assert too_big["store"] is False and len(chain) == 2
+
+
+@pytest.mark.parametrize(
+    ("raw", "param", "says"),
+    [
+        ({"previous_response_id": "resp_1", "input": "x", "instructions": "other"}, "instructions", "differ"),
+        ({"previous_response_id": "resp_1", "input": 5}, "input", "new ones only"),
+        ({"previous_response_id": 7, "input": "x"}, "previous_response_id", "a string"),
+        ({"input": "x", "store": "yes"}, "store", "true or false"),
+        ({"previous_response_id": "resp_unknown", "input": "x"}, "previous_response_id", "not held"),
+    ],
+)
+def test_what_cannot_continue_is_a_400_that_says_what_to_send(raw: dict[str, Any], param: str, says: str) -> None:
+    chain = ResponseChain(max_ids=1000)
+    kept_turn(chain, {"input": "hi", "instructions": "be brief"}, "resp_1", 10)
+    with pytest.raises(ApiError) as refused:
+        chain.expand(raw)
+    assert (refused.value.status, refused.value.param) == (400, param)
+    assert says in refused.value.message
+
+
+def test_store_false_and_a_store_of_nothing_keep_nothing() -> None:
+    chain = ResponseChain(max_ids=1000)
+    assert kept_turn(chain, {"input": "hi", "store": False}, "resp_1", 10)["store"] is False
+    off = ResponseChain(max_ids=0)
+    assert kept_turn(off, {"input": "hi"}, "resp_1", 10)["store"] is False
+    with pytest.raises(ApiError) as refused:
+        off.expand({"previous_response_id": "resp_1", "input": "x"})
+    assert "keeps no responses (response_store_max_ids: 0)" in refused.value.message
+
+
+@pytest.fixture(scope="module")
+def stateless() -> tuple[Episode, list[dict[str, Any]]]:
+    received: list[dict[str, Any]] = []
+    return play(chain_responses=False, received=received), received
+
+
+@pytest.fixture(scope="module")
+def chained() -> tuple[Episode, list[dict[str, Any]]]:
+    received: list[dict[str, Any]] = []
+    return play(chain_responses=True, received=received), received
+
+
+def test_chained_calls_send_the_new_items_only_and_vllm_gets_the_same_requests(stateless, chained) -> None:
+    (whole, whole_received), (episode, received) = stateless, chained
+    requests = [json.loads(raw) for raw in episode.recorded.model_requests]
+    assert len(requests) == TURNS
+    assert "previous_response_id" not in requests[0]
+    for request in requests[1:]:
+        assert request["previous_response_id"].startswith("resp_")
+        assert token_keys(request) == set()
+        assert [item["role"] for item in request["input"]] == ["user"]  # the environment's "Higher."
+    # The adapter rebuilt each call: vLLM got the very bodies a whole-history agent makes it send.
+    assert received == whole_received
+    assert rollout_to_training_sequence(episode.record) == rollout_to_training_sequence(whole.record)
+    check_contiguous(bundled_turns(episode.record))
+
+
+def test_chained_request_bytes_do_not_grow_with_the_history(stateless, chained) -> None:
+    """P5's figure, chained: every call after the first is the same size, whatever the history's length."""
+    whole = [len(raw) for raw in stateless[0].recorded.model_requests]
+    sizes = [len(raw) for raw in chained[0].recorded.model_requests]
+    print(f"\nagent -> adapter bytes at turn 1/10/20: chained {sizes[0]}/{sizes[9]}/{sizes[19]}, whole {whole[19]}")
+    assert max(sizes[1:]) - min(sizes[1:]) < 16  # the ids' and the round number's digits
+    assert sizes[19] * 50 < whole[19]
+
+
+def test_a_forgotten_response_is_sent_whole_and_the_episode_is_the_same(stateless) -> None:
+    def restart_at_ten(number: int, adapter: VLLMModel) -> None:
+        if number == 10:  # what an adapter restart does to the kept responses
+            adapter.kept_responses = ResponseChain(adapter.config.response_store_max_ids)
+
+    received: list[dict[str, Any]] = []
+    episode = play(chain_responses=True, received=received, before=restart_at_ten)
+    requests = [json.loads(raw) for raw in episode.recorded.model_requests]
+    continued = ["previous_response_id" in request for request in requests]
+    # Call 10 is sent twice: refused (not held), then whole; chaining resumes on the answer.
+    assert continued == [False] + [True] * 10 + [False] + [True] * (TURNS - 11)
+    assert received == stateless[1]
+    assert rollout_to_training_sequence(episode.record) == rollout_to_training_sequence(stateless[0].record)
+
+
+def model_that_ignores_previous_response_id() -> FastAPI:
+    """A model server that says it kept its answers (store: true) but answers the new items alone, echoing nothing."""
+    app = FastAPI()
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> dict[str, Any]:
+        await request.json()
+        return {**answer("resp_same", "42", 3), "store": True}
+
+    return app
+
+
+def test_an_agent_refuses_a_server_that_does_not_echo_the_response_it_continued() -> None:
+    with ExitStack() as stack:
+        servers = {
+            "policy_model": stack.enter_context(serve_in_thread(model_that_ignores_previous_response_id())),
+            "env": stack.enter_context(serve_in_thread(recording_number_guess(Recorded()).build_app())),
+        }
+        config = SimpleAgentConfig(model_server="policy_model", resources_server="env", max_steps=TURNS)
+        agent = stack.enter_context(serve_in_thread(SimpleAgent("agent", config, ServerClient(servers)).build_app()))
+        refused = httpx.post(f"{agent}/run", json=ROW, timeout=60)
+    assert refused.status_code == 502
+    message = refused.json()["error"]["message"]
+    assert "without echoing its previous_response_id" in message and "chain_responses: false" in message
