@@ -70,3 +70,15 @@ def test_the_token_contract_sdk_example_keeps_tool_fields_and_is_token_contiguou
     assert second["prefix_splice"]["applied"] and third["prefix_splice"]["applied"]
     check_contiguous([turn(n, message) for n, message in enumerate((first, second, third))])
     assert len(third["prompt_token_ids"]) > len(second["prompt_token_ids"]) + len(second["generation_token_ids"])
+
+
+def test_the_previous_response_example_continues_the_kept_history_exactly(adapter_url: str) -> None:
+    example = run_example(
+        docs_example(REPO / "docs" / "token-contract.md", "token-contract-previous-response"), adapter_url
+    )
+    first, second = (example[name].output[-1].model_dump() for name in ("first", "second"))
+    assert example["first"].store is True and example["second"].previous_response_id == example["first"].id
+    assert second["prefix_splice"]["applied"]
+    check_contiguous([turn(0, first), turn(1, second)])
+    # The second prompt holds the first call's user turn: the history came from the adapter, not the request.
+    assert len(second["prompt_token_ids"]) > len(first["prompt_token_ids"]) + len(first["generation_token_ids"])

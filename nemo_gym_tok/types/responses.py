@@ -67,6 +67,10 @@ class ResponsesRequest(BaseModel):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     stream: bool | None = None
+    previous_response_id: str | None = None
+    """The answer this call continues (its history kept by the server): `input` then holds the new items only."""
+    store: bool | None = None
+    """False: the server does not keep this call's answer for a later `previous_response_id` (default: it does)."""
 
     def input_items(self) -> list[ResponseItem]:
         if isinstance(self.input, str):
