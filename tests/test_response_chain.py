@@ -10,15 +10,19 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI, Request
+from hypothesis import given
+from hypothesis import strategies as st
 
+from nemo_gym_tok.contract.conversion import responses_to_chat_request
 from nemo_gym_tok.records.contiguity import bundled_turns, check_contiguous
 from nemo_gym_tok.records.training import rollout_to_training_sequence
 from nemo_gym_tok.servers.api_errors import ApiError
 from nemo_gym_tok.servers.client import ServerClient
 from nemo_gym_tok.servers.inprocess import serve_in_thread
-from nemo_gym_tok.types.responses import PREVIOUS_NOT_FOUND
+from nemo_gym_tok.types.responses import PREVIOUS_NOT_FOUND, ResponsesRequest
 from responses_api_agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
 from responses_api_models.vllm_model.app import VLLMModel
+from responses_api_models.vllm_model.chat_form import chat_form, kept_chat_messages
 from responses_api_models.vllm_model.response_chain import ResponseChain
 from tests.test_lean_payloads import ROW, TURNS, Episode, Recorded, play, recording_number_guess, token_keys
 
@@ -125,6 +129,12 @@ def test_chained_calls_send_the_new_items_only_and_vllm_gets_the_same_requests(s
     check_contiguous(bundled_turns(episode.record))
 
 
+def test_every_continued_call_after_the_first_takes_the_kept_chat_messages() -> None:
+    adapters: list[VLLMModel] = []
+    play(chain_responses=True, before=lambda number, adapter: adapters.append(adapter))
+    assert adapters[-1].kept_responses.calls_on_kept_chat == TURNS - 1
+
+
 def test_chained_request_bytes_do_not_grow_with_the_history(stateless, chained) -> None:
     """P5's figure, chained: every call after the first is the same size, whatever the history's length."""
     whole = [len(raw) for raw in stateless[0].recorded.model_requests]
@@ -173,3 +183,58 @@ def test_an_agent_refuses_a_server_that_does_not_echo_the_response_it_continued(
     assert refused.status_code == 502
     message = refused.json()["error"]["message"]
     assert "without echoing its previous_response_id" in message and "chain_responses: false" in message
+
+
+def output_items(draw: st.DrawFn, call: int) -> list[dict[str, Any]]:
+    """One model call's output items as the adapter answers them: reasoning, at most one message, function calls,
+    the bundle on the last item."""
+    items: list[dict[str, Any]] = []
+    if draw(st.booleans()):
+        items.append({"type": "reasoning", "id": f"rs_{call}", "summary": [{"type": "summary_text", "text": "hm"}]})
+    calls = draw(st.integers(0, 2))
+    if draw(st.booleans()) or not calls:
+        items.append({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": f"a{call}"}]})
+    items += [
+        {"type": "function_call", "call_id": f"c{call}_{n}", "name": "f", "arguments": "{}"} for n in range(calls)
+    ]
+    bundle = {"prompt_token_ids": [call, 1, 2], "generation_token_ids": [9], "generation_log_probs": [-0.5]}
+    items[-1] = {
+        **items[-1],
+        **bundle,
+        "prefix_splice": {"applied": True, "template_differed": False, "replaced_tokens": 0},
+    }
+    return items
+
+
+@st.composite
+def conversations(draw: st.DrawFn) -> list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
+    """Calls of one conversation: (the new items sent, the answer's items). New items are mostly the caller's (tool
+    results, user turns), sometimes none or an assistant item (a harness's edit), which take the whole conversion."""
+    calls = []
+    for call in range(draw(st.integers(1, 6))):
+        kind = draw(st.sampled_from(["user", "tool", "user+tool", "none", "assistant"]))
+        new: list[dict[str, Any]] = []
+        if "tool" in kind:
+            new.append({"type": "function_call_output", "call_id": f"c{call}", "output": "r"})
+        if "user" in kind or call == 0:
+            new.append({"role": "user", "content": f"u{call}"})
+        if kind == "assistant":
+            new.append({"role": "assistant", "content": "edited"})
+        calls.append((new, output_items(draw, call)))
+    return calls
+
+
+@given(conversations())
+def test_the_kept_chat_messages_are_what_converting_the_whole_history_gives(calls) -> None:
+    chain = ResponseChain(max_ids=10_000)
+    previous = None
+    for number, (new, output) in enumerate(calls):
+        raw = {"input": new, "instructions": "sys", **({"previous_response_id": previous} if previous else {})}
+        call = chain.expand(raw)
+        form = chat_form(call)
+        whole = responses_to_chat_request(ResponsesRequest.model_validate(call.body))["messages"]
+        assert form.body["messages"] == whole, number
+        response = chain.answered(
+            {"id": f"resp_{number}", "output": output}, call, kept_chat_messages(call, whole, output)
+        )
+        previous = response["id"]

@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 
 from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.common.remote_errors import error_message, error_param
-from nemo_gym_tok.contract.conversion import chat_message_to_items, responses_to_chat_request
+from nemo_gym_tok.contract.conversion import chat_message_to_items
 from nemo_gym_tok.contract.provenance import generation_defaults, model_fingerprint
 from nemo_gym_tok.router.fleet import PROBE_PATH, answered_fingerprint, probe_body
 from nemo_gym_tok.servers.api_errors import ApiError
@@ -35,8 +35,9 @@ from responses_api_models.vllm_model.behind_router import (
     detect_router,
     server_label,
 )
-from responses_api_models.vllm_model.calls import ChatCall, PreparedCall, parse_body
+from responses_api_models.vllm_model.calls import ChatCall, PreparedCall
 from responses_api_models.vllm_model.chat_events import chat_sse
+from responses_api_models.vllm_model.chat_form import chat_form, kept_chat_messages
 from responses_api_models.vllm_model.config import VLLMModelConfig
 from responses_api_models.vllm_model.fleet import FleetFingerprint, WorkerUnreachable
 from responses_api_models.vllm_model.local_splice import AdapterSplicer
@@ -122,22 +123,15 @@ class VLLMModel(ModelServer):
             raw = await json_object(request)
             self._check_forwarded(raw, responses_api=True)
             chained = self.kept_responses.expand(raw)  # the whole history, where the call continues a kept one
-            responses_request = parse_body(ResponsesRequest, chained.body)
-            try:
-                chat_body = responses_to_chat_request(responses_request)
-            except ValueError as exc:
-                param = getattr(exc, "param", "input")  # ConversionError names the item and part
-                message = str(exc) if param != "input" else f"input: {exc}"
-                raise ApiError(400, message, param=param) from None
-            # Validated as a chat body too: the conversion can give a message that an item allowed and a chat message
-            # does not (a bundle on a user message), and the 400 must come before vLLM is called.
-            chat = ChatCall.validated(self._with_metadata(chat_body))
+            form = chat_form(chained)
+            chat = ChatCall.validated(self._with_metadata(form.body), checked=form.checked)
             conversation.set(conversation_key(request, raw))
             self._check_capture(request, chat)
-            echo = request_echo(responses_request)
+            echo = request_echo(form.request)
 
             def settle(response: dict[str, Any]) -> dict[str, Any]:
-                return self.kept_responses.answered(response, chained)
+                kept_chat = kept_chat_messages(chained, chat.body["messages"], response.get("output") or [])
+                return self.kept_responses.answered(response, chained, kept_chat)
 
             if chat.stream:  # `stream` is not a Responses-only field: the chat body carries it
                 return await self.stream(chat, self.base_url, as_responses=echo, settle=settle)

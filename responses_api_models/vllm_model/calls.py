@@ -31,10 +31,14 @@ class ChatCall:
     stream: bool
 
     @classmethod
-    def validated(cls, body: dict[str, Any]) -> ChatCall:
+    def validated(cls, body: dict[str, Any], checked: int = 0) -> ChatCall:
         """`body` checked against ChatCompletionRequest (400 naming the field), once: what is forwarded is `body`
-        itself, not the model dumped again (which rebuilt every message and copied every id list)."""
-        chat = parse_body(ChatCompletionRequest, body)
+        itself, not the model dumped again (which rebuilt every message and copied every id list). The first
+        `checked` messages were validated by an earlier call (a kept history) and are not again: every rule on a
+        message is the message's own."""
+        messages = body.get("messages")
+        shown = {**body, "messages": messages[checked:]} if checked and isinstance(messages, list) else body
+        chat = parse_body(ChatCompletionRequest, shown)
         forwarded = forwarded_body(body, chat)
         try:
             asked = read_splice_request(

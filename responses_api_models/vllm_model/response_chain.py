@@ -6,9 +6,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from nemo_gym_tok.contract.model_history import ModelHistory
+from nemo_gym_tok.contract.model_history import TOKEN_FIELDS, ModelHistory
 from nemo_gym_tok.servers.api_errors import ApiError
-from nemo_gym_tok.types.responses import PREVIOUS_KEY, PREVIOUS_NOT_FOUND
+from nemo_gym_tok.types.responses import ASSISTANT_ITEM_TYPES, PREVIOUS_KEY, PREVIOUS_NOT_FOUND
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,8 @@ class KeptResponse:
     instructions: str | None
     ids: int
     """Ids its bundles hold: what the store's bound counts."""
+    chat: list[dict[str, Any]] | None
+    """The history as chat messages, already validated (chat_form.kept_chat_messages); None: not known."""
 
 
 @dataclass
@@ -31,6 +33,13 @@ class ChainedCall:
     """The `previous_response_id` the call continued, echoed on its response."""
     store: bool
     """Keep the response (the request's `store`, true unless it says false, as OpenAI's default is)."""
+    new_items: list[Any]
+    """The items the request sent (on a continued call, the new ones only)."""
+    sent_as_kept: bool = False
+    """The input holds the history's bundles as ModelHistory puts them back and ends on new items that are not the
+    model's: the answered history's chat messages can be made from this call's (chat_form.kept_chat_messages)."""
+    kept_chat: list[dict[str, Any]] | None = None
+    """The kept response's chat messages, when this call may take them instead of converting the history."""
 
 
 class ResponseChain:
@@ -46,6 +55,9 @@ class ResponseChain:
         self.max_ids = max_ids
         self._kept: OrderedDict[str, KeptResponse] = OrderedDict()
         self._ids = 0
+        self.calls_on_kept_chat = 0
+        """Continued calls that took the kept chat messages instead of converting their history (a bench and test
+        reading)."""
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -58,10 +70,12 @@ class ResponseChain:
             raise ApiError(400, "store: true or false is expected", param="store")
         if previous is None:
             history = ModelHistory()
-            if store and self.max_ids > 0:
-                for item in _input_items(raw.get("input"), continued=False):
-                    history.add(item)
-            return ChainedCall({k: v for k, v in raw.items() if k != PREVIOUS_KEY}, history, None, store)
+            items = _input_items(raw.get("input"), continued=False) if store and self.max_ids > 0 else []
+            for item in items:
+                history.add(item)
+            body = {k: v for k, v in raw.items() if k != PREVIOUS_KEY}
+            plain = bool(items) and not any(_has_token_fields(item) for item in items) and _is_new(items[-1])
+            return ChainedCall(body, history, None, store, items, sent_as_kept=plain)
         if not isinstance(previous, str) or not previous:
             raise ApiError(400, f"{PREVIOUS_KEY}: a response id (a string) is expected", param=PREVIOUS_KEY)
         kept = self._kept.get(previous)
@@ -77,23 +91,32 @@ class ResponseChain:
                 "the whole input without previous_response_id",
                 param="instructions",
             )
+        new_items = _input_items(raw.get("input"), continued=True)
         history = kept.history.copy()
-        for item in _input_items(raw.get("input"), continued=True):
+        for item in new_items:
             history.add(item)
         body = {k: v for k, v in raw.items() if k != PREVIOUS_KEY}
         body["input"] = history.for_model()
         if kept.instructions is not None:
             body["instructions"] = kept.instructions
-        return ChainedCall(body, history, previous, store)
+        # New items that are all the caller's (tool results, user turns) follow the kept answer, which its bundle
+        # closed: converting the whole history would give the kept messages again, then theirs.
+        as_kept = bool(new_items) and all(_is_new(item) and not _has_token_fields(item) for item in new_items)
+        kept_chat = kept.chat if as_kept else None
+        self.calls_on_kept_chat += kept_chat is not None
+        return ChainedCall(body, history, previous, store, new_items, sent_as_kept=as_kept, kept_chat=kept_chat)
 
-    def answered(self, response: dict[str, Any], call: ChainedCall) -> dict[str, Any]:
+    def answered(
+        self, response: dict[str, Any], call: ChainedCall, chat: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
         """`response` with `previous_response_id` and `store` echoed as OpenAI's Response states them, kept for a
-        later call if the request let it be (`store` says whether it was)."""
+        later call if the request let it be (`store` says whether it was), with `chat`, its history's chat messages
+        where they are known."""
         response[PREVIOUS_KEY] = call.previous
-        response["store"] = call.store and self._keep(response, call)
+        response["store"] = call.store and self._keep(response, call, chat)
         return response
 
-    def _keep(self, response: dict[str, Any], call: ChainedCall) -> bool:
+    def _keep(self, response: dict[str, Any], call: ChainedCall, chat: list[dict[str, Any]] | None) -> bool:
         """Hold `response` (its output after `call`'s history); whether it is held (not when the store is off or one
         conversation alone is over the bound)."""
         response_id = response.get("id")
@@ -101,7 +124,7 @@ class ResponseChain:
             return False
         history = call.history.copy()
         history.add_call(list(response.get("output") or []))
-        kept = KeptResponse(history, call.body.get("instructions"), history.bundled_ids())
+        kept = KeptResponse(history, call.body.get("instructions"), history.bundled_ids(), chat)
         if kept.ids > self.max_ids:
             return False
         if response_id in self._kept:
@@ -124,6 +147,18 @@ class ResponseChain:
             f"false, dropped to stay within response_store_max_ids: {self.max_ids} ids, or answered before a "
             f"restart); send the whole input without {PREVIOUS_KEY}"
         )
+
+
+def _is_new(item: Any) -> bool:
+    """An item that is not the model's (a user, system or developer message, a tool result)."""
+    if not isinstance(item, dict):
+        return False
+    kind = item.get("type", "message")
+    return kind not in ASSISTANT_ITEM_TYPES and not (kind == "message" and item.get("role") == "assistant")
+
+
+def _has_token_fields(item: Any) -> bool:
+    return isinstance(item, dict) and any(key in item for key in TOKEN_FIELDS)
 
 
 def _input_items(value: Any, *, continued: bool) -> list[Any]:
