@@ -54,8 +54,9 @@ def bundle_bytes(body: dict[str, Any], key: str) -> tuple[int, int]:
     return carrying, size
 
 
-def play(url: str, args: argparse.Namespace) -> tuple[list[Exchange], list[Exchange]]:
-    """One episode reaching args.turns model calls: (agent -> adapter posts, adapter -> vLLM chat posts)."""
+def play(url: str, args: argparse.Namespace, *, chain_responses: bool = True) -> tuple[list[Exchange], list[Exchange]]:
+    """One episode reaching args.turns model calls: (agent -> adapter posts, adapter -> vLLM chat posts), played by
+    the simple agent with its `chain_responses` as given (its default, true, unless a caller says otherwise)."""
     from nemo_gym_tok.config import ServerInstance
     from nemo_gym_tok.servers.client import ServerClient
     from nemo_gym_tok.servers.registry import validate_instance
@@ -75,7 +76,10 @@ def play(url: str, args: argparse.Namespace) -> tuple[list[Exchange], list[Excha
         )
         env = stack.enter_context(serve_app(env_class("number_guess", env_config).build_app()))
         agent_config = SimpleAgentConfig(
-            model_server="policy_model", resources_server="number_guess", max_steps=args.turns
+            model_server="policy_model",
+            resources_server="number_guess",
+            max_steps=args.turns,
+            chain_responses=chain_responses,
         )
         agent = stack.enter_context(
             serve_app(

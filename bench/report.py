@@ -1,4 +1,4 @@
-"""Runs every bench/ figure (P1 to P9) on one bench server build and regenerates docs/performance.md and .png.
+"""Runs every bench/ figure (P1 to P10) on one bench server build and regenerates docs/performance.md and .png.
 
     .venv/bin/python bench/report.py            # what `make bench` runs (about 35 minutes on 2 cores, estimated)
     .venv/bin/python bench/report.py --quick    # a short smoke run (fewer calls and repeats; writes the docs too)
@@ -28,6 +28,7 @@ import p6_collect_load
 import p7_routing
 import p8_headerless
 import p9_breakdown
+import p10_client_bytes
 from benchkit.figures import Figure, command, fmt, judged
 from benchkit.machine import machine_facts
 from benchkit.server import BENCH_ARGS, REPO, vllm_server
@@ -44,6 +45,7 @@ FULL: dict[str, list[str]] = {
     "P7": [],
     "P8": [],
     "P9": [],
+    "P10": [],
 }
 QUICK: dict[str, list[str]] = {
     "P1": ["--sizes", "1024", "7168", "--repeats", "5", "--splice-repeats", "3", "--histories", "words-0", "tools-2"],
@@ -70,6 +72,7 @@ QUICK: dict[str, list[str]] = {
     "P7": ["--quick"],
     "P8": ["--quick"],
     "P9": ["--calls", "24", "--sizes", "1024", "4096", "--repeats", "3", "--histories", "words-0", "tools-2"],
+    "P10": ["--calls", "20", "--report", "1", "10", "20"],
 }
 MODULES = {
     "P1": p1_adapter,
@@ -81,6 +84,7 @@ MODULES = {
     "P7": p7_routing,
     "P8": p8_headerless,
     "P9": p9_breakdown,
+    "P10": p10_client_bytes,
 }
 SCRIPTS = {
     "P1": "p1_adapter.py",
@@ -92,8 +96,9 @@ SCRIPTS = {
     "P7": "p7_routing.py",
     "P8": "p8_headerless.py",
     "P9": "p9_breakdown.py",
+    "P10": "p10_client_bytes.py",
 }
-ORDER = ("P2", "P9", "P5", "P4", "P1", "P3", "P6", "P7", "P8")
+ORDER = ("P2", "P9", "P5", "P10", "P4", "P1", "P3", "P6", "P7", "P8")
 """The hooked-only figures first; then the stock server joins for P1, P3 and P6; P7 and P8 last, each on a pair of
 its own."""
 NEEDS_STOCK = ("P1", "P3", "P6")
@@ -279,7 +284,7 @@ def document(
             *headline,
             "",
         ]
-    for key in ("P1", "P1a", "P2", "P9", "P3", "P4", "P5", "P6", "P7", "P8"):
+    for key in ("P1", "P1a", "P2", "P9", "P3", "P4", "P5", "P10", "P6", "P7", "P8"):
         figure = figures.get(key)
         if figure is None:
             continue
@@ -378,6 +383,12 @@ def headlines(figures: dict[str, Figure]) -> list[str]:
             "P5",
             f"agent -> adapter request at turn {last['turn']}: {last['agent_bytes']} bytes "
             f"({fmt(ratio(last['agent_bytes'], last['prompt_ids']), 1)} per prompt id, {last['bundles']} bundle(s))",
+        )
+    if (p10 := figures.get("P10")) and p10.data.get("rows"):
+        ratios = [f"{r['client']} ({r['hop']}) {fmt(r['ratio'], 2)}" for r in p10.data["rows"] if "ratio" in r]
+        row(
+            "P10",
+            f"request bytes / the call's prompt ids as compact JSON at call {p10.data['last']}: " + "; ".join(ratios),
         )
     if (p7 := figures.get("P7")) and p7.data.get("runs"):
         for concurrency, ch, rr in p7_routing.paired(p7.data["runs"]):
