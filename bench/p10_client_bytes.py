@@ -35,6 +35,7 @@ from benchkit.hops import RecordingProxy, adapter_instance, serve_app
 from benchkit.server import JSON_HEADERS, MODEL, BenchError, note
 from benchkit.timing import ratio
 from p5_request_bytes import play
+from targets import Reading
 
 from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.servers.client import SESSION_HEADER
@@ -138,7 +139,7 @@ def agent_runs(url: str, args: argparse.Namespace) -> tuple[History, list[Measur
         to_adapter, to_vllm = play(url, episode, chain_responses=chain)
         to_adapter, to_vllm = to_adapter[: args.calls], to_vllm[: args.calls]
         prompts = [prompt_of(e.answer) for e in to_vllm]
-        name = f"this project's simple agent, chain_responses: {str(chain).lower()}"
+        name = AGENT if chain else "this project's simple agent, chain_responses: false"
         measured.append(Measured(name, "agent -> adapter", [len(e.body) for e in to_adapter], prompts))
         measured.append(Measured(name, "adapter -> vLLM", [len(e.body) for e in to_vllm], prompts))
         if chain:
@@ -407,9 +408,22 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str]) -> Figure:
     figure.tables.append(table)
     same = [f"{r['client']} ({r['hop']})" for r in rows if r.get("same_prompt_as_reference") is False]
     figure.notes += notes(args, len(history.inputs), same)
-    figure.data = {"rows": rows, "calls": len(history.inputs), "last": last}
+    figure.data = {"rows": rows, "calls": len(history.inputs), "last": last, "readings": readings(rows, last)}
     figure.seconds = time.monotonic() - started
     return figure
+
+
+AGENT = "this project's simple agent, chain_responses: true"
+"""The client the bytes target judges: the agent as it runs by default."""
+
+
+def readings(rows: list[dict[str, Any]], last: int) -> dict[str, Reading]:
+    """The bytes target's reading: the agent's request at the last call over that call's prompt ids in JSON."""
+    for row in rows:
+        if row["client"] == AGENT and row["hop"] == "agent -> adapter" and "ratio" in row:
+            where = f"call {last}: {row['bytes'][last]} bytes, {row['prompt_ids']} prompt ids ({row['ids_json']} bytes)"
+            return {"P10.agent-bytes/ids-json@last": Reading(row["ratio"], where)}
+    return {}
 
 
 def notes(args: argparse.Namespace, calls: int, differing: list[str]) -> list[str]:

@@ -121,6 +121,15 @@ TARGETS: tuple[Target, ...] = (
         "not grow with the history)",
     ),
     Target(
+        "the agent's request bytes at 80 calls",
+        "P10",
+        "P10.agent-bytes/ids-json@last",
+        "<=",
+        1.2,
+        "bytes of this project's simple agent's request at call 80 of one history / that call's prompt ids as compact "
+        "JSON (issue 40: payloads that grow with the history, not with turns x history)",
+    ),
+    Target(
         "/tokenize with a bundle vs stock",
         "P2",
         "P2.tokenize.hook/stock.worst",
