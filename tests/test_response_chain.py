@@ -238,3 +238,12 @@ def test_the_kept_chat_messages_are_what_converting_the_whole_history_gives(call
             {"id": f"resp_{number}", "output": output}, call, kept_chat_messages(call, whole, output)
         )
         previous = response["id"]
+
+
+def test_a_bad_new_item_is_named_as_the_caller_sent_it() -> None:
+    chain = ResponseChain(max_ids=1000)
+    kept_turn(chain, {"input": "hi"}, "resp_1", 10)
+    for new in ([{"role": "assistant", "content": "edited"}, {"type": "function_call"}], [{"type": "function_call"}]):
+        with pytest.raises(ApiError) as refused:
+            chat_form(chain.expand({"previous_response_id": "resp_1", "input": new}))
+        assert refused.value.status == 400 and refused.value.param == f"input[{len(new) - 1}]"

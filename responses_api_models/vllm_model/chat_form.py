@@ -29,10 +29,12 @@ def chat_form(call: ChainedCall) -> ChatForm:
     results, a user turn) takes the kept chat messages as they are and converts, validates only its new items: the
     kept ones were validated when they were sent, and the bundle the prefix comes from was the adapter's own answer.
     Any other call converts its whole input."""
+    own = {key: value for key, value in call.body.items() if key not in ("input", "instructions")}
     if call.kept_chat is None:
+        if call.previous is not None:  # the caller's own items first, so that a 400 names them as it sent them
+            parse_body(ResponsesRequest, {**own, "input": call.new_items})
         request = parse_body(ResponsesRequest, call.body)
         return ChatForm(request, _converted(request), 0)
-    own = {key: value for key, value in call.body.items() if key not in ("input", "instructions")}
     request = parse_body(ResponsesRequest, {**own, "input": call.new_items})
     body = _converted(request)
     body["messages"] = [*call.kept_chat, *body["messages"]]
