@@ -144,8 +144,8 @@ def test_fuzzing_every_route_gets_no_server_error(gym: dict[str, str], server: s
             operation = result.ok()
             route = f"{operation.method.upper()} {operation.path}"
             for mode, examples in EXAMPLES.items():
-                if operation.method.upper() == "GET" and mode is GenerationMode.NEGATIVE:
-                    continue  # no parameters to break
+                if operation.method.upper() in ("GET", "DELETE") and mode is GenerationMode.NEGATIVE:
+                    continue  # no body to break; a path's string (DELETE /v1/responses/{id}) cannot be invalid
                 _fuzz(operation, mode, examples, server, url, http, report, route)
     elapsed = time.monotonic() - started
     print(

@@ -131,6 +131,11 @@ def recording_relay(target: str, recorded: Recorded, before: Callable[[int], Non
         answer = await client.post(f"/{path}", content=raw, headers=headers)
         return Response(answer.content, status_code=answer.status_code, media_type="application/json")
 
+    @app.delete("/{path:path}")
+    async def forward_delete(path: str) -> Response:  # the agent's goodbye to its kept response: not recorded
+        answer = await client.delete(f"/{path}")
+        return Response(answer.content, status_code=answer.status_code, media_type="application/json")
+
     return app
 
 

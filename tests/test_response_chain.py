@@ -60,6 +60,17 @@ def test_a_continued_call_gets_the_kept_history_with_only_the_latest_bundle() ->
     assert [len(item["prompt_token_ids"]) for item in bundled] == [20]  # the first call's bundle is not sent again
 
 
+def test_a_response_is_continued_once_and_a_conversation_holds_one() -> None:
+    chain = ResponseChain(max_ids=1000)
+    kept_turn(chain, {"input": "hi"}, "resp_1", 10)
+    kept_turn(chain, {"previous_response_id": "resp_1", "input": "more"}, "resp_2", 20)
+    assert len(chain) == 1
+    with pytest.raises(ApiError) as refused:
+        chain.expand({"previous_response_id": "resp_1", "input": "again"})
+    assert refused.value.error_type == PREVIOUS_NOT_FOUND and "continued already" in refused.value.message
+    assert chain.forget("resp_2") and not chain.forget("resp_2") and len(chain) == 0
+
+
 def test_kept_responses_stay_within_their_id_bound() -> None:
     chain = ResponseChain(max_ids=50)
     for number in range(3):
@@ -133,6 +144,7 @@ def test_every_continued_call_after_the_first_takes_the_kept_chat_messages() -> 
     adapters: list[VLLMModel] = []
     play(chain_responses=True, before=lambda number, adapter: adapters.append(adapter))
     assert adapters[-1].kept_responses.calls_on_kept_chat == TURNS - 1
+    assert len(adapters[-1].kept_responses) == 0  # the agent deleted the episode's last kept response at its end
 
 
 def test_chained_request_bytes_do_not_grow_with_the_history(stateless, chained) -> None:

@@ -110,6 +110,10 @@ class ServerClient:
         url = f"{await self.base_url(name)}/{path.lstrip('/')}"
         return await self._http.get(url, **kwargs)
 
+    async def delete(self, name: str, path: str, **kwargs: Any) -> httpx.Response:
+        url = f"{await self.base_url(name)}/{path.lstrip('/')}"
+        return await self._http.delete(url, **kwargs)
+
     async def aclose(self) -> None:
         await self._http.aclose()
         if self._posts is not None:

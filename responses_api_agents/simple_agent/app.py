@@ -39,7 +39,8 @@ class SimpleAgentConfig(BaseServerConfig):
     """After an answer the model server says it kept (`store: true`, as this project's adapter does), send the next
     call as `previous_response_id` and the new items only: the request no longer grows with the history. A server
     that no longer holds it gets the whole history again; one that does not echo the id fails the episode (it may
-    have ignored it). Off with `send_token_bundles: false` (the kept history holds the bundle)."""
+    have ignored it). The episode's last kept response is deleted at its end. Off with `send_token_bundles: false`
+    (the kept history holds the bundle)."""
     environment_protocol: Literal["ngt", "nemo_gym"] = "ngt"
     """How the agent talks to `resources_server`. `ngt` (this project's environments): the episode is named by the
     `x-session-id` header, tools are the names GET /tools lists, a tool's answer is unwrapped from `{"output": ...}`,

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import httpx
 
 from nemo_gym_tok.common.remote_errors import error_type
 from nemo_gym_tok.servers.api_errors import ApiError
@@ -52,6 +55,9 @@ class EnvironmentProtocol(Protocol):
         """Release what the environment holds for the episode; also called after a failed episode."""
 
 
+logger = logging.getLogger(__name__)
+
+
 @dataclass
 class KeptResponse:
     """The model server's latest answer that it kept (`store: true`): the next call continues it by its id."""
@@ -96,6 +102,20 @@ class ModelCalls:
             self.kept.covered = len(items.items) + len(response.get("output") or [])
         return response
 
+    async def release(self) -> None:
+        """Tell the model server the episode is done with its kept response (it holds one per conversation): a
+        courtesy that frees its memory now rather than at its bound, so a failure is only logged."""
+        if self.kept is None or self.kept.response_id is None:
+            return
+        response_id, self.kept.response_id = self.kept.response_id, None
+        try:
+            answer = await self.peers.servers.delete(self.server, f"/v1/responses/{response_id}")
+        except httpx.HTTPError as exc:
+            logger.debug("deleting kept response %s on %s failed: %s", response_id, self.server, exc)
+            return
+        if answer.status_code not in (200, 404):  # 404: dropped already, or a server with no such route
+            logger.debug("deleting kept response %s on %s: HTTP %s", response_id, self.server, answer.status_code)
+
     async def _continue(self, previous: str, new_items: list[dict[str, Any]]) -> dict[str, Any] | None:
         """The answer to a call that continues the kept response `previous` with `new_items`; None when the server
         no longer holds it (dropped, restarted): the caller then sends the whole history, which is as exact."""
@@ -125,7 +145,10 @@ async def play_episode(
     except BaseException:
         with contextlib.suppress(Exception):  # the episode's own failure is the one the caller must see
             await environment.close()
+        with contextlib.suppress(Exception):
+            await model.release()
         raise
+    await model.release()
     await environment.close()
     return rollout_record(row, {**played.summary, "output": played.items.recorded()}, verdict)
 

@@ -140,6 +140,12 @@ class VLLMModel(ModelServer):
             await self._capture(request, response, chat)
             return JSONBytesResponse(response)
 
+        @app.delete("/v1/responses/{response_id}")
+        async def delete_response(response_id: str) -> HTTPResponse:
+            if not self.kept_responses.forget(response_id):
+                raise ApiError(404, f"no response {response_id!r} is kept by this adapter", param="response_id")
+            return JSONBytesResponse({"id": response_id, "object": "response", "deleted": True})
+
     def _with_metadata(self, chat_body: dict[str, Any]) -> dict[str, Any]:
         """NeMo Gym's per-row `metadata` settings applied (request_metadata.py); the fields its `extra_body` adds
         are held to `forwarded_fields` like the caller's own."""

@@ -47,8 +47,11 @@ class ResponseChain:
 
     Only the bundles a next call needs are held (ModelHistory: the latest one, for the prefix), so a conversation
     costs its text plus one prompt's ids, and a call that continues one sends its new items only: its body no longer
-    grows with the history. A response the adapter no longer holds (dropped, answered before a restart, never kept)
-    is a 400 of type `previous_response_not_found`, never a call on a shorter history.
+    grows with the history. A response is continued once: the answer that continues it holds its history, and it is
+    dropped, so a conversation holds one response however long it runs; a caller done with it deletes that one
+    (DELETE /v1/responses/{id}). A response the adapter no longer holds (continued already, deleted, dropped past
+    the bound, answered before a restart, never kept) is a 400 of type `previous_response_not_found`, never a call
+    on a shorter history.
     """
 
     def __init__(self, max_ids: int) -> None:
@@ -127,13 +130,23 @@ class ResponseChain:
         kept = KeptResponse(history, call.body.get("instructions"), history.bundled_ids(), chat)
         if kept.ids > self.max_ids:
             return False
-        if response_id in self._kept:
-            self._ids -= self._kept.pop(response_id).ids
+        self.forget(response_id)
+        if call.previous is not None:  # continued once: its history lives on in this answer
+            self.forget(call.previous)
         self._kept[response_id] = kept
         self._ids += kept.ids
         while self._ids > self.max_ids:
             _, dropped = self._kept.popitem(last=False)
             self._ids -= dropped.ids
+        return True
+
+    def forget(self, response_id: str) -> bool:
+        """Drop a kept response (DELETE /v1/responses/{id}: a caller done with its conversation); whether it was
+        held."""
+        kept = self._kept.pop(response_id, None)
+        if kept is None:
+            return False
+        self._ids -= kept.ids
         return True
 
     def _not_found(self, previous: str) -> str:
@@ -143,9 +156,10 @@ class ResponseChain:
                 f"without {PREVIOUS_KEY}"
             )
         return (
-            f"{PREVIOUS_KEY}: {previous!r} is not held by this adapter (never answered here, answered with store: "
-            f"false, dropped to stay within response_store_max_ids: {self.max_ids} ids, or answered before a "
-            f"restart); send the whole input without {PREVIOUS_KEY}"
+            f"{PREVIOUS_KEY}: {previous!r} is not held by this adapter (continued already: a response is continued "
+            "once; deleted; never answered here or answered with store: false; dropped to stay within "
+            f"response_store_max_ids: {self.max_ids} ids; or answered before a restart); send the whole input "
+            f"without {PREVIOUS_KEY}"
         )
 
 
