@@ -29,7 +29,6 @@ from nemo_gym_tok.records.rollout_record import (
     packed_record,
 )
 from nemo_gym_tok.records.training import rollout_to_training_sequence, rollout_to_training_sequences
-from nemo_gym_tok.servers.base import ResourcesServer, ToolHandler
 from nemo_gym_tok.servers.client import SESSION_HEADER, ServerClient
 from nemo_gym_tok.servers.http_pool import pool_limits
 from nemo_gym_tok.servers.inprocess import serve_in_thread
@@ -308,76 +307,6 @@ def test_stripped_bundles_lose_the_prefix_and_the_record_shows_it() -> None:
     turns = bundled_turns(stripped.record)
     assert len(turns) == TURNS
     assert all(len(turn.prompt_token_ids) == TURN_PROMPT_IDS for turn in turns)  # no prefix reached the stand-in
-
-
-class ContinueWithoutUserTurn(ResourcesServer):
-    """/step lets the model go on once without a user turn (done: false, no user_message); a `ping` tool."""
-
-    steps = 0
-
-    def tools(self) -> dict[str, ToolHandler]:
-        return {"ping": self.ping}
-
-    async def ping(self, session_id: str, arguments: dict[str, Any]) -> str:
-        return "pong"
-
-    async def step(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        type(self).steps += 1
-        return {"done": type(self).steps > 1}
-
-    async def verify(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        return {"reward": 1.0}
-
-
-def text_then_tool_then_text(messages: list[dict[str, Any]]) -> dict[str, Any]:
-    calls_so_far = sum(message["role"] == "assistant" for message in messages)
-    if calls_so_far == 1:
-        call = {"id": "call_1", "type": "function", "function": {"name": "ping", "arguments": "{}"}}
-        return {"role": "assistant", "content": None, "tool_calls": [call]}
-    return {"role": "assistant", "content": "one" if calls_so_far == 0 else "three"}
-
-
-@pytest.mark.parametrize("chain_responses", [False, True], ids=["whole-history", "previous-response-id"])
-def test_a_tool_only_call_right_after_a_text_only_call_stays_a_call_of_its_own(chain_responses: bool) -> None:
-    """The one history whose calls the adapter cannot tell apart by their items: the earlier call keeps its bundle,
-    whether the agent sends it back or the adapter's kept response holds it."""
-    ContinueWithoutUserTurn.steps = 0
-    received: list[dict[str, Any]] = []
-    recorded = Recorded()
-    with ExitStack() as stack:
-        vllm = stack.enter_context(serve_in_thread(hooked_vllm_stand_in(text_then_tool_then_text, received)))
-        adapter = VLLMModel(
-            "policy_model", VLLMModelConfig(base_url=vllm, model="m", splice="hook", return_token_id_information=True)
-        )
-        adapter_url = stack.enter_context(serve_in_thread(adapter.build_app()))
-        env = ContinueWithoutUserTurn("env", ResourcesServer.config_class())
-        servers = {
-            "policy_model": stack.enter_context(serve_in_thread(recording_relay(adapter_url, recorded))),
-            "env": stack.enter_context(serve_in_thread(env.build_app())),
-        }
-        config = SimpleAgentConfig(
-            model_server="policy_model", resources_server="env", max_steps=5, chain_responses=chain_responses
-        )
-        agent = stack.enter_context(serve_in_thread(SimpleAgent("agent", config, ServerClient(servers)).build_app()))
-        row = {"responses_create_params": {"input": "go", "tools": [{"type": "function", "name": "ping"}]}}
-        answer = httpx.post(f"{agent}/run", json=row, timeout=60)
-    assert answer.status_code == 200, answer.text
-    assert answer.json()["response"]["model_calls"] == 3
-    third = received[2]["messages"]
-    assert [(m["role"], m.get("content"), len(m.get("tool_calls") or [])) for m in third] == [
-        ("user", "go", 0),
-        ("assistant", "one", 0),
-        ("assistant", "", 1),
-        ("tool", "pong", 0),
-    ]
-    assert [len(m["prompt_token_ids"]) > 0 for m in third if "prompt_token_ids" in m] == [True, True]
-    sent = [json.loads(raw) for raw in recorded.model_requests]
-    if chain_responses:  # the agent sent the new items only; the adapter put the two bundles back
-        assert [bool(request.get("previous_response_id")) for request in sent] == [False, True, True]
-        assert [token_keys(request) for request in sent] == [set(), set(), set()]
-    else:
-        assert len(bundled_inputs(sent[2])) == 2  # the separator and the latest call's
-        assert len(bundled_inputs(sent[1])) == 1
 
 
 def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:

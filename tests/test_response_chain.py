@@ -17,14 +17,26 @@ from nemo_gym_tok.contract.conversion import responses_to_chat_request
 from nemo_gym_tok.records.contiguity import bundled_turns, check_contiguous
 from nemo_gym_tok.records.training import rollout_to_training_sequence
 from nemo_gym_tok.servers.api_errors import ApiError
+from nemo_gym_tok.servers.base import ResourcesServer, ToolHandler
 from nemo_gym_tok.servers.client import ServerClient
 from nemo_gym_tok.servers.inprocess import serve_in_thread
 from nemo_gym_tok.types.responses import PREVIOUS_NOT_FOUND, ResponsesRequest
 from responses_api_agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
-from responses_api_models.vllm_model.app import VLLMModel
+from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 from responses_api_models.vllm_model.chat_form import chat_form, kept_chat_messages
 from responses_api_models.vllm_model.response_chain import ResponseChain
-from tests.test_lean_payloads import ROW, TURNS, Episode, Recorded, play, recording_number_guess, token_keys
+from tests.test_lean_payloads import (
+    ROW,
+    TURNS,
+    Episode,
+    Recorded,
+    bundled_inputs,
+    hooked_vllm_stand_in,
+    play,
+    recording_number_guess,
+    recording_relay,
+    token_keys,
+)
 
 
 def answer(response_id: str, text: str, ids: int, start: int = 0) -> dict[str, Any]:
@@ -259,3 +271,73 @@ def test_a_bad_new_item_is_named_as_the_caller_sent_it() -> None:
         with pytest.raises(ApiError) as refused:
             chat_form(chain.expand({"previous_response_id": "resp_1", "input": new}))
         assert refused.value.status == 400 and refused.value.param == f"input[{len(new) - 1}]"
+
+
+class ContinueWithoutUserTurn(ResourcesServer):
+    """/step lets the model go on once without a user turn (done: false, no user_message); a `ping` tool."""
+
+    steps = 0
+
+    def tools(self) -> dict[str, ToolHandler]:
+        return {"ping": self.ping}
+
+    async def ping(self, session_id: str, arguments: dict[str, Any]) -> str:
+        return "pong"
+
+    async def step(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        type(self).steps += 1
+        return {"done": type(self).steps > 1}
+
+    async def verify(self, session_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        return {"reward": 1.0}
+
+
+def text_then_tool_then_text(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    calls_so_far = sum(message["role"] == "assistant" for message in messages)
+    if calls_so_far == 1:
+        call = {"id": "call_1", "type": "function", "function": {"name": "ping", "arguments": "{}"}}
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
+    return {"role": "assistant", "content": "one" if calls_so_far == 0 else "three"}
+
+
+@pytest.mark.parametrize("chain_responses", [False, True], ids=["whole-history", "previous-response-id"])
+def test_a_tool_only_call_right_after_a_text_only_call_stays_a_call_of_its_own(chain_responses: bool) -> None:
+    """The one history whose calls the adapter cannot tell apart by their items: the earlier call keeps its bundle,
+    whether the agent sends it back or the adapter's kept response holds it."""
+    ContinueWithoutUserTurn.steps = 0
+    received: list[dict[str, Any]] = []
+    recorded = Recorded()
+    with ExitStack() as stack:
+        vllm = stack.enter_context(serve_in_thread(hooked_vllm_stand_in(text_then_tool_then_text, received)))
+        adapter = VLLMModel(
+            "policy_model", VLLMModelConfig(base_url=vllm, model="m", splice="hook", return_token_id_information=True)
+        )
+        adapter_url = stack.enter_context(serve_in_thread(adapter.build_app()))
+        env = ContinueWithoutUserTurn("env", ResourcesServer.config_class())
+        servers = {
+            "policy_model": stack.enter_context(serve_in_thread(recording_relay(adapter_url, recorded))),
+            "env": stack.enter_context(serve_in_thread(env.build_app())),
+        }
+        config = SimpleAgentConfig(
+            model_server="policy_model", resources_server="env", max_steps=5, chain_responses=chain_responses
+        )
+        agent = stack.enter_context(serve_in_thread(SimpleAgent("agent", config, ServerClient(servers)).build_app()))
+        row = {"responses_create_params": {"input": "go", "tools": [{"type": "function", "name": "ping"}]}}
+        answer = httpx.post(f"{agent}/run", json=row, timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["response"]["model_calls"] == 3
+    third = received[2]["messages"]
+    assert [(m["role"], m.get("content"), len(m.get("tool_calls") or [])) for m in third] == [
+        ("user", "go", 0),
+        ("assistant", "one", 0),
+        ("assistant", "", 1),
+        ("tool", "pong", 0),
+    ]
+    assert [len(m["prompt_token_ids"]) > 0 for m in third if "prompt_token_ids" in m] == [True, True]
+    sent = [json.loads(raw) for raw in recorded.model_requests]
+    if chain_responses:  # the agent sent the new items only; the adapter put the two bundles back
+        assert [bool(request.get("previous_response_id")) for request in sent] == [False, True, True]
+        assert [token_keys(request) for request in sent] == [set(), set(), set()]
+    else:
+        assert len(bundled_inputs(sent[2])) == 2  # the separator and the latest call's
+        assert len(bundled_inputs(sent[1])) == 1
