@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 import orjson
 from benchkit.figures import Figure, Table, command, run_standalone
-from benchkit.hops import RecordingProxy, adapter_instance, serve_app
+from benchkit.hops import RecordingProxy, adapter_stack, serve_app
 from benchkit.server import JSON_HEADERS, MODEL, BenchError, note
 from benchkit.timing import ratio
 from p5_request_bytes import play
@@ -186,21 +186,6 @@ def trl(url: str, history: History, args: argparse.Namespace) -> list[Measured]:
             prompts_of(to_vllm, "/v1/completions"),
         )
     ]
-
-
-@contextlib.contextmanager
-def adapter_stack(url: str) -> Iterator[tuple[RecordingProxy, RecordingProxy, str]]:
-    """The adapter (splice: hook, token information on) in this process, a recording proxy on each side of it:
-    (client -> adapter recorder, adapter -> vLLM recorder, the URL clients post to)."""
-    from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
-
-    to_vllm = RecordingProxy(url)
-    with ExitStack() as stack:
-        relay = stack.enter_context(serve_app(to_vllm.app()))
-        config = VLLMModelConfig(**adapter_instance(relay, splice="hook")["responses_api_models"]["vllm_model"])
-        adapter = stack.enter_context(serve_app(VLLMModel("policy_model", config).build_app()))
-        to_adapter = RecordingProxy(adapter)
-        yield to_adapter, to_vllm, stack.enter_context(serve_app(to_adapter.app()))
 
 
 def harness_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

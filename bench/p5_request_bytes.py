@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import orjson
 from benchkit.figures import Figure, Table, command, run_standalone
-from benchkit.hops import Exchange, RecordingProxy, adapter_instance, serve_app
+from benchkit.hops import Exchange, adapter_stack, serve_app
 from benchkit.server import MODEL, REPO, BenchError, note
 from benchkit.timing import ratio
 
@@ -61,16 +61,10 @@ def play(url: str, args: argparse.Namespace, *, chain_responses: bool = True) ->
     from nemo_gym_tok.servers.client import ServerClient
     from nemo_gym_tok.servers.registry import validate_instance
     from responses_api_agents.simple_agent.app import SimpleAgent, SimpleAgentConfig
-    from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
 
     examples = read_jsonl(GAME)
-    to_vllm = RecordingProxy(url)
     with ExitStack() as stack:
-        vllm_proxy = stack.enter_context(serve_app(to_vllm.app()))
-        config = VLLMModelConfig(**adapter_instance(vllm_proxy, splice="hook")["responses_api_models"]["vllm_model"])
-        adapter = stack.enter_context(serve_app(VLLMModel("policy_model", config).build_app()))
-        to_adapter = RecordingProxy(adapter)
-        adapter_proxy = stack.enter_context(serve_app(to_adapter.app()))
+        to_adapter, to_vllm, adapter_proxy = stack.enter_context(adapter_stack(url))
         env_class, env_config = validate_instance(
             ServerInstance("number_guess", "resources_servers", "number_guess", {"max_rounds": args.turns}, {})
         )

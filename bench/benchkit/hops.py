@@ -9,6 +9,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,3 +128,18 @@ def adapter_instance(base_url: str, **fields: Any) -> dict[str, Any]:
             "vllm_model": {"base_url": f"{base_url}/v1", "model": MODEL, "return_token_id_information": True, **fields}
         }
     }
+
+
+@contextlib.contextmanager
+def adapter_stack(url: str) -> Iterator[tuple[RecordingProxy, RecordingProxy, str]]:
+    """The adapter (splice: hook, token information on) in this process, a recording proxy on each side of it:
+    (client -> adapter recorder, adapter -> vLLM recorder, the URL clients post to)."""
+    from responses_api_models.vllm_model.app import VLLMModel, VLLMModelConfig
+
+    to_vllm = RecordingProxy(url)
+    with ExitStack() as stack:
+        relay = stack.enter_context(serve_app(to_vllm.app()))
+        config = VLLMModelConfig(**adapter_instance(relay, splice="hook")["responses_api_models"]["vllm_model"])
+        adapter = stack.enter_context(serve_app(VLLMModel("policy_model", config).build_app()))
+        to_adapter = RecordingProxy(adapter)
+        yield to_adapter, to_vllm, stack.enter_context(serve_app(to_adapter.app()))

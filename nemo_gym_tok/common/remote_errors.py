@@ -13,24 +13,22 @@ _MAX_BODY_CHARS = 2000
 
 def error_param(response: httpx.Response) -> str | None:
     """OpenAI-style `error.param` (the request field at fault), when the answer names one."""
-    try:
-        body = loads_exact(response.content)
-    except ValueError:
-        return None
-    error = body.get("error") if isinstance(body, dict) else None
-    param = error.get("param") if isinstance(error, dict) else None
-    return param if isinstance(param, str) and param else None
+    return _error_field(response, "param")
 
 
 def error_type(response: httpx.Response) -> str | None:
     """OpenAI-style `error.type` (what kind of refusal), when the answer names one."""
+    return _error_field(response, "type")
+
+
+def _error_field(response: httpx.Response, name: str) -> str | None:
     try:
         body = loads_exact(response.content)
     except ValueError:
         return None
     error = body.get("error") if isinstance(body, dict) else None
-    kind = error.get("type") if isinstance(error, dict) else None
-    return kind if isinstance(kind, str) and kind else None
+    value = error.get(name) if isinstance(error, dict) else None
+    return value if isinstance(value, str) and value else None
 
 
 def error_message(response: httpx.Response) -> str:

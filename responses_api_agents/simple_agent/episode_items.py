@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nemo_gym_tok.contract.model_history import TOKEN_FIELDS, ModelHistory
+from nemo_gym_tok.contract.model_history import ModelHistory
 from nemo_gym_tok.records.rollout_record import PromptPacker
 
 
@@ -34,15 +34,14 @@ class EpisodeItems:
 
     def add(self, item: dict[str, Any]) -> None:
         """Append an item of the episode (a model output item, a tool result, a user turn)."""
-        self.history.add(item)
-        self._pack(len(self.history.items) - 1, item)
-
-    def _pack(self, index: int, item: Any) -> None:
+        fields = self.history.add(item)
+        if not fields:
+            return
+        index = len(self.history.items) - 1
         latest = self.history.latest
-        if latest is not None and latest[0] == index:
-            self._packed[index] = self._packer.pack(latest[1])
-        elif isinstance(item, dict) and (fields := {k: v for k, v in item.items() if k in TOKEN_FIELDS}):
-            self._packed[index] = fields  # telemetry without a bundle: recorded as it came
+        bundled = latest is not None and latest[0] == index
+        # A bundle is packed for the record; telemetry without one is recorded as it came.
+        self._packed[index] = self._packer.pack(fields) if bundled else fields
 
     def for_model(self, send_bundle: bool) -> list[dict[str, Any]]:
         """The history for the next model call: the items, the latest call's bundle back on its item (if sent)."""
