@@ -29,7 +29,17 @@ from typing import Any
 
 import httpx
 import orjson
-from benchkit.episode import DEFAULT_HISTORIES, Call, build_episode, calls_for, nearest_calls, parse_history, tokenize
+from benchkit.chained import ChainedCall, capture_fields, chained_summary, timed_chained
+from benchkit.episode import (
+    DEFAULT_HISTORIES,
+    GENERATED_PER_TURN,
+    Call,
+    build_episode,
+    calls_for,
+    nearest_calls,
+    parse_history,
+    tokenize,
+)
 from benchkit.figures import Figure, Table, command, fmt, run_standalone
 from benchkit.gym_processes import cpu_seconds
 from benchkit.hops import RecordingProxy, adapter_instance, gym, passthrough, serve_app
@@ -45,6 +55,12 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vllm-url", help=f"a hooked vLLM serving the bench model as {MODEL!r} (else one is started)")
     p.add_argument("--stock-url", help="a stock vLLM serving it (else one is started for the adapter-splice figure)")
+    p.add_argument(
+        "--answer-tokens",
+        type=int,
+        default=GENERATED_PER_TURN,
+        help=f"tokens the answer before each continued call generates (P1b; {GENERATED_PER_TURN})",
+    )
     p.add_argument("--no-adapter-splice", action="store_true", help="skip the splice: adapter figure (no stock server)")
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 7168, 32768], help="history sizes (ids)")
     p.add_argument("--repeats", type=int, default=40, help="timed repeats per variant and size, hook mode (40)")
@@ -286,6 +302,7 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
     )
     names = ["adapter", "direct stock", "direct token-in"]
     rows = []
+    chained_rows: list[dict[str, Any]] = []
     tokenizer = AutoTokenizer.from_pretrained(bench_model())
     with vllm_server(stock_url, hook=False) as stock:
         # What the adapter sends for a call: recorded once per call, after the call before it (as in an episode), for
@@ -305,6 +322,12 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
                     with httpx.Client(base_url=stock, timeout=600) as http:
                         stock_ids[(history, call.number)] = len(tokenize(http, varied.plain, varied.fields))
             upstream_per_call = len(proxy.exchanges) / (2 * len(recorded))
+            chained = {
+                (history, call.number): ChainedCall(previous[(history, call.number)], call, args.answer_tokens)
+                for history in args.histories
+                for call in calls_of(history)
+            }
+            capture = {key: capture_fields(c, recorder, proxy, url, tokenizer) for key, c in chained.items()}
         with gym({"policy_model": adapter_instance(stock, splice="adapter")}) as running:
             adapter_url = running.urls["policy_model"]
             adapter_pid = next(child.process.pid for child in running.children if child.name == "policy_model")
@@ -322,6 +345,16 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
                 note(f"P1a: timing the adapter (splice: adapter) vs direct stock vLLM, history {history} ...")
                 timed = timed_rows(calls_of(history), args.sizes, bodies, args.splice_repeats, adapter_pid)
                 rows += [{**row, "history": history, "stock ids": stock_ids[(history, row["call"])]} for row in timed]
+            chained_started = time.monotonic()
+            for history in args.histories:
+                note(f"P1b: timing continued /v1/responses calls vs direct token-in, history {history} ...")
+                for call, size in zip(calls_of(history), args.sizes):
+                    key = (history, call.number)
+                    timed = timed_chained(
+                        chained[key], capture[key], adapter_url, stock, url, tokenizer, args.splice_repeats, adapter_pid
+                    )
+                    chained_rows.append({**timed, "history": history, "size": size})
+            chained_seconds = time.monotonic() - chained_started
     summary, readings = splice_summary(rows)
     adapter_figure.tables += [
         summary,
@@ -354,8 +387,47 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
         "token-in is the like-for-like comparison."
     )
     adapter_figure.notes.append(method.format(repeats=args.splice_repeats) + " Repeats per history and size.")
-    adapter_figure.seconds = time.monotonic() - started
-    return figures + [adapter_figure]
+    adapter_figure.seconds = time.monotonic() - started - chained_seconds
+    chained = chained_figure(chained_rows, args, argv)
+    chained.seconds = chained_seconds
+    return figures + [adapter_figure, chained]
+
+
+def chained_figure(rows: list[dict[str, Any]], args: argparse.Namespace, argv: Sequence[str]) -> Figure:
+    """P1b: the adapter (splice: adapter) called as the simple agent calls it, a continued /v1/responses call."""
+    figure = Figure(
+        "P1b",
+        "Adapter (splice: adapter), the agent's way: /v1/responses with previous_response_id vs direct token-in",
+        command("p1_adapter.py", argv),
+    )
+    summary, readings = chained_summary(rows)
+    figure.tables += [
+        summary,
+        timed_table(
+            "Continued /v1/responses calls through the adapter vs direct token-in, every history, ms",
+            ["adapter", "direct token-in"],
+            ["direct token-in"],
+            rows,
+        ),
+    ]
+    figure.data["chained"] = rows
+    figure.data["readings"] = readings
+    figure.notes.append(
+        "As the simple agent calls the adapter (chain_responses, its default): each round first sends the call "
+        f"before the timed one whole through the adapter (untimed; max_output_tokens {args.answer_tokens}, store: "
+        "true), then the timed call sends that answer's previous_response_id and one new user message never sent "
+        'before (" (round N)"), max_output_tokens 1; the adapter expands the kept history, converts only the new '
+        "item, splices locally and keeps its own answer (deleted after the round, untimed). Direct token-in: the "
+        "same history's chat messages with the capture fields the adapter sends vLLM and the ids the hooked server "
+        "splices for it (checked once per call to be the adapter's own ids), to the same stock vLLM. History ids: "
+        "the timed call's prompt, its last answer being the one generated in the round. The adapter's CPU is read "
+        "from /proc around each timed call (its total over the timed calls, per call)."
+    )
+    figure.notes.append(
+        f"p50 and p95 of {args.splice_repeats} timed rounds per history and size after 2 untimed ones, the two "
+        "variants' order alternating; paired: the median over rounds of one round's adapter / token-in."
+    )
+    return figure
 
 
 def main(argv: Sequence[str] | None = None) -> None:

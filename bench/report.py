@@ -284,7 +284,7 @@ def document(
             *headline,
             "",
         ]
-    for key in ("P1", "P1a", "P2", "P9", "P3", "P4", "P5", "P10", "P6", "P7", "P8"):
+    for key in ("P1", "P1a", "P1b", "P2", "P9", "P3", "P4", "P5", "P10", "P6", "P7", "P8"):
         figure = figures.get(key)
         if figure is None:
             continue

@@ -10,6 +10,9 @@ MET, MISSED, UNMEASURED = "met", "NOT met", "not measured"
 SIZES = ("1k", "7k", "32k")
 """The history sizes figures name their per-size readings by (`...@7k.worst`)."""
 ADAPTER_OVER_HOOK = "P1a-P2.adapter-hook.worst"
+CHAINED_OVER_HOOK = "P1b-P2.adapter-hook.worst"
+OVER_HOOK = {ADAPTER_OVER_HOOK: "P1a", CHAINED_OVER_HOOK: "P1b"}
+"""The derived readings of the adapter beside the hook, by the figure whose adapter readings they compare."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,17 @@ TARGETS: tuple[Target, ...] = (
         "adapter (splice: adapter, stock vLLM) / direct token-in, p50, the worst history, minus P2's hook / token-in "
         "(paired) on the worst history, at the same size: the most over 1k, 7k and 32k (issue 40: the adapter's "
         "splice costs at most 5 points more than the hook's; needs P1a and P2 in one run)",
+    ),
+    Target(
+        "adapter splice, the agent's way, vs token-in, beside the hook",
+        "P1b",
+        CHAINED_OVER_HOOK,
+        "<=",
+        0.05,
+        "adapter (splice: adapter, stock vLLM), continued /v1/responses calls (previous_response_id and the new item, "
+        "as the simple agent sends them) / direct token-in, p50, the worst history, minus P2's hook / token-in "
+        "(paired) on the worst history, at the same size: the most over 1k, 7k and 32k (issue 40; needs P1b and P2 "
+        "in one run)",
     ),
     Target(
         "hook vs stock templating",
@@ -228,16 +242,20 @@ def judge(target: Target, reading: Reading | None) -> Verdict:
 
 
 def derived(readings: Mapping[str, Reading]) -> dict[str, Reading]:
-    """Readings that compare two figures of one run: the adapter's splice beside the hook's (ADAPTER_OVER_HOOK),
-    where P1a and P2 both measured a size."""
-    gaps = []
-    for size in SIZES:
-        adapter = readings.get(f"P1a.adapter/token-in.p50@{size}.worst")
-        hook = readings.get(f"P2.hook/token-in.paired@{size}.worst")
-        if adapter is not None and hook is not None and not math.isnan(adapter.value - hook.value):
-            where = f"{size}: adapter {adapter.value:.3f}, hook {hook.value:.3f}"
-            gaps.append(Reading(adapter.value - hook.value, where))
-    return {ADAPTER_OVER_HOOK: max(gaps, key=lambda reading: reading.value)} if gaps else {}
+    """Readings that compare two figures of one run: the adapter's splice beside the hook's (OVER_HOOK: whole-history
+    chat calls, P1a, and continued Responses calls, P1b), where that figure and P2 both measured a size."""
+    found: dict[str, Reading] = {}
+    for key, figure in OVER_HOOK.items():
+        gaps = []
+        for size in SIZES:
+            adapter = readings.get(f"{figure}.adapter/token-in.p50@{size}.worst")
+            hook = readings.get(f"P2.hook/token-in.paired@{size}.worst")
+            if adapter is not None and hook is not None and not math.isnan(adapter.value - hook.value):
+                where = f"{size}: adapter {adapter.value:.3f}, hook {hook.value:.3f}"
+                gaps.append(Reading(adapter.value - hook.value, where))
+        if gaps:
+            found[key] = max(gaps, key=lambda reading: reading.value)
+    return found
 
 
 def verdicts(readings: Mapping[str, Reading], targets: Sequence[Target] = TARGETS) -> list[Verdict]:

@@ -68,6 +68,7 @@ def test_the_table_holds_the_issues_thresholds_with_unique_keys() -> None:
     assert by_key["P1.own_share.p50@7k"].threshold == 1.10 and by_key["P1.own_share.p95@7k"].threshold == 1.10
     assert by_key["P1a.adapter/stock.p50@7k.worst"].threshold == 0.8
     assert by_key["P1a-P2.adapter-hook.worst"].threshold == 0.05  # issue 40
+    assert by_key["P1b-P2.adapter-hook.worst"].threshold == 0.05  # issue 40, the agent's way
     assert by_key["P2.hook/token-in.paired@7k.worst"].threshold == 1.10
     assert by_key["P2.hook/token-in.paired@32k.worst"].threshold == 1.10
     assert by_key["P9.hook-token-in.ms@32k-1k"].threshold == 1.0
@@ -90,7 +91,7 @@ def test_the_worst_history_is_the_highest_reading_nan_left_out() -> None:
 
 
 def test_the_adapter_is_judged_beside_the_hook_at_each_size() -> None:
-    from targets import ADAPTER_OVER_HOOK, derived
+    from targets import ADAPTER_OVER_HOOK, CHAINED_OVER_HOOK, derived
 
     readings = {
         "P1a.adapter/token-in.p50@1k.worst": Reading(1.12),
@@ -101,4 +102,7 @@ def test_the_adapter_is_judged_beside_the_hook_at_each_size() -> None:
     }
     gap = derived(readings)[ADAPTER_OVER_HOOK]
     assert round(gap.value, 6) == 0.12 and gap.where.startswith("32k")
+    assert CHAINED_OVER_HOOK not in derived(readings)  # no continued-call reading: not derived
     assert derived({"P1a.adapter/token-in.p50@1k.worst": Reading(1.1)}) == {}
+    chained = derived({**readings, "P1b.adapter/token-in.p50@1k.worst": Reading(1.16)})[CHAINED_OVER_HOOK]
+    assert round(chained.value, 6) == 0.07 and chained.where.startswith("1k")
