@@ -56,57 +56,74 @@ def answered_message(answer: dict[str, Any]) -> dict[str, Any]:
     return messages[0]
 
 
+BRIDGE = {"role": "user", "content": "Go on with the plan."}
+"""The user turn between the chain's first answer and the answer the timed call continues."""
+
+
+def plain_message(message: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in message.items() if key not in TOKEN_FIELDS}
+
+
 @dataclass
 class ChainedCall:
-    """One call of an episode timed the agent's way: `before` (the call before it, sent whole, untimed, its answer
-    kept) and the user message that follows that answer, varied per round."""
+    """One call of an episode timed the agent's way. Each round builds a chain, untimed: the call before it sent
+    whole, with its bundle (its answer, 1 token, kept; the earlier turns keep their ids, as they do in an agent's
+    chain), a continued call with one user turn (its answer, `answer_tokens` long, kept, with its chat messages: a
+    prompt the adapter spliced itself, as every chained call after the second is), then the timed call continues
+    that answer with the user message of `call`, varied per round: the kept chat messages and the new turn's splice,
+    as the agent's calls take them."""
 
     before: Call
     call: Call
     answer_tokens: int
 
-    def before_body(self) -> bytes:
-        return orjson.dumps(
-            {
-                "model": MODEL,
-                "input": responses_input(self.before.bundled),
-                "max_output_tokens": self.answer_tokens,
-                "store": True,
-                **responses_fields(self.before.fields),
-            }
-        )
+    def first_body(self) -> bytes:
+        return self._body({"input": responses_input(self.before.bundled), "max_output_tokens": 1})
+
+    def bridge_body(self, previous_id: str) -> bytes:
+        return self._continued(previous_id, BRIDGE, self.answer_tokens)
+
+    def continued_body(self, previous_id: str, user: dict[str, Any]) -> bytes:
+        return self._continued(previous_id, user, 1)
 
     def user(self, tokenizer: Any, round_: int) -> dict[str, Any]:
         return self.call.varied(tokenizer, round_).bundled[-1]
 
-    def continued_body(self, previous_id: str, user: dict[str, Any]) -> bytes:
-        return orjson.dumps(
+    def _continued(self, previous_id: str, user: dict[str, Any], tokens: int) -> bytes:
+        return self._body(
             {
-                "model": MODEL,
                 "previous_response_id": previous_id,
                 "input": [{"type": "message", "role": "user", "content": user["content"]}],
-                "max_output_tokens": 1,
-                **responses_fields(self.before.fields),
+                "max_output_tokens": tokens,
             }
         )
 
-    def token_in_ids(self, hooked: httpx.Client, answer: dict[str, Any], user: dict[str, Any]) -> list[int]:
-        """The prompt the hook splices for the continued call: its history's chat form with the answer's bundle."""
-        return tokenize(hooked, self.before.plain + [answered_message(answer), user], self.before.fields)
+    def _body(self, fields: dict[str, Any]) -> bytes:
+        return orjson.dumps({"model": MODEL, **fields, "store": True, **responses_fields(self.before.fields)})
 
-    def token_in_body(
-        self, capture: dict[str, Any], answer: dict[str, Any], user: dict[str, Any], ids: list[int]
-    ) -> bytes:
-        """The continued call as a direct token-in chat request: the plain messages, the capture fields the adapter
-        sends vLLM, and the spliced ids."""
-        plain = {k: v for k, v in answered_message(answer).items() if k not in TOKEN_FIELDS}
-        return orjson.dumps(
-            {
-                **capture,
-                "messages": self.before.plain + [plain, user],
-                "kv_transfer_params": {"prompt_token_ids": ids},
-            }
-        )
+    def messages(self, first: dict[str, Any], bridged: dict[str, Any], user: dict[str, Any]) -> list[dict[str, Any]]:
+        """The timed call's history as chat messages, the bundle of the answer it continues on that answer alone."""
+        return [
+            *self.before.plain,
+            plain_message(answered_message(first)),
+            BRIDGE,
+            answered_message(bridged),
+            user,
+        ]
+
+    def token_in_body(self, capture: dict[str, Any], messages: list[dict[str, Any]], ids: list[int]) -> bytes:
+        """The timed call as a direct token-in chat request: the plain messages, the capture fields the adapter sends
+        vLLM, and the spliced ids."""
+        plain = [plain_message(message) for message in messages]
+        return orjson.dumps({**capture, "messages": plain, "kv_transfer_params": {"prompt_token_ids": ids}})
+
+    def chain(self, http: httpx.Client, adapter: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The round's untimed chain: the first answer and the answer the timed call continues."""
+        _, first = post_json(http, f"{adapter}/v1/responses", self.first_body())
+        _, bridged = post_json(http, f"{adapter}/v1/responses", self.bridge_body(first["id"]))
+        if bridged.get("store") is not True:
+            raise BenchError("the adapter did not keep its answer (store is not true)")
+        return first, bridged
 
 
 def post_json(http: httpx.Client, url: str, content: bytes) -> tuple[float, dict[str, Any]]:
@@ -120,14 +137,15 @@ def post_json(http: httpx.Client, url: str, content: bytes) -> tuple[float, dict
 
 
 def capture_fields(chained: ChainedCall, adapter: str, proxy: Any, hooked: str, tokenizer: Any) -> dict[str, Any]:
-    """What the adapter sends vLLM besides the messages and ids for a continued call, recorded once (round -3, never
+    """What the adapter sends vLLM besides the messages and ids for a timed call, recorded once (round -3, never
     timed); BenchError unless its ids are the ones token-in is given (the hook's splice of the same history)."""
     with httpx.Client(timeout=600) as http, httpx.Client(base_url=hooked, timeout=600) as hooked_http:
-        _, answer = post_json(http, f"{adapter}/v1/responses", chained.before_body())
+        first, bridged = chained.chain(http, adapter)
         user = chained.user(tokenizer, -3)
-        post_json(http, f"{adapter}/v1/responses", chained.continued_body(answer["id"], user))
+        post_json(http, f"{adapter}/v1/responses", chained.continued_body(bridged["id"], user))
         sent = loads_exact(proxy.posts("/v1/chat/completions")[-1].body)
-        if sent["kv_transfer_params"]["prompt_token_ids"] != chained.token_in_ids(hooked_http, answer, user):
+        messages = chained.messages(first, bridged, user)
+        if sent["kv_transfer_params"]["prompt_token_ids"] != tokenize(hooked_http, messages, chained.before.fields):
             raise BenchError(f"the adapter's ids for continued call {chained.call.number} are not the hook's")
     return {key: value for key, value in sent.items() if key not in ("messages", "kv_transfer_params")}
 
@@ -144,24 +162,23 @@ def timed_chained(
     warmup: int = 2,
 ) -> dict[str, Any]:
     """`repeats` rounds (after `warmup`) of the continued call through the adapter and as direct token-in, the order
-    rotated each round. Each round first sends the call before it whole (untimed), and the adapter keeps its answer;
-    the continued call sends that answer's id and a user message never sent before; its own answer is deleted after
-    (untimed). Per variant p50 and p95, the paired ratio (median over rounds), the adapter's CPU ms per continued
-    call (its total over the timed calls over their number: /proc counts in ticks of 10 ms), and the history's ids."""
+    rotated each round. Each round first builds its chain (ChainedCall, untimed); the timed call sends the id of the
+    chain's last answer and a user message never sent before; its own answer is deleted after (untimed). Per variant
+    p50 and p95, the paired ratio (median over rounds), the adapter's CPU ms per continued call (its total over the
+    timed calls over their number: /proc counts in ticks of 10 ms), and the history's ids."""
     times: dict[str, list[float]] = {"adapter": [], "direct token-in": []}
     cpu = 0.0
     paired: list[float] = []
     ids_seen = 0
     with httpx.Client(timeout=600) as http, httpx.Client(base_url=hooked, timeout=600) as hooked_http:
         for round_ in range(-warmup, repeats):
-            _, answer = post_json(http, f"{adapter}/v1/responses", chained.before_body())
-            if answer.get("store") is not True:
-                raise BenchError("the adapter did not keep its answer (store is not true)")
+            first, bridged = chained.chain(http, adapter)
             user = chained.user(tokenizer, round_)
-            ids = chained.token_in_ids(hooked_http, answer, user)
+            messages = chained.messages(first, bridged, user)
+            ids = tokenize(hooked_http, messages, chained.before.fields)
             ids_seen = len(ids)
-            continued = chained.continued_body(answer["id"], user)
-            direct = chained.token_in_body(capture, answer, user, ids)
+            continued = chained.continued_body(bridged["id"], user)
+            direct = chained.token_in_body(capture, messages, ids)
             measured: dict[str, float] = {}
             order = ["adapter", "direct token-in"]
             for name in order[round_ % 2 :] + order[: round_ % 2]:
