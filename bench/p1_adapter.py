@@ -413,14 +413,16 @@ def chained_figure(rows: list[dict[str, Any]], args: argparse.Namespace, argv: S
     figure.data["chained"] = rows
     figure.data["readings"] = readings
     figure.notes.append(
-        "As the simple agent calls the adapter (chain_responses, its default): each round first sends the call "
-        f"before the timed one whole through the adapter (untimed; max_output_tokens {args.answer_tokens}, store: "
-        "true), then the timed call sends that answer's previous_response_id and one new user message never sent "
-        'before (" (round N)"), max_output_tokens 1; the adapter expands the kept history, converts only the new '
-        "item, splices locally and keeps its own answer (deleted after the round, untimed). Direct token-in: the "
-        "same history's chat messages with the capture fields the adapter sends vLLM and the ids the hooked server "
-        "splices for it (checked once per call to be the adapter's own ids), to the same stock vLLM. History ids: "
-        "the timed call's prompt, its last answer being the one generated in the round. The adapter's CPU is read "
+        "As the simple agent calls the adapter (chain_responses, its default). Each round builds a chain through the "
+        "adapter, untimed: the call before the timed one sent whole with its bundle (1 token, kept), then a continued "
+        f"call with one user turn (max_output_tokens {args.answer_tokens}, kept with its chat messages: a prompt the "
+        "adapter spliced itself, as every chained call after the second is). The timed call sends that answer's "
+        'previous_response_id and one user message never sent before (" (round N)"), max_output_tokens 1: the '
+        "adapter expands the kept history, takes its chat messages, converts only the new item, splices the new turn "
+        "locally and keeps its own answer (deleted after the round, untimed). Direct token-in: the same history's "
+        "chat messages with the capture fields the adapter sends vLLM and the ids the hooked server splices for it "
+        "(checked once per call to be the adapter's own ids), to the same stock vLLM. History ids: the timed call's "
+        "prompt, whose last two turns are the chain's. The adapter's CPU is read "
         "from /proc around each timed call (its total over the timed calls, per call)."
     )
     figure.notes.append(

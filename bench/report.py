@@ -1,6 +1,6 @@
 """Runs every bench/ figure (P1 to P10) on one bench server build and regenerates docs/performance.md and .png.
 
-    .venv/bin/python bench/report.py            # what `make bench` runs (about 35 minutes on 2 cores, estimated)
+    .venv/bin/python bench/report.py            # what `make bench` runs (about 50 minutes on 2 cores)
     .venv/bin/python bench/report.py --quick    # a short smoke run (fewer calls and repeats; writes the docs too)
 
 Starts the hooked bench vLLM once (the tiny model built with a 32,768-position limit, --max-model-len 32768) and
