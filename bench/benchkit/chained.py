@@ -18,9 +18,8 @@ from benchkit.server import JSON_HEADERS, MODEL, BenchError
 from benchkit.timing import median, percentile, ratio
 from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.contract.conversion import chat_message_to_items, items_to_chat_messages
+from nemo_gym_tok.contract.model_history import TOKEN_FIELDS
 from nemo_gym_tok.types.responses import ResponseItem
-
-TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 
 
 def responses_input(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
