@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -80,11 +80,16 @@ def aiohttp_session(
 
 
 async def post_read_whole(
-    session: aiohttp.ClientSession, url: str, content: bytes, headers: Mapping[str, str]
+    session: aiohttp.ClientSession,
+    url: str,
+    content: bytes,
+    headers: Mapping[str, str],
+    trace_context: Mapping[str, Any] | None = None,
 ) -> httpx.Response:
     """POST `content` over `session` and read the answer whole, as an httpx.Response: callers downstream do not know
-    which client read it. aiohttp's exceptions pass through."""
-    async with session.post(url, data=content, headers=headers) as answer:
+    which client read it. aiohttp's exceptions pass through. `trace_context`: what the session's trace signals of this
+    request get as `trace_request_ctx`."""
+    async with session.post(url, data=content, headers=headers, trace_request_ctx=trace_context) as answer:
         body = await answer.read()
         return httpx.Response(
             answer.status, content=body, headers=list(answer.raw_headers), request=httpx.Request("POST", url)

@@ -54,7 +54,9 @@ def find_prefix_source(
         if message_field(messages[index], "role") != "assistant":
             raise InvalidTokenIdsError(f"{where}: a token bundle belongs on an assistant message")
         raw_prompt = message_field(messages[index], "prompt_token_ids")
-        prompt_json = None if types_checked else plain_token_ids_json(raw_prompt)
+        # Written once whether or not the caller checked the types: the check at C speed and the render memo's
+        # digest (prompt_json) both read this text.
+        prompt_json = plain_token_ids_json(raw_prompt)
         prompt = _checked_ids(raw_prompt, f"{where}.prompt_token_ids", vocab_size, prompt_json is not None)
         generation = _checked_ids(
             message_field(messages[index], "generation_token_ids"),

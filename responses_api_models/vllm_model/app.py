@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
@@ -16,7 +14,6 @@ from fastapi.responses import StreamingResponse
 
 from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.common.remote_errors import error_message, error_param
-from nemo_gym_tok.contract.conversion import chat_message_to_items
 from nemo_gym_tok.contract.provenance import generation_defaults, model_fingerprint
 from nemo_gym_tok.router.fleet import PROBE_PATH, answered_fingerprint, probe_body
 from nemo_gym_tok.servers.api_errors import ApiError
@@ -25,7 +22,7 @@ from nemo_gym_tok.servers.bodies import json_object
 from nemo_gym_tok.servers.json_response import JSONBytesResponse
 from nemo_gym_tok.servers.openapi import json_body
 from nemo_gym_tok.splice import NEW_SEGMENT_KEY, PREFIX_KEY, TERMINATOR_ENV
-from nemo_gym_tok.types import ChatCompletionRequest, Response, ResponsesRequest
+from nemo_gym_tok.types import ChatCompletionRequest, ResponsesRequest
 from nemo_gym_tok.types.responses import PREVIOUS_KEY
 from nemo_gym_tok.types.tokens import NEW_SEGMENT_REASON_KEY, SEGMENT_HISTORY_WITHOUT_IDS
 from responses_api_models.vllm_model.behind_router import (
@@ -36,6 +33,7 @@ from responses_api_models.vllm_model.behind_router import (
     server_label,
 )
 from responses_api_models.vllm_model.calls import ChatCall, PreparedCall
+from responses_api_models.vllm_model.chat_answer import chat_result_to_response, context_overflow_result, response_body
 from responses_api_models.vllm_model.chat_events import chat_sse
 from responses_api_models.vllm_model.chat_form import chat_form, kept_chat_messages
 from responses_api_models.vllm_model.config import VLLMModelConfig
@@ -45,7 +43,7 @@ from responses_api_models.vllm_model.nemo_gym_token_store import NeMoGymTokenSto
 from responses_api_models.vllm_model.reasoning_parser import refuse_parsed_reasoning
 from responses_api_models.vllm_model.request_metadata import apply_metadata
 from responses_api_models.vllm_model.response_chain import ResponseChain
-from responses_api_models.vllm_model.response_fields import request_echo, response_usage
+from responses_api_models.vllm_model.response_fields import request_echo
 from responses_api_models.vllm_model.responses_events import responses_sse
 from responses_api_models.vllm_model.rollout_paths import RolloutPathMiddleware, rollout_of
 from responses_api_models.vllm_model.session_key import conversation_key
@@ -136,7 +134,7 @@ class VLLMModel(ModelServer):
             if chat.stream:  # `stream` is not a Responses-only field: the chat body carries it
                 return await self.stream(chat, self.base_url, as_responses=echo, settle=settle)
             result = await self.complete(chat, self.base_url)
-            response = settle(_chat_result_to_response(result, self.config.model, echo).model_dump(exclude_none=True))
+            response = settle(response_body(result, self.config.model, echo))
             await self._capture(request, response, chat)
             return JSONBytesResponse(response)
 
@@ -204,9 +202,10 @@ class VLLMModel(ModelServer):
         if chat.stream:
             raise ApiError(400, "stream: true goes through stream(), not complete()", param="stream")
         call = await self.prepare(chat, url)
-        response = await self.upstream.post(url, "/v1/chat/completions", call.body)
+        sent = None if call.measurement is None else call.measurement.start
+        response = await self.upstream.post(url, "/v1/chat/completions", call.body, on_sent=sent)
         if is_context_overflow(response):
-            return _context_overflow_result(self.config.model, error_message(response))
+            return context_overflow_result(self.config.model, error_message(response))
         if response.status_code >= 400:
             raise ApiError(
                 response.status_code,
@@ -232,16 +231,18 @@ class VLLMModel(ModelServer):
         stream = await open_chat_stream(
             call,
             url,
-            post=lambda body: self.upstream.open_stream(url, "/v1/chat/completions", body),
+            post=lambda body: self.upstream.open_stream(
+                url, "/v1/chat/completions", body, on_sent=None if call.measurement is None else call.measurement.start
+            ),
             prompt_ids=lambda: self._prompt_ids(call, url),
             server=server_label(url, await self.router_at(url)),
             finish=lambda result: self.finish(call, result, url),
-            overflow=lambda reason: _context_overflow_result(self.config.model, reason),
+            overflow=lambda reason: context_overflow_result(self.config.model, reason),
         )
         if as_responses is not None:
             return responses_sse(
                 stream,
-                to_response=lambda result: _chat_result_to_response(result, self.config.model, as_responses),
+                to_response=lambda result: chat_result_to_response(result, self.config.model, as_responses),
                 settle=settle,
             )
         return chat_sse(stream, call)
@@ -275,7 +276,7 @@ class VLLMModel(ModelServer):
         if needs_ids:
             body.update(capture_request_fields(body, use_return_token_ids=self.config.use_return_token_ids))
         telemetry: dict[str, Any] | None = None
-        confirm = telemetry_ready = None
+        confirm = measurement = None
         router = await self.router_at(url)
         if required_prefix is not None and await self.splices_here(url):
             if router is not None:
@@ -298,17 +299,17 @@ class VLLMModel(ModelServer):
                 epoch=lambda: self.upstream.epoch(url),
                 asked=chat.asked,  # read once, at validation
             )
-            body, telemetry, confirm, telemetry_ready = (
+            body, telemetry, confirm, measurement = (
                 spliced.body,
                 spliced.telemetry,
                 spliced.confirm,
-                spliced.telemetry_ready,
+                spliced.measurement,
             )
             if needs_ids:
                 body["return_token_ids"] = True  # the prompt ids are the spliced ones, never a /tokenize re-render
         elif router is not None:
             body = crossing_body(body, required_prefix)
-        return PreparedCall(body, caller_body, required_prefix, capture, needs_ids, telemetry, confirm, telemetry_ready)
+        return PreparedCall(body, caller_body, required_prefix, capture, needs_ids, telemetry, confirm, measurement)
 
     async def finish(self, call: PreparedCall, result: dict[str, Any], url: str) -> dict[str, Any]:
         """vLLM's chat completion `result` as the caller gets it: splice telemetry, bundles resolved and checked, and
@@ -334,8 +335,8 @@ class VLLMModel(ModelServer):
             refuse_parsed_reasoning(result, url)
         if call.confirm is not None:
             await call.confirm()
-        if call.telemetry_ready is not None:
-            await call.telemetry_ready()
+        if call.measurement is not None:
+            await call.measurement.ready()
         if call.telemetry is not None:
             result["prefix_splice"] = {**call.telemetry, "spliced_by": "adapter"}
         elif isinstance(result.get("prefix_splice"), dict):
@@ -447,38 +448,6 @@ class VLLMModel(ModelServer):
                 502, f"vLLM /tokenize fallback failed with HTTP {response.status_code}: {error_message(response)}"
             )
         return list(answer_json(response, f"vLLM /tokenize at {url}")["tokens"])
-
-
-def _context_overflow_result(model: str, reason: str) -> dict[str, Any]:
-    # A history that no longer fits ends the episode like max_tokens would; it is not the caller's error.
-    return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "finish_reason": "length",
-                "message": {"role": "assistant", "content": "", "context_overflow": reason},
-            }
-        ],
-        "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
-    }
-
-
-def _chat_result_to_response(result: dict[str, Any], model: str, echo: dict[str, Any]) -> Response:
-    choice = result["choices"][0]
-    incomplete = choice.get("finish_reason") == "length"
-    return Response(
-        id=f"resp_{result.get('id', uuid.uuid4().hex)}",
-        model=result.get("model", model),
-        status="incomplete" if incomplete else "completed",
-        incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
-        output=chat_message_to_items(choice["message"]),
-        usage=response_usage(result.get("usage") or {}),
-        **echo,
-    )
 
 
 SERVER = VLLMModel

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -13,6 +13,9 @@ from nemo_gym_tok.splice import SpliceError
 from nemo_gym_tok.splice_host import SpliceRequest, read_splice_request
 from nemo_gym_tok.types import ChatCompletionRequest
 from nemo_gym_tok.types.tokens import NEW_SEGMENT_KEY, PREFIX_KEY
+
+if TYPE_CHECKING:
+    from responses_api_models.vllm_model.local_splice import TurnMeasurement
 
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -95,8 +98,9 @@ class PreparedCall:
     """The adapter's own splice telemetry; None where it did not splice."""
     confirm: Callable[[], Awaitable[None]] | None = None
     """The adapter's splice: what must hold of the server once the answer is in (SplicedCall.confirm)."""
-    telemetry_ready: Callable[[], Awaitable[None]] | None = None
-    """The adapter's splice: await before reading `telemetry` (SplicedCall.telemetry_ready)."""
+    measurement: TurnMeasurement | None = None
+    """The adapter's splice: the turn's measurement, started once the body is sent and awaited before `telemetry` is
+    read (SplicedCall.measurement)."""
     weight_version_read: bool = False
     """The server's weight version was read before sending (weight_versions.py): read it again after the answer."""
     weight_version_before: str | None = None

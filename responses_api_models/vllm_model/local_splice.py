@@ -23,7 +23,14 @@ from typing import Any
 from nemo_gym_tok.common.exact_json import loads_exact
 from nemo_gym_tok.contract.token_sources import first_difference
 from nemo_gym_tok.servers.api_errors import ApiError
-from nemo_gym_tok.splice import NEW_SEGMENT_KEY, PREFIX_KEY, PrefixSource, SpliceError, count_image_parts
+from nemo_gym_tok.splice import (
+    NEW_SEGMENT_KEY,
+    PREFIX_KEY,
+    PrefixSource,
+    SpliceError,
+    check_in_vocabulary,
+    count_image_parts,
+)
 from nemo_gym_tok.splice_host import (
     LocalTemplate,
     ScopedRenderer,
@@ -65,9 +72,9 @@ class SplicedCall:
     """Run once the answer is in: where the call went over a connection opened after the proof it relied on (the
     server may have restarted in between), it renews the proof by its probe or proves the scope again on this
     request, and refuses the answer (502) when the server no longer renders it as the local copy does."""
-    telemetry_ready: Callable[[], Awaitable[None]] | None = None
-    """Await before reading `telemetry`: the measurement of the turn the call adds (does the template write it as the
-    model did?) runs on the event loop's next turn, while vLLM works on the request, not before it is sent."""
+    measurement: TurnMeasurement | None = None
+    """The measurement of the turn the call adds (does the template write it as the model did?): start it once the
+    request is sent, await `ready()` before reading `telemetry`."""
 
 
 @dataclass
@@ -135,12 +142,16 @@ class AdapterSplicer:
         """
         messages = body.get("messages") or []
         template = await self._template(get)
+        # A prefix read at validation is checked against the vocabulary here, but for a next turn's splice only
+        # past the prompt its digest proves this adapter spliced (splice_new_turn): `unchecked` says which.
+        unchecked = None if asked is None else template.vocab_size
         try:
-            asked = (
-                read_splice_request(messages, body.get(PREFIX_KEY), body.get(NEW_SEGMENT_KEY), template.vocab_size)
-                if asked is None
-                else within_vocabulary(asked, template.vocab_size)
-            )
+            if asked is None:
+                asked = read_splice_request(
+                    messages, body.get(PREFIX_KEY), body.get(NEW_SEGMENT_KEY), template.vocab_size
+                )
+            elif asked.new_segment:
+                asked = within_vocabulary(asked, unchecked)
         except SpliceError as exc:
             raise ApiError(400, str(exc), param=PREFIX_KEY) from None
         sent = strip_token_fields(body)
@@ -169,10 +180,15 @@ class AdapterSplicer:
             # Proven scope: no /tokenize. A local failure the proof cannot explain (the template raising on these
             # messages) asks the server after all, which tells a bad request (its 4xx) from a different template.
             if len(source.prefix) <= INLINE_SPLICE_MAX_IDS:
-                spliced = _splice(template, request, source, body, None)
+                spliced = _splice(template, request, source, body, None, unchecked)
             else:
-                spliced = await asyncio.to_thread(_splice, template, request, source, body, None)
+                spliced = await asyncio.to_thread(_splice, template, request, source, body, None, unchecked)
         if spliced is None:
+            if unchecked is not None:  # before the proof's /tokenize: a bad id is the caller's 400, not a server call
+                try:
+                    within_vocabulary(asked, unchecked)
+                except SpliceError as exc:
+                    raise ApiError(400, str(exc), param=PREFIX_KEY) from None
             proof, renewed = None, False
             template_ids = await proving.prove()
             spliced = await asyncio.to_thread(_splice, template, request, source, body, template_ids)
@@ -180,7 +196,7 @@ class AdapterSplicer:
             proving.record()
         prompt_ids, telemetry = spliced.prompt_ids, spliced.telemetry
         telemetry["proof"] = self.proofs.telemetry(proof, renewed=renewed)
-        telemetry_ready = None if spliced.measure is None else _measure_soon(spliced.measure, telemetry)
+        measurement = None if spliced.measure is None else TurnMeasurement(spliced.measure, telemetry)
         sent["kv_transfer_params"] = {
             **(kv_params if isinstance(kv_params, dict) else {}),
             "prompt_token_ids": prompt_ids,
@@ -199,7 +215,7 @@ class AdapterSplicer:
             _check_same_ids(request.renderer, template_ids, local_ids)
             proving.record()
 
-        return SplicedCall(sent, telemetry, confirm, telemetry_ready)
+        return SplicedCall(sent, telemetry, confirm, measurement)
 
     async def model_source(self, get: Callable[[str], Awaitable[Any]]) -> str:
         """Where the served tokenizer and model files are: `tokenizer`, else the path the server reports (asked once:
@@ -270,7 +286,7 @@ class _Spliced:
     telemetry: dict[str, Any]
     measure: Callable[[], dict[str, Any]] | None = None
     """The splice's full telemetry, measuring the turn the call adds against the template (it tokenizes that turn's
-    text): nothing the prompt depends on, so it is left for while vLLM works (`_measure_soon`)."""
+    text): nothing the prompt depends on, so it is left for while vLLM works (TurnMeasurement)."""
 
 
 def _splice(
@@ -279,12 +295,14 @@ def _splice(
     source: PrefixSource,
     body: Mapping[str, Any],
     template_ids: list[int] | None,
+    vocab_size: int | None = None,
 ) -> _Spliced | None:
     """The spliced prompt ids, proven, and the splice telemetry; the CPU-bound part (a long one runs off the event
     loop).
 
     `template_ids` are the server's ids for the whole prompt, which the local copy must reproduce (the proof), or
     None for a proven scope; then None says the local template failed where the server's answer is needed.
+    `vocab_size`: the prefix's ids are still to be checked against it (a 400 names the first out of it).
     """
     renderer = request.renderer
     host = template.host
@@ -298,12 +316,15 @@ def _splice(
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 truncate_prompt_tokens=body.get("truncate_prompt_tokens"),
+                vocab_size=vocab_size,
             )
         except SpliceError as exc:
             raise ApiError(400, str(exc), param=PREFIX_KEY) from None
         if ready is not None:
             return _Spliced(ready.prompt_token_ids, {"applied": True}, lambda: ready.result().telemetry())
     try:
+        if vocab_size is not None:
+            check_in_vocabulary(source, vocab_size)
         text = request.render()
         if source.message_index < 0:
             local_ids = renderer.encode(text) if template_ids is None else template_ids
@@ -333,36 +354,46 @@ def _splice(
     return _Spliced(prompt.prompt_token_ids, {"applied": True}, lambda: prompt.result().telemetry())
 
 
-def _measure_soon(measure: Callable[[], dict[str, Any]], telemetry: dict[str, Any]) -> Callable[[], Awaitable[None]]:
-    """Run `measure` on the event loop's next turn (once the request is on its way to vLLM, the loop waits for the
-    answer) and merge its telemetry into `telemetry`; returns what to await before reading `telemetry`, which runs it
-    at once if it has not run yet and raises what it raised (a SpliceError as the 400 the splice would answer)."""
-    outcome: list[BaseException | None] = []
+class TurnMeasurement:
+    """The measurement of the turn a call adds, merged into the call's telemetry: nothing the prompt depends on, so it
+    runs while vLLM works. `start` schedules it for the event loop's next turn; the caller calls it once the request's
+    body is written (VLLMUpstream.post's `on_sent`): run any earlier and it holds the request back, as it did when it
+    was scheduled before the send (the body's write is a task of its own, queued behind it). `ready` runs it at once
+    if it has not run (the body was never written: an error), and raises what it raised (a SpliceError as the 400 the
+    splice would answer)."""
 
-    def run() -> None:
-        if outcome:
+    def __init__(self, measure: Callable[[], dict[str, Any]], telemetry: dict[str, Any]) -> None:
+        self._measure = measure
+        self._telemetry = telemetry
+        self._outcome: list[BaseException | None] = []
+        self._scheduled = False
+
+    def start(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._run)
+
+    async def ready(self) -> None:
+        self._run()
+        if self._outcome[0] is not None:
+            raise self._outcome[0]
+
+    def _run(self) -> None:
+        if self._outcome:
             return
         try:
-            measured = measure()
+            measured = self._measure()
         except SpliceError as exc:
-            outcome.append(ApiError(400, str(exc), param=PREFIX_KEY))
+            self._outcome.append(ApiError(400, str(exc), param=PREFIX_KEY))
             return
         except Exception as exc:  # noqa: BLE001 - raised where the answer waits for it, not lost in a callback
-            outcome.append(exc)
+            self._outcome.append(exc)
             return
+        telemetry = self._telemetry
         merged = {**measured, **{key: value for key, value in telemetry.items() if key not in measured}}
         telemetry.clear()
         telemetry.update(merged)
-        outcome.append(None)
-
-    asyncio.get_running_loop().call_soon(run)
-
-    async def ready() -> None:
-        run()
-        if outcome[0] is not None:
-            raise outcome[0]
-
-    return ready
+        self._outcome.append(None)
 
 
 def _check_same_ids(renderer: ScopedRenderer, template_ids: list[int], local_ids: list[int]) -> None:

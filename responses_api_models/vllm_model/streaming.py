@@ -130,8 +130,8 @@ async def open_chat_stream(
             raise ApiError(502, f"vLLM at {url} ended the stream before its first chunk")
         if "error" in first:
             raise _stream_error(first, url)
-        if call.telemetry_ready is not None:
-            await call.telemetry_ready()
+        if call.measurement is not None:
+            await call.measurement.ready()
         telemetry = call.telemetry if call.telemetry is not None else first.get("prefix_splice")
         if call.required_prefix is not None:
             # vLLM sends the prompt ids in the first chunk (return_token_ids); the hook's telemetry is there too.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import re
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -121,10 +122,14 @@ class VLLMUpstream:
         server = _server_of(url)
         self._epochs[server] = self._epochs.get(server, 0) + 1
 
-    async def post(self, base_url: str, path: str, body: dict[str, Any]) -> httpx.Response:
+    async def post(
+        self, base_url: str, path: str, body: dict[str, Any], *, on_sent: Callable[[], None] | None = None
+    ) -> httpx.Response:
         """The response for a 2xx or 4xx answer (429 after its retries). Transport errors and 502/503/504 are retried,
-        then raised as UpstreamUnavailable; any other 5xx is raised at once (see `_status_error`)."""
-        return await self._send("POST", base_url, path, body)
+        then raised as UpstreamUnavailable; any other 5xx is raised at once (see `_status_error`). `on_sent` is called
+        as the body is written (before its write returns; on each attempt), for work that should wait until vLLM has
+        the request and then overlap with it."""
+        return await self._send("POST", base_url, path, body, on_sent=on_sent)
 
     async def get(self, base_url: str, path: str) -> httpx.Response:
         """GET with the same retries and errors as `post`."""
@@ -163,13 +168,23 @@ class VLLMUpstream:
             self._gets = aiohttp_session(self._limits, timeout, self._headers)
         return self._gets
 
-    async def open_stream(self, base_url: str, path: str, body: dict[str, Any]) -> httpx.Response:
+    async def open_stream(
+        self, base_url: str, path: str, body: dict[str, Any], *, on_sent: Callable[[], None] | None = None
+    ) -> httpx.Response:
         """POST for a streamed answer, with the same retries and errors as `post`: the response once its status and
-        headers are in, its body still to read (`aiter_lines`); the caller must `aclose()` it."""
-        return await self._send("POST", base_url, path, body, stream=True)
+        headers are in, its body still to read (`aiter_lines`); the caller must `aclose()` it. `on_sent`: as in
+        `post`, called once the body is written."""
+        return await self._send("POST", base_url, path, body, stream=True, on_sent=on_sent)
 
     async def _send(
-        self, method: str, base_url: str, path: str, body: dict[str, Any] | None, *, stream: bool = False
+        self,
+        method: str,
+        base_url: str,
+        path: str,
+        body: dict[str, Any] | None,
+        *,
+        stream: bool = False,
+        on_sent: Callable[[], None] | None = None,
     ) -> httpx.Response:
         """One call, sent again only as retry_policy.py allows: a failure that never reached an engine up to
         max_attempts, one that may have generated the turn once (MAX_GENERATIONS), a timeout or vLLM's own error
@@ -197,7 +212,7 @@ class VLLMUpstream:
         try:
             async for attempt in retrying:
                 with attempt:
-                    response = await self._attempt(method, url, content, headers, stream)
+                    response = await self._attempt(method, url, content, headers, stream, on_sent)
                     failure = classify_status(response.status_code, response.content if not stream else b"{")
                     if failure is None:
                         return response
@@ -215,16 +230,26 @@ class VLLMUpstream:
         raise AssertionError("unreachable")
 
     async def _attempt(
-        self, method: str, url: str, content: bytes | None, headers: dict[str, str], stream: bool
+        self,
+        method: str,
+        url: str,
+        content: bytes | None,
+        headers: dict[str, str],
+        stream: bool,
+        on_sent: Callable[[], None] | None = None,
     ) -> httpx.Response:
         try:
             if stream:
                 request = self._http.build_request(
-                    method, url, content=content, headers=headers, extensions={"trace": self._stream_trace(url)}
+                    method,
+                    url,
+                    content=content,
+                    headers=headers,
+                    extensions={"trace": self._stream_trace(url, on_sent)},
                 )
                 response = await self._http.send(request, stream=True)
             elif method == "POST":
-                response = await self._post(url, content or b"", headers)
+                response = await self._post(url, content or b"", headers, on_sent)
             else:
                 response = await self._http.request(method, url, content=content, headers=headers)
         except TRANSPORT_ERRORS:
@@ -274,25 +299,32 @@ class VLLMUpstream:
             base_url,
         )
 
-    async def _post(self, url: str, content: bytes, headers: dict[str, str]) -> httpx.Response:
+    async def _post(
+        self, url: str, content: bytes, headers: dict[str, str], on_sent: Callable[[], None] | None
+    ) -> httpx.Response:
         """POST a JSON body over aiohttp and read the answer whole (see the module docstring)."""
         if self._posts is None:  # made on first use: an aiohttp session belongs to the running loop
             timeout = aiohttp.ClientTimeout(total=self._timeout.read, connect=self._timeout.connect)
             tracing = aiohttp.TraceConfig()
             tracing.on_request_start.append(_remember_url)
             tracing.on_connection_create_end.append(self._on_connection_created)
+            tracing.on_request_chunk_sent.append(_body_written)
             self._posts = aiohttp_session(self._limits, timeout, self._headers, trace_configs=[tracing])
-        return await post_read_whole(self._posts, url, content, headers)
+        context = None if on_sent is None else {ON_SENT_KEY: on_sent}
+        return await post_read_whole(self._posts, url, content, headers, trace_context=context)
 
     async def _on_connection_created(self, _session: Any, context: Any, _params: Any) -> None:
         self._new_epoch(context.url)
 
-    def _stream_trace(self, url: str) -> Any:
-        """httpcore's trace callback for a streamed request to `url`: a new connection is a new epoch."""
+    def _stream_trace(self, url: str, on_sent: Callable[[], None] | None) -> Any:
+        """httpcore's trace callback for a streamed request to `url`: a new connection is a new epoch; `on_sent` is
+        called once the body is written."""
 
         async def trace(event: str, _info: dict[str, Any]) -> None:
             if event == "connection.connect_tcp.complete":
                 self._new_epoch(url)
+            elif event == "http11.send_request_body.complete" and on_sent is not None:
+                on_sent()
 
         return trace
 
@@ -327,6 +359,18 @@ def _server_of(url: str) -> str:
 
 async def _remember_url(_session: Any, context: Any, params: Any) -> None:
     context.url = str(params.url)  # the connection-created signal of the same request reads it
+
+
+ON_SENT_KEY = "on_sent"
+"""The key of a POST's trace context holding its `on_sent` callback."""
+
+
+async def _body_written(_session: Any, context: Any, _params: Any) -> None:
+    # aiohttp signals each chunk just before writing it, with nothing awaited in between: a callback that only
+    # schedules work (TurnMeasurement.start) sees it run after the write.
+    callback = (context.trace_request_ctx or {}).get(ON_SENT_KEY)
+    if callback is not None:
+        callback()
 
 
 RETRIED_ERRORS = (*TRANSPORT_ERRORS, UpstreamStatusError)

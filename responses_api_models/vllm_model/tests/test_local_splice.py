@@ -10,10 +10,13 @@ import httpx
 import pytest
 
 from nemo_gym_tok.servers.api_errors import ApiError
+from nemo_gym_tok.splice import InvalidTokenIdsError
+from nemo_gym_tok.splice_host import read_splice_request
 from responses_api_models.vllm_model.local_splice import (
     HARMONY_REFUSAL,
     IMAGES_REFUSAL,
     AdapterSplicer,
+    TurnMeasurement,
     strip_token_fields,
     vllm_tool_dicts,
 )
@@ -115,3 +118,52 @@ def test_an_unloadable_tokenizer_is_a_clear_502(tmp_path: Path) -> None:
         prepare(AdapterSplicer(tokenizer=None), {"messages": HISTORY}, str(tmp_path / "missing"))
     assert failed.value.status == 502 and failed.value.error_type == "adapter_tokenizer_unavailable"
     assert "vllm_model.tokenizer" in failed.value.message
+
+
+def test_a_prefix_read_at_validation_is_checked_against_the_vocabulary_before_the_proof(tiny_model_dir: Path) -> None:
+    """The adapter reads a call's prefix before it knows the vocabulary (ChatCall) and checks it in prepare, only past
+    the prompt its digest proves on a next turn: a scope not proven yet checks every id before asking the server."""
+    broken = [HISTORY[0], {**HISTORY[1], "generation_token_ids": [10**8]}, HISTORY[2]]
+    asked = read_splice_request(broken, None, None, None, types_checked=True)
+    post, get = fake_server("unused")
+    splicer = AdapterSplicer(tokenizer=str(tiny_model_dir))
+    body = {"messages": broken}
+    with pytest.raises(ApiError) as refused:
+        asyncio.run(splicer.prepare(body, post=post, get=get, tokenize_body=strip_token_fields(body), asked=asked))
+    assert refused.value.status == 400
+    assert "messages[1].generation_token_ids[0] = 100000000 is out of vocabulary" in refused.value.message
+
+
+def test_the_turn_measurement_waits_for_its_start_and_runs_once() -> None:
+    runs: list[str] = []
+
+    def measure() -> dict[str, Any]:
+        runs.append("measured")
+        return {"template_differed": True, "replaced_tokens": 2}
+
+    async def call() -> dict[str, Any]:
+        telemetry = {"applied": True}
+        measurement = TurnMeasurement(measure, telemetry)
+        await asyncio.sleep(0)
+        assert runs == []  # nothing runs before the request is sent
+        measurement.start()
+        measurement.start()
+        runs.append("sent")
+        await asyncio.sleep(0)
+        await measurement.ready()
+        return telemetry
+
+    assert asyncio.run(call()) == {"template_differed": True, "replaced_tokens": 2, "applied": True}
+    assert runs == ["sent", "measured"]
+
+
+def test_a_turn_measurement_never_started_runs_when_its_telemetry_is_read() -> None:
+    def measure() -> dict[str, Any]:
+        raise InvalidTokenIdsError("the turn is not the model's")
+
+    async def call() -> None:
+        await TurnMeasurement(measure, {}).ready()
+
+    with pytest.raises(ApiError) as refused:
+        asyncio.run(call())
+    assert refused.value.status == 400 and refused.value.message == "the turn is not the model's"
