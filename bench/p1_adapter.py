@@ -39,6 +39,7 @@ from benchkit.episode import (
     nearest_calls,
     parse_history,
     tokenize,
+    word_ids,
 )
 from benchkit.figures import Figure, Table, command, fmt, run_standalone
 from benchkit.gym_processes import cpu_seconds
@@ -322,8 +323,14 @@ def run(url: str, args: argparse.Namespace, argv: Sequence[str], stock_url: str 
                     with httpx.Client(base_url=stock, timeout=600) as http:
                         stock_ids[(history, call.number)] = len(tokenize(http, varied.plain, varied.fields))
             upstream_per_call = len(proxy.exchanges) / (2 * len(recorded))
+            words = word_ids(tokenizer)
             chained = {
-                (history, call.number): ChainedCall(previous[(history, call.number)], call, args.answer_tokens)
+                (history, call.number): ChainedCall(
+                    previous[(history, call.number)],
+                    call,
+                    args.answer_tokens,
+                    None if parse_history(history)[0] == "random" else words,
+                )
                 for history in args.histories
                 for call in calls_of(history)
             }

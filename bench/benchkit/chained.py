@@ -75,12 +75,17 @@ class ChainedCall:
     before: Call
     call: Call
     answer_tokens: int
+    answer_ids: list[int] | None = None
+    """The ids the bridge answer may be sampled from (vLLM's allowed_token_ids), None for any: the bench model is
+    random, so its free text is byte soup, whose tokenization (the turn's measurement, in the adapter as in the hook)
+    costs up to ten times a real model's text of the same length and varies with the server's random state."""
 
     def first_body(self) -> bytes:
         return self._body({"input": responses_input(self.before.bundled), "max_output_tokens": 1})
 
     def bridge_body(self, previous_id: str) -> bytes:
-        return self._continued(previous_id, BRIDGE, self.answer_tokens)
+        sampling = {} if self.answer_ids is None else {"allowed_token_ids": self.answer_ids}
+        return self._continued(previous_id, BRIDGE, self.answer_tokens, sampling)
 
     def continued_body(self, previous_id: str, user: dict[str, Any]) -> bytes:
         return self._continued(previous_id, user, 1)
@@ -88,12 +93,15 @@ class ChainedCall:
     def user(self, tokenizer: Any, round_: int) -> dict[str, Any]:
         return self.call.varied(tokenizer, round_).bundled[-1]
 
-    def _continued(self, previous_id: str, user: dict[str, Any], tokens: int) -> bytes:
+    def _continued(
+        self, previous_id: str, user: dict[str, Any], tokens: int, sampling: dict[str, Any] | None = None
+    ) -> bytes:
         return self._body(
             {
                 "previous_response_id": previous_id,
                 "input": [{"type": "message", "role": "user", "content": user["content"]}],
                 "max_output_tokens": tokens,
+                **(sampling or {}),
             }
         )
 
