@@ -423,7 +423,11 @@ def chained_figure(rows: list[dict[str, Any]], args: argparse.Namespace, argv: S
         "As the simple agent calls the adapter (chain_responses, its default). Each round builds a chain through the "
         "adapter, untimed: the call before the timed one sent whole with its bundle (1 token, kept), then a continued "
         f"call with one user turn (max_output_tokens {args.answer_tokens}, kept with its chat messages: a prompt the "
-        "adapter spliced itself, as every chained call after the second is). The timed call sends that answer's "
+        "adapter spliced itself, as every chained call after the second is). That answer is sampled from plain-word "
+        "ids (allowed_token_ids, bench/benchkit/episode.py word_ids) as the histories' own turns mostly are, but on "
+        "the random history: the bench model is random, and its free text is byte soup whose tokenization (the turn's "
+        "measurement, the adapter's as the hook's) cost up to ten times a real model's text and varied with the "
+        "server's random state. The timed call sends that answer's "
         'previous_response_id and one user message never sent before (" (round N)"), max_output_tokens 1: the '
         "adapter expands the kept history, takes its chat messages, converts only the new item, splices the new turn "
         "locally and keeps its own answer (deleted after the round, untimed). Direct token-in: the same history's "
