@@ -13,7 +13,8 @@ from responses_api_models.vllm_model.response_fields import response_usage
 
 
 def context_overflow_result(model: str, reason: str) -> dict[str, Any]:
-    # A history that no longer fits ends the episode like max_tokens would; it is not the caller's error.
+    """The chat answer for a history vLLM refused as too long: `finish_reason` length, `context_overflow` saying why.
+    It ends the episode as max_tokens would; it is not the caller's error."""
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",
@@ -47,6 +48,8 @@ def response_body(result: dict[str, Any], model: str, echo: dict[str, Any]) -> d
 
 
 def chat_result_to_response(result: dict[str, Any], model: str, echo: dict[str, Any]) -> Response:
+    """vLLM's chat answer `result` as a Response: its first choice's message as output items, with `echo` (the request
+    echo of response_fields.request_echo)."""
     choice = result["choices"][0]
     incomplete = choice.get("finish_reason") == "length"
     return Response(
